@@ -1,0 +1,43 @@
+# The two commands a new machine needs: `make run` and `make test`.
+# Both create .venv and install what is needed on first use.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# vLLM for the CPU needs torch==2.13.0+cpu: found locally on these machines; elsewhere set
+# TORCH_INDEX to PyTorch's CPU wheel index (see README).
+TORCH_INDEX ?=
+PIP_EXTRA   := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+
+.PHONY: run test lint typecheck unit bench model clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip wheel
+	$(PY) -m pip install $(PIP_EXTRA) -e '.[engine,dev]'
+	# PyPI's torchvision breaks transformers imports beside the CPU torch; text models do not need it.
+	$(PY) -m pip uninstall -y torchvision
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(VENV)/bin/gateway model prepare smollm2
+
+run: $(STAMP) model
+	$(VENV)/bin/gateway serve
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gateway plugins tests bench
+	$(VENV)/bin/ruff format --check gateway plugins tests bench
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: $(STAMP) model lint typecheck
+	$(PY) -m pytest -q -rs
+
+unit: $(STAMP)
+	$(PY) -m pytest -q -m "not engine and not slow"
+
+clean:
+	rm -rf $(VENV) models .mypy_cache .ruff_cache .pytest_cache

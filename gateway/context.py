@@ -1,0 +1,110 @@
+"""The per-request state plugins see (RequestContext) and the response value they pass around."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
+
+if TYPE_CHECKING:
+    from gateway.config import ModelConfig
+    from gateway.errors import GatewayError
+    from gateway.runtime import RuntimeSnapshot
+    from gateway.workers import Worker
+
+
+class ModelResponse:
+    """A complete (non-streamed, or assembled) OpenAI response.
+
+    Holds the body as bytes, the parsed object, or both, and converts lazily: a response that no
+    plugin looks at is passed to the client as the bytes the worker sent.
+    """
+
+    __slots__ = ("_body", "_json", "headers", "status")
+
+    def __init__(
+        self,
+        *,
+        body: bytes | None = None,
+        json: dict[str, Any] | None = None,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        if body is None and json is None:
+            raise ValueError("a ModelResponse needs a body or a json object")
+        self._body = body
+        self._json = json
+        self.status = status
+        self.headers = headers or {}
+
+    @property
+    def json(self) -> dict[str, Any]:
+        if self._json is None:
+            assert self._body is not None
+            parsed = orjson.loads(self._body)
+            self._json = parsed if isinstance(parsed, dict) else {"value": parsed}
+        return self._json
+
+    @property
+    def body(self) -> bytes:
+        if self._body is None:
+            self._body = orjson.dumps(self._json)
+        return self._body
+
+    def replace_json(self, obj: dict[str, Any]) -> None:
+        """Swap the object (the bytes are re-rendered from it when needed)."""
+        self._json = obj
+        self._body = None
+
+
+class RoutePlan(Protocol):
+    """How a routing plugin hands its choice to the core, including what to do after a failure.
+
+    The core calls ``next_worker(None, None)`` for the first attempt; after a failure that is safe to
+    retry (no byte has reached the client) it calls ``next_worker(failed, error)`` and tries the worker
+    it returns, or gives up with ``error`` when it returns None. ``finished`` is called exactly once
+    per attempt with the outcome, so load counters and outlier detection stay exact.
+    """
+
+    def next_worker(self, failed: Worker | None, error: GatewayError | None) -> Worker | None: ...
+
+    def finished(self, worker: Worker, *, ok: bool, error: GatewayError | None = None) -> None: ...
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Everything known about one request, from parse to last byte.
+
+    ``body`` is the parsed JSON the client sent; a plugin that changes it calls ``mark_body_changed``
+    so the core re-serializes it once before the upstream call (unchanged bodies go upstream as the
+    bytes the client sent). ``state`` is per-plugin scratch space, keyed by plugin name.
+    """
+
+    request_id: str
+    endpoint: str  # "chat/completions" | "completions" | "embeddings"
+    path: str  # upstream path, e.g. "/v1/chat/completions"
+    body: dict[str, Any]
+    raw_body: bytes
+    headers: dict[str, str]  # lower-cased names
+    model: ModelConfig
+    requested_model: str
+    snapshot: RuntimeSnapshot
+    stream: bool
+    started: float
+    tenant: str | None = None
+    api_key_id: str | None = None
+    plan: RoutePlan | None = None
+    worker: Worker | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+    log: dict[str, Any] = field(default_factory=dict)  # extra fields for the access log line
+    body_changed: bool = False
+
+    def mark_body_changed(self) -> None:
+        self.body_changed = True
+
+    def upstream_body(self) -> bytes:
+        if self.body_changed:
+            return orjson.dumps(self.body)
+        return self.raw_body

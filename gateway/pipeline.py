@@ -1,0 +1,194 @@
+"""The plugin contract and the loop that runs it.
+
+The contract
+============
+
+A plugin is a subclass of ``Plugin`` registered under the entry-point group ``gateway.plugins``
+(built-ins too). ``config.yaml`` alone enables plugins and sets their order. Each plugin class has:
+
+- ``Config``: a pydantic model for its ``config:`` section, validated before a config goes live.
+- ``__init__(config, services)``: build from the validated config and the process-wide services
+  (upstream client, Redis, worker table, metrics). No I/O here.
+- ``async start()``: open what the plugin needs (connections, files, compiled rules). A failure refuses
+  the config that asked for it; the running config stays live.
+- ``async on_request(ctx)``: runs in list order before the upstream call. Return None to go on, return
+  a ``ModelResponse`` to answer early (later hooks and the upstream are skipped), or raise a
+  ``GatewayError`` to refuse (a refusal is a decision, rendered as an OpenAI error; no upstream call).
+- ``async on_response(ctx, response)``: runs in reverse order, only for plugins whose ``on_request``
+  ran and did not itself answer early. Return None to keep the response or a replacement
+  ``ModelResponse``; raise a ``GatewayError`` to turn it into an error. For a stream it runs once,
+  after the last chunk, with the assembled response: it may raise (the stream then ends with one error
+  event instead of ``[DONE]``) but not replace what was already sent.
+- ``async on_chunk(ctx, chunk)``: streams only, reverse order; return the chunk, a changed chunk, or
+  None to hold it back. When no enabled plugin overrides ``on_chunk`` or ``on_response``, the worker's
+  SSE bytes pass through untouched, with no per-chunk parsing.
+- ``async aclose()``: the runtime owning the instance was retired (reload, shutdown) and its in-flight
+  requests drained.
+- ``default_on_error``: ``fail_closed`` (a hook failure answers 503) or ``fail_open`` (the failure is
+  logged and counted, and the request goes on as if the hook returned None); config may override it
+  per plugin with ``on_error``. ``default_timeout_ms``: the time budget of each hook call (config:
+  ``timeout_ms``); running over it counts as a failure under the same policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from gateway.context import ModelResponse, RequestContext
+from gateway.errors import GatewayError, ServiceUnavailable
+
+if TYPE_CHECKING:
+    from gateway.services import Services
+
+OnError = Literal["fail_closed", "fail_open"]
+log = logging.getLogger("gateway.pipeline")
+
+
+class EmptyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Plugin:
+    """Base class of every plugin; see the module docstring for the contract."""
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type[BaseModel]] = EmptyConfig
+    default_on_error: ClassVar[OnError] = "fail_closed"
+    default_timeout_ms: ClassVar[float | None] = None
+
+    def __init__(self, config: Any, services: Services) -> None:
+        self.config = config
+        self.services = services
+
+    async def start(self) -> None:
+        return None
+
+    async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
+        return None
+
+    async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
+        return None
+
+    async def on_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        return chunk
+
+    async def aclose(self) -> None:
+        return None
+
+    @classmethod
+    def overrides(cls, hook: str) -> bool:
+        return getattr(cls, hook) is not getattr(Plugin, hook)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundPlugin:
+    """A plugin instance with the policy its config entry gave it."""
+
+    name: str
+    plugin: Plugin
+    on_error: OnError
+    timeout_s: float | None
+
+
+HookObserver = Callable[[str, str, str, float], None]  # plugin, hook, outcome, seconds
+
+
+class Pipeline:
+    """Runs the hooks of an ordered list of plugins for one request at a time (stateless itself)."""
+
+    def __init__(self, plugins: list[BoundPlugin], observe: HookObserver | None = None) -> None:
+        self.plugins = plugins
+        self._observe = observe
+        self._request_hooks = [p for p in plugins if type(p.plugin).overrides("on_request")]
+        self.chunk_plugins = [p for p in plugins if type(p.plugin).overrides("on_chunk")]
+        self.response_plugins = [p for p in plugins if type(p.plugin).overrides("on_response")]
+        #: True when a stream must be parsed chunk by chunk; False means pure byte pass-through.
+        self.inspects_streams = bool(self.chunk_plugins or self.response_plugins)
+
+    async def run_request(self, ctx: RequestContext) -> ModelResponse | None:
+        """``on_request`` in order. Returns an early answer or None. Records who ran in ``ctx``."""
+        ran: list[BoundPlugin] = []
+        ctx.state["_ran"] = ran
+        for bound in self.plugins:
+            if bound in self._request_hooks:
+                early = await self._call(bound, "on_request", bound.plugin.on_request, ctx)
+                if early is not None:
+                    return early
+            ran.append(bound)
+        return None
+
+    async def run_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse:
+        """``on_response`` in reverse order over the plugins whose ``on_request`` ran."""
+        ran: list[BoundPlugin] = ctx.state.get("_ran", [])
+        for bound in reversed(ran):
+            if bound in self.response_plugins:
+                replaced = await self._call(bound, "on_response", bound.plugin.on_response, ctx, response)
+                if replaced is not None:
+                    response = replaced
+        return response
+
+    async def run_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        ran: list[BoundPlugin] = ctx.state.get("_ran", [])
+        current: dict[str, Any] | None = chunk
+        for bound in reversed(ran):
+            if bound not in self.chunk_plugins:
+                continue
+            before = current
+            assert before is not None
+            current = await self._call(bound, "on_chunk", bound.plugin.on_chunk, ctx, before, fallback=before)
+            if current is None:
+                return None
+        return current
+
+    async def _call(
+        self,
+        bound: BoundPlugin,
+        hook: str,
+        fn: Callable[..., Awaitable[Any]],
+        *args: Any,
+        fallback: Any = None,
+    ) -> Any:
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            if bound.timeout_s is None:
+                return await fn(*args)
+            async with asyncio.timeout(bound.timeout_s):
+                return await fn(*args)
+        except GatewayError:
+            outcome = "refused"
+            raise
+        except TimeoutError:
+            outcome = "timeout"
+            return self._failed(bound, hook, f"ran over its {(bound.timeout_s or 0) * 1000:.0f} ms budget", fallback)
+        except Exception as exc:  # a plugin bug must never crash the request loop
+            outcome = "error"
+            log.exception("plugin %s.%s failed", bound.name, hook)
+            return self._failed(bound, hook, f"failed ({type(exc).__name__})", fallback)
+        finally:
+            if self._observe is not None:
+                self._observe(bound.name, hook, outcome, time.perf_counter() - started)
+
+    @staticmethod
+    def _failed(bound: BoundPlugin, hook: str, what: str, fallback: Any) -> Any:
+        if bound.on_error == "fail_open":
+            log.warning("plugin %s.%s %s; continuing (fail_open)", bound.name, hook, what)
+            return fallback
+        raise ServiceUnavailable(
+            f"The '{bound.name}' plugin {what} and is configured to fail closed; try again later.",
+            code="plugin_unavailable",
+        )
+
+    async def aclose(self) -> None:
+        for bound in reversed(self.plugins):
+            try:
+                await bound.plugin.aclose()
+            except Exception:
+                log.exception("plugin %s failed to close", bound.name)

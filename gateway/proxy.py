@@ -1,0 +1,250 @@
+"""The request path after parsing: plugins on the way in, the upstream call (with retries before the
+first byte), plugins on the way back, and the reply as JSON or SSE.
+
+A ``Reply`` is produced before anything is sent; errors raised before then become an OpenAI error
+body with its status. A ``StreamReply`` yields bytes after SSE headers are sent; an error after that
+point becomes one ``data: {"error": ...}`` event followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.context import ModelResponse, RequestContext
+from gateway.errors import BadGateway, GatewayError, ServiceUnavailable, from_upstream
+from gateway.services import Services
+from gateway.streaming import DONE, SSEParser, StreamAssembler, encode_event, replay
+from gateway.upstream import UpstreamFailure, UpstreamResponse
+from gateway.workers import Worker
+
+log = logging.getLogger("gateway.proxy")
+_RETRYABLE_STATUS = frozenset({502, 503})
+
+
+@dataclass(slots=True)
+class JSONReply:
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StreamReply:
+    chunks: AsyncIterator[bytes]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+Reply = JSONReply | StreamReply
+
+
+class Proxy:
+    """Runs one request through the pipeline and the upstream; stateless between requests."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    async def serve(self, ctx: RequestContext) -> Reply:
+        pipeline = ctx.snapshot.pipeline
+        early = await pipeline.run_request(ctx)
+        if early is not None:
+            return await self._reply_early(ctx, early)
+        upstream = await self._open(ctx)
+        if not ctx.stream:
+            return await self._reply_json(ctx, upstream)
+        if pipeline.inspects_streams:
+            return StreamReply(self._relay_inspected(ctx, upstream), ctx.response_headers)
+        return StreamReply(self._relay_bytes(ctx, upstream), ctx.response_headers)
+
+    # -- the way in -------------------------------------------------------------------------------
+
+    async def _open(self, ctx: RequestContext) -> UpstreamResponse:
+        """Call a worker chosen by the route plan, retrying elsewhere only while nothing was sent."""
+        plan = ctx.plan
+        if plan is None:
+            raise ServiceUnavailable(
+                f"No plugin chose a worker for model '{ctx.model.name}'; enable the routing plugin in config.yaml.",
+                code="no_route",
+            )
+        worker = plan.next_worker(None, None)
+        if worker is None:
+            raise ServiceUnavailable(
+                f"No healthy worker serves model '{ctx.model.name}' right now; try again shortly.",
+                code="no_healthy_worker",
+                headers={"retry-after": "1"},
+            )
+        body = ctx.upstream_body()
+        workers = self.services.workers
+        metrics = self.services.metrics
+        while True:
+            worker.in_flight += 1
+            error: GatewayError
+            try:
+                upstream = await self.services.upstream.open(worker.url, ctx.path, body)
+            except UpstreamFailure as failure:
+                worker.in_flight -= 1
+                workers.report_failure(worker, failure.kind)
+                metrics.upstream_errors.labels(worker.url, failure.kind).inc()
+                plan.finished(worker, ok=False, error=failure.error)
+                error, retryable = failure.error, failure.retryable
+            else:
+                if upstream.status == 200:
+                    ctx.worker = worker
+                    return upstream
+                error = from_upstream(upstream.status, await upstream.read())
+                worker.in_flight -= 1
+                retryable = upstream.status in _RETRYABLE_STATUS
+                if upstream.status >= 500:
+                    workers.report_failure(worker, f"http {upstream.status}")
+                    metrics.upstream_errors.labels(worker.url, "status").inc()
+                    plan.finished(worker, ok=False, error=error)
+                else:  # the client's problem: neither retried nor held against the worker
+                    plan.finished(worker, ok=True)
+                    raise error
+            if not retryable:
+                raise error
+            nxt = plan.next_worker(worker, error)
+            if nxt is None:
+                raise error
+            metrics.retries.labels(ctx.model.name).inc()
+            log.info("request %s: retrying on %s after %s", ctx.request_id, nxt.url, error.message)
+            worker = nxt
+
+    def _finish(self, ctx: RequestContext, worker: Worker, *, ok: bool, error: GatewayError | None = None) -> None:
+        worker.in_flight -= 1
+        if ok:
+            self.services.workers.report_success(worker)
+        if ctx.plan is not None:
+            ctx.plan.finished(worker, ok=ok, error=error)
+
+    # -- the way back -----------------------------------------------------------------------------
+
+    async def _reply_early(self, ctx: RequestContext, early: ModelResponse) -> Reply:
+        response = await ctx.snapshot.pipeline.run_response(ctx, early)
+        if ctx.stream and response.status == 200:
+            options = ctx.body.get("stream_options") or {}
+            events = replay(response.json, include_usage=bool(options.get("include_usage")))
+            return StreamReply(_aiter(events), {**ctx.response_headers, **response.headers})
+        return JSONReply(response.status, response.body, {**ctx.response_headers, **response.headers})
+
+    async def _reply_json(self, ctx: RequestContext, upstream: UpstreamResponse) -> JSONReply:
+        worker = ctx.worker
+        assert worker is not None
+        try:
+            body = await upstream.read()
+        except UpstreamFailure as failure:
+            self._finish(ctx, worker, ok=False, error=failure.error)
+            raise failure.error from None
+        self._finish(ctx, worker, ok=True)
+        response = ModelResponse(body=body)
+        try:
+            self._count_usage(ctx, response.json.get("usage"))
+        except orjson.JSONDecodeError:
+            raise BadGateway("The model worker sent a response that is not JSON.", code="upstream_error") from None
+        response = await ctx.snapshot.pipeline.run_response(ctx, response)
+        return JSONReply(response.status, response.body, {**ctx.response_headers, **response.headers})
+
+    async def _relay_bytes(self, ctx: RequestContext, upstream: UpstreamResponse) -> AsyncIterator[bytes]:
+        """Pass-through: the worker's SSE bytes as they arrive, no parsing. The end is checked by the
+        last bytes only, so a stream the worker cut short still ends with an error event."""
+        worker = ctx.worker
+        assert worker is not None
+        tail = b""
+        first = True
+        ok = False
+        try:
+            async for chunk in upstream.iter_chunks():
+                if first:
+                    first = False
+                    self.services.metrics.ttft.labels(ctx.model.name).observe(time.perf_counter() - ctx.started)
+                yield chunk
+                tail = (tail + chunk)[-64:]
+            if b"data: [DONE]" in tail:
+                ok = True
+            else:
+                yield _cut_short().to_sse()
+        except UpstreamFailure as failure:
+            yield failure.error.to_sse()
+        finally:
+            upstream.close()
+            self._finish(ctx, worker, ok=ok)
+
+    async def _relay_inspected(self, ctx: RequestContext, upstream: UpstreamResponse) -> AsyncIterator[bytes]:
+        """Parse each event so plugins can see, change or hold chunks and check the assembled result."""
+        worker = ctx.worker
+        assert worker is not None
+        pipeline = ctx.snapshot.pipeline
+        has_chunk_hooks = bool(pipeline.chunk_plugins)
+        parser = SSEParser()
+        assembler = StreamAssembler()
+        first = True
+        done = False
+        ok = False
+        try:
+            async for raw in upstream.iter_chunks():
+                for payload in parser.feed(raw):
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    chunk = orjson.loads(payload)
+                    if "error" in chunk and "choices" not in chunk:
+                        err = chunk["error"]
+                        status = err.get("code") if isinstance(err, dict) else None
+                        yield from_upstream(status if isinstance(status, int) else 500, payload).to_sse()
+                        return
+                    assembler.add(chunk)
+                    if first:
+                        first = False
+                        self.services.metrics.ttft.labels(ctx.model.name).observe(time.perf_counter() - ctx.started)
+                    if has_chunk_hooks:
+                        out = await pipeline.run_chunk(ctx, chunk)
+                        if out is not None:
+                            yield encode_event(out)
+                        if ctx.state.get("close_stream"):
+                            done = True
+                            break
+                    else:
+                        yield b"data: " + payload + b"\n\n"
+                if done:
+                    break
+            if not done or not (assembler.complete or ctx.state.get("close_stream")):
+                yield _cut_short().to_sse()
+                return
+            ok = True
+            result = assembler.result()
+            self._count_usage(ctx, result.get("usage"))
+            await pipeline.run_response(ctx, ModelResponse(json=result))
+            yield DONE
+        except UpstreamFailure as failure:
+            yield failure.error.to_sse()
+        except GatewayError as error:
+            yield error.to_sse()
+        except orjson.JSONDecodeError:
+            yield BadGateway("The model worker sent an event that is not JSON.", code="upstream_error").to_sse()
+        finally:
+            upstream.close()
+            self._finish(ctx, worker, ok=ok)
+
+    def _count_usage(self, ctx: RequestContext, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        ctx.log["usage"] = usage
+        tokens = self.services.metrics.tokens
+        for kind in ("prompt", "completion"):
+            value = usage.get(f"{kind}_tokens")
+            if isinstance(value, int) and value > 0:
+                tokens.labels(ctx.model.name, kind).inc(value)
+
+
+def _cut_short() -> GatewayError:
+    return BadGateway("The model worker ended the stream before it was complete.", code="stream_incomplete")
+
+
+async def _aiter(items: Any) -> AsyncIterator[bytes]:
+    for item in items:
+        yield item

@@ -1,0 +1,42 @@
+"""GET /v1/models and /v1/models/{id}: every name and alias a client may use, from the live config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from gateway.config import ModelConfig
+from gateway.errors import model_not_found
+from gateway.routes import JSON
+from gateway.state import AppState
+
+router = APIRouter()
+
+
+def _card(name: str, model: ModelConfig, created: int) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": model.owned_by}
+    if name != model.name:
+        card["parent"] = model.name
+    if model.max_model_len:
+        card["max_model_len"] = model.max_model_len
+    return card
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSON:
+    state: AppState = request.app.state.gateway
+    snapshot = state.holder.current
+    created = int(snapshot.loaded_at)
+    data = [_card(name, model, created) for model in snapshot.models.models for name in (model.name, *model.aliases)]
+    return JSON({"object": "list", "data": data})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> JSON:
+    state: AppState = request.app.state.gateway
+    snapshot = state.holder.current
+    model = snapshot.models.resolve(model_id)
+    if model is None:
+        raise model_not_found(model_id)
+    return JSON(_card(model_id, model, int(snapshot.loaded_at)))

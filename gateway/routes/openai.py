@@ -1,0 +1,233 @@
+"""The inference endpoints (chat, completions, embeddings) served at the ASGI level.
+
+These are the hot path, so they skip the web framework: read the body once (bounded), parse it once,
+pin the config snapshot, build the RequestContext, hand it to the Proxy, and send the reply. A client
+that disconnects cancels the work, which closes the upstream connection, which makes vLLM abort the
+generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from gateway.context import RequestContext
+from gateway.errors import GatewayError, PayloadTooLarge, ServerError, model_not_found
+from gateway.protocol import ENDPOINTS, Endpoint, check_request, parse_body
+from gateway.proxy import JSONReply, Proxy, Reply
+from gateway.runtime import RuntimeHolder
+from gateway.services import Services
+from gateway.streaming import SSE_HEADERS
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger("gateway.access")
+_JSON = (b"content-type", b"application/json")
+
+
+def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
+    """Keep a sane client-supplied x-request-id (short, printable, no spaces); otherwise make one."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            if 0 < len(value) <= 128 and all(33 <= b < 127 for b in value):
+                return value.decode("ascii")
+            break
+    return uuid.uuid4().hex
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class InferenceEndpoints:
+    """ASGI app for POST /v1/chat/completions, /v1/completions and /v1/embeddings."""
+
+    def __init__(self, holder: RuntimeHolder, services: Services) -> None:
+        self.holder = holder
+        self.services = services
+        self.proxy = Proxy(services)
+
+    @staticmethod
+    def handles(scope: Scope) -> Endpoint | None:
+        return ENDPOINTS.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = ENDPOINTS[scope["path"]]
+        started = time.perf_counter()
+        raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
+        request_id = request_id_from(raw_headers)
+        state: dict[str, Any] = {"status": 0, "model": "-", "sent": False, "finished": False}
+        task = asyncio.current_task()
+        assert task is not None
+        watcher: asyncio.Task[None] | None = None
+        ctx: RequestContext | None = None
+        try:
+            body = await self._read_body(raw_headers, receive)
+            watcher = asyncio.create_task(self._watch_disconnect(receive, task, state))
+            payload = parse_body(body)
+            model_name, stream = check_request(endpoint, payload)
+            if not self.holder.loaded:
+                raise ServerError("The gateway has no config loaded yet.", code="not_ready", status=503)
+            with self.holder.pin() as snapshot:
+                model = snapshot.models.resolve(model_name)
+                if model is None:
+                    raise model_not_found(model_name)
+                state["model"] = model.name
+                self.services.metrics.in_flight.labels(model.name).inc()
+                try:
+                    if model_name != model.upstream_name:
+                        payload["model"] = model.upstream_name
+                    ctx = RequestContext(
+                        request_id=request_id,
+                        endpoint=endpoint.name,
+                        path=endpoint.path,
+                        body=payload,
+                        raw_body=body,
+                        headers={k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw_headers},
+                        model=model,
+                        requested_model=model_name,
+                        snapshot=snapshot,
+                        stream=stream,
+                        started=started,
+                        body_changed=model_name != model.upstream_name,
+                    )
+                    reply = await self.proxy.serve(ctx)
+                    await self._send_reply(reply, request_id, send, state)
+                finally:
+                    self.services.metrics.in_flight.labels(model.name).dec()
+        except GatewayError as error:
+            await self._send_error(error, request_id, send, state)
+        except _ClientGone:
+            state["status"] = 499
+        except asyncio.CancelledError:
+            if not state.get("client_gone"):
+                raise
+            task.uncancel()
+            state["status"] = 499  # client closed the request; the upstream was closed with it
+        except Exception:
+            log.exception("request %s failed", request_id)
+            await self._send_error(
+                ServerError("The gateway failed to process the request; it has been logged.", code="internal_error"),
+                request_id,
+                send,
+                state,
+            )
+        finally:
+            state["finished"] = True
+            if watcher is not None:
+                watcher.cancel()
+            self._record(endpoint, request_id, state, started, ctx)
+
+    async def _read_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> bytes:
+        limit = self.holder.current.config.limits.max_body_bytes if self.holder.loaded else 4 * 1024 * 1024
+        for name, value in headers:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise _too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    @staticmethod
+    async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], state: dict[str, Any]) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not state["finished"]:
+                    state["client_gone"] = True
+                    task.cancel()
+                return
+
+    async def _send_reply(self, reply: Reply, request_id: str, send: Send, state: dict[str, Any]) -> None:
+        extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
+        rid = (b"x-request-id", request_id.encode("ascii"))
+        if isinstance(reply, JSONReply):
+            state["status"] = reply.status
+            state["sent"] = True
+            await send({"type": "http.response.start", "status": reply.status, "headers": [_JSON, rid, *extra]})
+            state["finished"] = True
+            await send({"type": "http.response.body", "body": reply.body})
+            return
+        state["status"] = 200
+        state["sent"] = True
+        await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, rid, *extra]})
+        chunks = reply.chunks
+        try:
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            with contextlib.suppress(Exception):
+                await chunks.aclose()  # type: ignore[attr-defined]
+        state["finished"] = True
+        await send({"type": "http.response.body", "body": b""})
+
+    @staticmethod
+    async def _send_error(error: GatewayError, request_id: str, send: Send, state: dict[str, Any]) -> None:
+        state["error"] = error
+        if state["sent"]:
+            # Headers are out: the error becomes one SSE event, then [DONE].
+            state["finished"] = True
+            await send({"type": "http.response.body", "body": error.to_sse(), "more_body": False})
+            return
+        state["status"] = error.status_code
+        state["sent"] = True
+        headers = [_JSON, (b"x-request-id", request_id.encode("ascii"))]
+        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
+        await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+        state["finished"] = True
+        await send({"type": "http.response.body", "body": error.to_json()})
+
+    def _record(
+        self, endpoint: Endpoint, request_id: str, state: dict[str, Any], started: float, ctx: RequestContext | None
+    ) -> None:
+        elapsed = time.perf_counter() - started
+        status = str(state["status"])
+        metrics = self.services.metrics
+        metrics.requests.labels(state["model"], endpoint.name, status).inc()
+        metrics.latency.labels(state["model"], endpoint.name).observe(elapsed)
+        if not log.isEnabledFor(logging.INFO):
+            return
+        fields: dict[str, Any] = {
+            "request_id": request_id,
+            "route": endpoint.name,
+            "model": state["model"],
+            "status": state["status"],
+            "duration_ms": round(elapsed * 1000, 3),
+        }
+        if ctx is not None:
+            fields["stream"] = ctx.stream
+            if ctx.worker is not None:
+                fields["worker"] = ctx.worker.url
+            if ctx.tenant:
+                fields["tenant"] = ctx.tenant
+            fields.update(ctx.log)
+        error = state.get("error")
+        if error is not None:
+            fields["error_type"] = error.type
+            fields["error_code"] = error.code
+        log.info("request", extra={"fields": fields})
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"The request body is larger than this gateway accepts ({limit} bytes).", code="request_too_large"
+    )

@@ -1,0 +1,54 @@
+"""Process-wide services shared by every config snapshot: they outlive reloads.
+
+Plugins receive this object in their constructor instead of reaching for globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gateway.metrics import Metrics
+from gateway.settings import Settings
+from gateway.upstream import UpstreamClient
+from gateway.workers import WorkerTable
+
+
+@dataclass
+class Services:
+    settings: Settings
+    upstream: UpstreamClient
+    workers: WorkerTable
+    metrics: Metrics
+    #: Free-form registry for things plugins share across reloads (e.g. a compiled-schema LRU, a
+    #: circuit breaker), keyed by the plugin's name. Survives config swaps; closed on shutdown only.
+    shared: dict[str, Any] = field(default_factory=dict)
+    _redis: dict[tuple[float, float], aioredis.Redis] = field(default_factory=dict)
+
+    def redis(self, *, socket_timeout_s: float = 0.25, connect_timeout_s: float = 0.25) -> aioredis.Redis:
+        """A pooled Redis client for ``settings.redis_url`` with these timeouts (one pool per pair).
+
+        Every call on it is bounded; callers decide what a failure means (cache: fail open; limits:
+        their configured policy).
+        """
+        key = (socket_timeout_s, connect_timeout_s)
+        client = self._redis.get(key)
+        if client is None:
+            client = aioredis.Redis.from_url(
+                self.settings.redis_url,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=connect_timeout_s,
+                health_check_interval=0,
+                retry_on_timeout=False,
+            )
+            self._redis[key] = client
+        return client
+
+    async def aclose(self) -> None:
+        for client in self._redis.values():
+            await client.aclose()
+        self._redis.clear()
+        await self.workers.aclose()
+        await self.upstream.aclose()

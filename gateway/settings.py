@@ -1,0 +1,27 @@
+"""Process settings: read once from ``GATEWAY_*`` environment variables, changed only by a restart.
+
+Everything that may change while the gateway runs lives in ``config.yaml`` (see ``gateway.config``).
+Secrets (admin token) live here, never in the config file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    config_path: Path = Path("config.yaml")
+    workers: int = Field(1, ge=1, description="uvicorn worker processes")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    admin_token: SecretStr | None = None
+    admin_port: int | None = Field(None, ge=1, le=65535, description="serve /admin on its own port")
+    managed_workers: bool = Field(True, description="start the engine workers declared in config.yaml")
+    model_dir: Path = Path("models")
+    log_level: str | None = Field(None, description="overrides logging.level from config.yaml")

@@ -1,0 +1,224 @@
+"""Server-sent events: framing, assembling a stream into one response, replaying a response as a stream.
+
+Shapes follow what vLLM (and OpenAI) send: ``chat.completion.chunk`` objects with ``delta``s, or
+``text_completion`` objects with ``text`` pieces, a usage-only chunk (``choices: []``) when
+``stream_options.include_usage`` is set, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def encode_event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class SSEParser:
+    """Splits a byte stream into SSE ``data:`` payloads (bytes), across arbitrary chunk boundaries."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._buf + data if self._buf else data
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        events: list[bytes] = []
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            payload = _data_of(buf[start:end])
+            if payload is not None:
+                events.append(payload)
+            start = end + 2
+        self._buf = buf[start:]
+        return events
+
+    @property
+    def pending(self) -> bytes:
+        return self._buf
+
+
+def _data_of(event: bytes) -> bytes | None:
+    parts = []
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            parts.append(line[5:].removeprefix(b" "))
+    return b"\n".join(parts) if parts else None
+
+
+class StreamAssembler:
+    """Builds the complete response a stream adds up to (chat or legacy completions)."""
+
+    def __init__(self) -> None:
+        self.meta: dict[str, Any] = {}
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] | None = None
+        self.finished = False
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        if not self.meta:
+            self.meta = {k: chunk[k] for k in ("id", "created", "model", "system_fingerprint") if k in chunk}
+            self.meta["object"] = chunk.get("object", "chat.completion.chunk")
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            index = choice.get("index", 0)
+            acc = self.choices.setdefault(index, {"index": index})
+            if "delta" in choice:
+                _merge_delta(acc, choice.get("delta") or {})
+            else:
+                acc["text"] = acc.get("text", "") + (choice.get("text") or "")
+            if choice.get("logprobs"):
+                _merge_logprobs(acc, choice["logprobs"])
+            if choice.get("finish_reason") is not None:
+                acc["finish_reason"] = choice["finish_reason"]
+                if "stop_reason" in choice:
+                    acc["stop_reason"] = choice["stop_reason"]
+
+    @property
+    def complete(self) -> bool:
+        """Every choice has a finish_reason (a cut stream does not)."""
+        return bool(self.choices) and all(c.get("finish_reason") is not None for c in self.choices.values())
+
+    def result(self) -> dict[str, Any]:
+        is_chat = self.meta.get("object", "").startswith("chat")
+        out: dict[str, Any] = {k: v for k, v in self.meta.items() if k != "object"}
+        out["object"] = "chat.completion" if is_chat else "text_completion"
+        choices = []
+        for index in sorted(self.choices):
+            acc = self.choices[index]
+            if is_chat:
+                message: dict[str, Any] = {"role": acc.get("role", "assistant"), "content": acc.get("content")}
+                if acc.get("reasoning_content"):
+                    message["reasoning_content"] = acc["reasoning_content"]
+                if acc.get("tool_calls"):
+                    message["tool_calls"] = [acc["tool_calls"][i] for i in sorted(acc["tool_calls"])]
+                choice: dict[str, Any] = {"index": index, "message": message}
+            else:
+                choice = {"index": index, "text": acc.get("text", "")}
+            choice["logprobs"] = acc.get("logprobs")
+            choice["finish_reason"] = acc.get("finish_reason")
+            if "stop_reason" in acc:
+                choice["stop_reason"] = acc["stop_reason"]
+            choices.append(choice)
+        out["choices"] = choices
+        if self.usage is not None:
+            out["usage"] = self.usage
+        return out
+
+
+def _merge_delta(acc: dict[str, Any], delta: dict[str, Any]) -> None:
+    if delta.get("role"):
+        acc["role"] = delta["role"]
+    for key in ("content", "reasoning_content"):
+        piece = delta.get(key)
+        if piece:
+            acc[key] = (acc.get(key) or "") + piece
+        elif key == "content" and key in delta and key not in acc:
+            acc[key] = piece if piece is not None else None
+    for call in delta.get("tool_calls") or ():
+        calls = acc.setdefault("tool_calls", {})
+        slot = calls.setdefault(call.get("index", len(calls)), {"type": "function", "function": {"arguments": ""}})
+        if call.get("id"):
+            slot["id"] = call["id"]
+        if call.get("type"):
+            slot["type"] = call["type"]
+        fn = call.get("function") or {}
+        if fn.get("name"):
+            slot["function"]["name"] = fn["name"]
+        if fn.get("arguments"):
+            slot["function"]["arguments"] += fn["arguments"]
+
+
+def _merge_logprobs(acc: dict[str, Any], logprobs: dict[str, Any]) -> None:
+    current = acc.get("logprobs")
+    if current is None:
+        acc["logprobs"] = {k: (list(v) if isinstance(v, list) else v) for k, v in logprobs.items()}
+        return
+    for key, value in logprobs.items():
+        if isinstance(value, list) and isinstance(current.get(key), list):
+            current[key].extend(value)
+
+
+def replay(response: dict[str, Any], *, include_usage: bool) -> Iterator[bytes]:
+    """A complete response as the SSE events a worker would have streamed, ending with ``[DONE]``."""
+    is_chat = response.get("object") == "chat.completion" or any("message" in c for c in response.get("choices") or ())
+    base: dict[str, Any] = {k: response[k] for k in ("id", "created", "model", "system_fingerprint") if k in response}
+    base["object"] = "chat.completion.chunk" if is_chat else "text_completion"
+    for choice in response.get("choices") or ():
+        index = choice.get("index", 0)
+        if is_chat:
+            msg = choice.get("message") or {}
+            yield encode_event(
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": {"role": msg.get("role", "assistant"), "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+            delta: dict[str, Any] = {}
+            if msg.get("reasoning_content"):
+                delta["reasoning_content"] = msg["reasoning_content"]
+            if msg.get("content"):
+                delta["content"] = msg["content"]
+            if msg.get("tool_calls"):
+                delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(msg["tool_calls"])]
+            if delta:
+                yield encode_event(
+                    {
+                        **base,
+                        "choices": [
+                            {"index": index, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
+                        ],
+                    }
+                )
+            final: dict[str, Any] = {
+                "index": index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": choice.get("finish_reason"),
+            }
+        else:
+            if choice.get("text"):
+                yield encode_event(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": index,
+                                "text": choice["text"],
+                                "logprobs": choice.get("logprobs"),
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
+            final = {"index": index, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")}
+        if "stop_reason" in choice:
+            final["stop_reason"] = choice["stop_reason"]
+        yield encode_event({**base, "choices": [final]})
+    if include_usage and response.get("usage") is not None:
+        yield encode_event({**base, "choices": [], "usage": response["usage"]})
+    yield DONE

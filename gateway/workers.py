@@ -1,0 +1,133 @@
+"""The workers the gateway knows, their health and load.
+
+Worker state lives outside the config snapshot: a reload that keeps a worker keeps its health and load
+counters. Active health checks (``GET /health``) run in the background; passive signals (connect errors,
+5xx, timeouts) come from the upstream path through ``report_failure`` / ``report_success``, which eject
+a failing worker for a growing interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("gateway.workers")
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    url: str
+    healthy: bool = True  # optimistic until the first check says otherwise
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    ejected_until: float = 0.0
+    ejections: int = 0
+    last_error: str | None = None
+    checked_at: float = 0.0
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def available(self, now: float | None = None) -> bool:
+        if not self.healthy:
+            return False
+        return self.ejected_until <= (now if now is not None else time.monotonic())
+
+
+class WorkerTable:
+    """All workers by URL, with outlier ejection and a background health loop."""
+
+    def __init__(
+        self,
+        *,
+        eject_after_failures: int = 3,
+        base_ejection_s: float = 2.0,
+        max_ejection_s: float = 60.0,
+    ) -> None:
+        self._workers: dict[str, Worker] = {}
+        self.eject_after_failures = eject_after_failures
+        self.base_ejection_s = base_ejection_s
+        self.max_ejection_s = max_ejection_s
+        self._task: asyncio.Task[None] | None = None
+        self.on_change: list[Callable[[Worker], None]] = []
+
+    def sync(self, urls: Iterable[str]) -> None:
+        """Make the table hold exactly ``urls`` (new ones start optimistic; kept ones keep state)."""
+        wanted = dict.fromkeys(urls)
+        for url in list(self._workers):
+            if url not in wanted and self._workers[url].in_flight == 0:
+                del self._workers[url]
+        for url in wanted:
+            self._workers.setdefault(url, Worker(url=url))
+
+    def get(self, url: str) -> Worker:
+        worker = self._workers.get(url)
+        if worker is None:
+            worker = self._workers[url] = Worker(url=url)
+        return worker
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def report_success(self, worker: Worker) -> None:
+        if worker.consecutive_failures or worker.ejected_until:
+            worker.consecutive_failures = 0
+            worker.ejected_until = 0.0
+            worker.ejections = 0
+            self._changed(worker)
+
+    def report_failure(self, worker: Worker, reason: str) -> None:
+        """A connect error, 5xx or timeout. After a few in a row the worker is ejected for a while,
+        longer each time it is ejected again without a success in between."""
+        worker.consecutive_failures += 1
+        worker.last_error = reason
+        if worker.consecutive_failures >= self.eject_after_failures:
+            worker.ejections += 1
+            hold = min(self.base_ejection_s * (2 ** (worker.ejections - 1)), self.max_ejection_s)
+            worker.ejected_until = time.monotonic() + hold
+            worker.consecutive_failures = 0
+            log.warning("worker %s ejected for %.1fs after repeated failures (%s)", worker.url, hold, reason)
+            self._changed(worker)
+
+    def set_health(self, worker: Worker, healthy: bool, reason: str | None = None) -> None:
+        worker.checked_at = time.monotonic()
+        if healthy != worker.healthy:
+            worker.healthy = healthy
+            worker.last_error = None if healthy else reason
+            log.log(
+                logging.INFO if healthy else logging.WARNING,
+                "worker %s is %s%s",
+                worker.url,
+                "healthy" if healthy else "unhealthy",
+                f" ({reason})" if reason else "",
+            )
+            self._changed(worker)
+
+    def _changed(self, worker: Worker) -> None:
+        for callback in self.on_change:
+            callback(worker)
+
+    def start_health_checks(self, probe: Callable[[str], Awaitable[str | None]], interval_s: float) -> None:
+        """Run ``probe(url) -> None (healthy) | reason`` for every worker each ``interval_s``."""
+
+        async def loop() -> None:
+            while True:
+                workers = self.all()
+                results = await asyncio.gather(*(probe(w.url) for w in workers), return_exceptions=True)
+                for worker, result in zip(workers, results, strict=True):
+                    if isinstance(result, BaseException):
+                        self.set_health(worker, False, f"{type(result).__name__}")
+                    else:
+                        self.set_health(worker, result is None, result)
+                await asyncio.sleep(interval_s)
+
+        self._task = asyncio.create_task(loop(), name="worker-health")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -1,0 +1,290 @@
+"""Fakes at the process edge: an OpenAI-compatible upstream served on a real loopback socket, and a
+helper that runs any ASGI app with uvicorn in a background thread (so sync and async clients, and real
+disconnects, all work against it)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1 in a daemon thread with its own event loop."""
+
+    def __init__(self, app: Any, port: int | None = None, *, lifespan: str = "on") -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_config=None,
+            access_log=False,
+            lifespan=lifespan,
+            loop="asyncio",
+            http="httptools",
+            timeout_graceful_shutdown=5,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("server thread died during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start within 30 s")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+@dataclass
+class Behavior:
+    """How the fake answers the next requests. Tests set fields between requests."""
+
+    status: int = 200
+    error_body: bytes | None = None
+    hang: bool = False  # accept, read the request, never answer
+    delay_s: float = 0.0  # before response headers
+    chunks: int = 3  # content chunks in a stream
+    pace_s: float = 0.0  # between stream chunks
+    cut_after: int | None = None  # close the stream after this many chunks, without [DONE]
+    text: str = "Hello from the fake worker."
+    finish_reason: str = "stop"
+
+
+@dataclass
+class Seen:
+    path: str
+    body: dict[str, Any]
+    raw: bytes
+    headers: dict[str, str]
+
+
+@dataclass
+class FakeUpstream:
+    """An OpenAI-compatible worker: /v1/chat/completions, /v1/completions, /v1/embeddings, /health."""
+
+    behavior: Behavior = field(default_factory=Behavior)
+    requests: list[Seen] = field(default_factory=list)
+    disconnects: int = 0
+    completed_streams: int = 0
+    healthy: bool = True
+    name: str = "fake"
+
+    def reset(self) -> None:
+        self.behavior = Behavior()
+        self.requests.clear()
+        self.disconnects = 0
+        self.completed_streams = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path = scope["path"]
+        if path == "/health":
+            await _send_json(send, 200 if self.healthy else 503, {} if self.healthy else {"error": "down"})
+            return
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        body = orjson.loads(raw) if raw else {}
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self.requests.append(Seen(path, body, raw, headers))
+        b = self.behavior
+        try:
+            if b.hang:
+                await _wait_disconnect(receive)
+                self.disconnects += 1
+                return
+            if b.delay_s:
+                await asyncio.sleep(b.delay_s)
+            if b.status != 200:
+                payload = b.error_body or orjson.dumps(
+                    {
+                        "object": "error",
+                        "message": f"fake failure {b.status}",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": b.status,
+                    }
+                )
+                await _send_raw(send, b.status, payload)
+                return
+            if path == "/v1/embeddings":
+                await _send_json(
+                    send,
+                    200,
+                    {
+                        "object": "list",
+                        "model": body.get("model"),
+                        "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                        "usage": {"prompt_tokens": 2, "total_tokens": 2},
+                    },
+                )
+                return
+            if body.get("stream"):
+                await self._stream(path, body, receive, send)
+            else:
+                await _send_json(send, 200, self.completion(path, body))
+        except (OSError, asyncio.CancelledError):
+            self.disconnects += 1
+            raise
+
+    def completion(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        b = self.behavior
+        n = body.get("n") or 1
+        usage = {"prompt_tokens": 5, "completion_tokens": b.chunks, "total_tokens": 5 + b.chunks}
+        if path == "/v1/completions":
+            choices = [
+                {"index": i, "text": b.text, "logprobs": None, "finish_reason": b.finish_reason} for i in range(n)
+            ]
+            return {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": 1,
+                "model": body.get("model"),
+                "choices": choices,
+                "usage": usage,
+            }
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": b.text},
+                "logprobs": None,
+                "finish_reason": b.finish_reason,
+            }
+            for i in range(n)
+        ]
+        return {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": 1,
+            "model": body.get("model"),
+            "choices": choices,
+            "usage": usage,
+        }
+
+    async def _stream(self, path: str, body: dict[str, Any], receive: Any, send: Any) -> None:
+        b = self.behavior
+        chat = path == "/v1/chat/completions"
+        watcher = asyncio.create_task(_wait_disconnect(receive))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        base = {
+            "id": "chatcmpl-fake" if chat else "cmpl-fake",
+            "created": 1,
+            "model": body.get("model"),
+            "object": "chat.completion.chunk" if chat else "text_completion",
+        }
+        pieces = _split(b.text, b.chunks)
+        events: list[dict[str, Any]] = []
+        if chat:
+            events.append(
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+        for piece in pieces:
+            if chat:
+                events.append(
+                    {
+                        **base,
+                        "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}],
+                    }
+                )
+            else:
+                events.append(
+                    {**base, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}]}
+                )
+        last = {"index": 0, "logprobs": None, "finish_reason": b.finish_reason}
+        last.update({"delta": {}} if chat else {"text": ""})
+        events.append({**base, "choices": [last]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append(
+                {
+                    **base,
+                    "choices": [],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": len(pieces), "total_tokens": 5 + len(pieces)},
+                }
+            )
+        try:
+            for i, event in enumerate(events):
+                if b.cut_after is not None and i >= b.cut_after:
+                    return  # the connection ends without [DONE]
+                if watcher.done():
+                    self.disconnects += 1
+                    return
+                await send(
+                    {"type": "http.response.body", "body": b"data: " + orjson.dumps(event) + b"\n\n", "more_body": True}
+                )
+                if b.pace_s:
+                    await asyncio.wait({watcher}, timeout=b.pace_s)
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            self.completed_streams += 1
+        finally:
+            watcher.cancel()
+
+
+def _split(text: str, n: int) -> list[str]:
+    n = max(1, n)
+    size = max(1, -(-len(text) // n))
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_json(send: Any, status: int, obj: Any) -> None:
+    await _send_raw(send, status, orjson.dumps(obj))
+
+
+async def _send_raw(send: Any, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.contextmanager
+def running(app: Any, port: int | None = None) -> Iterator[ServerThread]:
+    with ServerThread(app, port) as server:
+        yield server
