@@ -22,6 +22,13 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
 - ``async on_chunk(ctx, chunk)``: streams only, reverse order; return the chunk, a changed chunk, or
   None to hold it back. When no enabled plugin overrides ``on_chunk`` or ``on_response``, the worker's
   SSE bytes pass through untouched, with no per-chunk parsing.
+  A chunk hook that must end the stream early (e.g. an output check that fired) returns the last chunk
+  it wants sent and sets ``ctx.state["close_stream"] = True``: the core stops reading the worker
+  (closing the connection makes vLLM abort the generation) and ends the stream with ``[DONE]``.
+- ``async on_admin(action, body)``: optional operator actions served at
+  ``POST /admin/plugins/{name}/{action}`` (e.g. the cache's ``purge``); returns a JSON-able dict or
+  raises a ``GatewayError``. Only the live snapshot's instance is called. Never loads code or files
+  named in ``body``.
 - ``async aclose()``: the runtime owning the instance was retired (reload, shutdown) and its in-flight
   requests drained.
 - ``default_on_error``: ``fail_closed`` (a hook failure answers 503) or ``fail_open`` (the failure is
@@ -42,7 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict
 
 from gateway.context import ModelResponse, RequestContext
-from gateway.errors import GatewayError, ServiceUnavailable
+from gateway.errors import GatewayError, NotFound, ServiceUnavailable
 
 if TYPE_CHECKING:
     from gateway.services import Services
@@ -78,6 +85,9 @@ class Plugin:
 
     async def on_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
         return chunk
+
+    async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        raise NotFound(f"The '{self.name}' plugin has no admin action '{action}'.", param="action")
 
     async def aclose(self) -> None:
         return None
