@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class SpeculativeSpec(BaseModel):
@@ -19,6 +19,15 @@ class SpeculativeSpec(BaseModel):
     prompt_lookup_min: int | None = Field(2, ge=1)
     model: str | None = Field(None, description="draft or EAGLE head model (path or hub id)")
     draft_tensor_parallel_size: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _model_for_non_ngram(self) -> SpeculativeSpec:
+        if self.method != "ngram" and not self.model:
+            raise ValueError(
+                f"speculative method {self.method!r} needs `model` (the draft model or EAGLE head, "
+                "a path or hub id); only 'ngram' works without one"
+            )
+        return self
 
 
 class ManagedWorkerSpec(BaseModel):
@@ -53,6 +62,15 @@ class ManagedWorkerSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     ready_timeout_s: float | None = Field(None, gt=0)
     options: dict[str, Any] = Field(default_factory=dict, description="reserved for engine-specific flags")
+
+    @model_validator(mode="after")
+    def _cpu_speculation_is_ngram(self) -> ManagedWorkerSpec:
+        if self.device == "cpu" and self.speculative is not None and self.speculative.method != "ngram":
+            raise ValueError(
+                f"speculative method {self.speculative.method!r} needs a GPU worker (device: gpu); "
+                "on the CPU use method: ngram"
+            )
+        return self
 
     @property
     def url(self) -> str:
