@@ -1,0 +1,271 @@
+"""Compiling constraints with outlines at the gateway, under a time and size budget, with a bounded LRU.
+
+A JSON schema becomes a regex with ``outlines_core.json_schema.build_regex_from_schema`` (the same
+function vLLM's outlines backend uses, but with bounded whitespace and free-form parts bounded), and
+every regex is compiled into an ``outlines_core.Index`` over a byte alphabet. That index is the part
+that explodes (the regex-to-automaton step; the worker then multiplies it by its vocabulary), so its
+state count and build time are what the budgets bound. An explosive constraint is refused here with a
+400 instead of stalling or crashing a worker.
+
+Compiles run in one dedicated thread (outlines releases the GIL) so the event loop never blocks; a
+compile that overruns its budget cannot be interrupted, so its result is discarded and the refusal is
+cached. Results, refusals included, are kept in an LRU keyed by the constraint's hash: a repeated
+schema costs one hash and one dict lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from re import _constants as sre_c  # type: ignore[attr-defined]
+from re import _parser as sre_parse  # type: ignore[attr-defined]
+from typing import Any
+
+import orjson
+import outlines_core
+from outlines_core.json_schema import build_regex_from_schema
+
+from gateway.errors import InvalidRequest, ServiceUnavailable
+from plugins.guided_json.config import GuidedJSONConfig
+from plugins.guided_json.forms import Constraint
+from plugins.guided_json.schemas import GENERIC_OBJECT, SchemaProblem, bound_free_form, check_structure, validator
+
+#: Checks one answer's text; returns what is wrong with it, or None when it satisfies the constraint.
+Checker = Callable[[str], str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A constraint ready to send (``upstream`` is the ``structured_outputs`` value) and to check."""
+
+    kind: str
+    upstream: dict[str, Any]
+    check: Checker
+    states: int
+    compile_ms: float
+
+
+def _expanded_size(items: Any) -> int:
+    """An upper estimate of the automaton a regex needs, counting repetitions (``a{100000}``) at full
+    size: computed in microseconds, it refuses counted-repetition bombs before outlines sees them."""
+    total = 0
+    for op, av in items:
+        if op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT, getattr(sre_c, "POSSESSIVE_REPEAT", None)):
+            low, high, sub = av
+            total += max(1, high if high != sre_c.MAXREPEAT else low + 1) * _expanded_size(sub)
+        elif op is sre_c.SUBPATTERN:
+            total += _expanded_size(av[-1])
+        elif op is sre_c.BRANCH:
+            total += sum(_expanded_size(branch) for branch in av[1])
+        else:
+            total += 1
+    return total
+
+
+class Compiler:
+    """Turns a ``Constraint`` into a ``Compiled`` synchronously (call it in a worker thread)."""
+
+    def __init__(self, config: GuidedJSONConfig) -> None:
+        self.config = config
+        # Byte tokens 1..255 (0 is the end token): the index then has one state per automaton state.
+        self._alphabet = outlines_core.Vocabulary(0, {bytes([i]): [i] for i in range(1, 256)})
+
+    def __call__(self, constraint: Constraint) -> Compiled:
+        started = time.perf_counter()
+        if constraint.kind == "json":
+            regex, check = self._json(constraint)
+            upstream: dict[str, Any] = {"regex": regex}
+        elif constraint.kind == "regex":
+            regex, check = self._regex(constraint.value)
+            upstream = {"regex": regex}
+        elif constraint.kind == "choice":
+            regex, check = self._choice(constraint.value)
+            upstream = {"choice": constraint.value}
+        else:
+            raise SchemaProblem(
+                "grammar constraints are not supported by the workers' outlines backend;"
+                " ask for a JSON schema, a regex or a list of choices instead"
+            )
+        states = self._states(regex)
+        return Compiled(constraint.kind, upstream, check, states, (time.perf_counter() - started) * 1000)
+
+    def _json(self, constraint: Constraint) -> tuple[str, Checker]:
+        cfg = self.config
+        schema = constraint.value
+        if schema is None:  # json_object: any JSON object
+            checker = validator({"type": "object"})
+            decoding: dict[str, Any] = GENERIC_OBJECT
+        else:
+            size = len(orjson.dumps(schema))
+            if size > cfg.max_schema_bytes:
+                raise SchemaProblem(f"it is too large: {size} bytes (the limit is {cfg.max_schema_bytes})")
+            checker = validator(schema)
+            check_structure(schema, cfg.max_schema_nodes)
+            decoding = bound_free_form(schema)
+        whitespace = constraint.whitespace if constraint.whitespace is not None else cfg.whitespace_pattern
+        try:
+            regex = build_regex_from_schema(orjson.dumps(decoding).decode(), whitespace)
+        except Exception as exc:  # outlines raises plain ValueErrors naming the unsupported part
+            raise SchemaProblem(f"outlines cannot turn it into a constraint: {exc}") from None
+        self._check_regex_size(regex)
+
+        def check(text: str) -> str | None:
+            try:
+                value = orjson.loads(text)
+            except orjson.JSONDecodeError as exc:
+                return f"the answer is not valid JSON ({exc})"
+            errors = sorted(checker.iter_errors(value), key=lambda e: len(e.path))
+            if errors:
+                err = errors[0]
+                where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+                return f"the answer does not match the schema at {where}: {err.message}"
+            return None
+
+        return regex, check
+
+    def _regex(self, pattern: str) -> tuple[str, Checker]:
+        try:
+            compiled = re.compile(pattern)
+        except re.error as exc:
+            raise SchemaProblem(f"it is not a valid regular expression: {exc}") from None
+        self._check_regex_size(pattern)
+
+        def check(text: str) -> str | None:
+            return None if compiled.fullmatch(text) else "the answer does not match the regular expression"
+
+        return pattern, check
+
+    def _choice(self, choices: list[str]) -> tuple[str, Checker]:
+        if len(choices) > self.config.max_choices:
+            raise SchemaProblem(f"it has {len(choices)} choices (the limit is {self.config.max_choices})")
+        allowed = frozenset(choices)
+        regex = "(" + "|".join(re.escape(c) for c in choices) + ")"
+        self._check_regex_size(regex)
+
+        def check(text: str) -> str | None:
+            return None if text in allowed else "the answer is not one of the choices"
+
+        return regex, check
+
+    def _check_regex_size(self, regex: str) -> None:
+        cfg = self.config
+        if len(regex) > cfg.max_regex_chars:
+            raise SchemaProblem(f"it compiles to a {len(regex)}-character regex (the limit is {cfg.max_regex_chars})")
+        try:
+            size = _expanded_size(sre_parse.parse(regex))
+        except (re.error, RecursionError, OverflowError):
+            return  # outlines' own parser has the final word below
+        if size > cfg.max_states * 4:
+            raise SchemaProblem(f"it needs an automaton of about {size} states (the limit is {cfg.max_states})")
+
+    def _states(self, regex: str) -> int:
+        try:
+            index = outlines_core.Index(regex, self._alphabet)
+        except ValueError as exc:
+            raise SchemaProblem(f"outlines cannot compile it: {str(exc)[:300]}") from None
+        states = len(index.get_transitions())
+        if states > self.config.max_states:
+            raise SchemaProblem(f"it compiles to {states} automaton states (the limit is {self.config.max_states})")
+        return states
+
+
+class CompileCache:
+    """Compiled constraints and refusals by hash (bounded LRU), and the thread that compiles new ones.
+
+    Lives in ``services.shared`` so it survives config reloads; a reload with different budgets starts
+    it afresh (a schema refused under old budgets may pass new ones).
+    """
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[str, Compiled | str] = OrderedDict()
+        self._pending: dict[str, asyncio.Task[Compiled | str]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-json-compile")
+        self._config: GuidedJSONConfig | None = None
+        self._compiler: Compiler | None = None
+
+    def configure(self, config: GuidedJSONConfig) -> None:
+        if config != self._config:
+            self._config = config
+            self._compiler = Compiler(config)
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, key: str) -> Compiled | str | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    async def get(self, constraint: Constraint) -> tuple[Compiled, bool]:
+        """The compiled constraint and whether it came from the cache; ``InvalidRequest`` if refused."""
+        config, compiler = self._config, self._compiler
+        assert config is not None and compiler is not None, "configure() first"
+        key = constraint.key(config.whitespace_pattern)
+        entry = self.lookup(key)
+        hit = entry is not None
+        if entry is None:
+            task = self._pending.get(key)
+            if task is None:
+                task = asyncio.create_task(self._compile(compiler, constraint, key))
+                self._pending[key] = task
+                task.add_done_callback(lambda _t: self._pending.pop(key, None))
+            entry = await asyncio.shield(task)
+        if isinstance(entry, str):
+            what = "regular expression" if constraint.kind == "regex" else f"{constraint.kind} constraint"
+            if constraint.kind == "json":
+                what = "JSON schema"
+            raise InvalidRequest(
+                f"The {what} in '{constraint.param}' cannot be enforced: {entry}.",
+                param=constraint.param.split(".")[0],
+                code="invalid_guided_request",
+            )
+        return entry, hit
+
+    async def _compile(self, compiler: Compiler, constraint: Constraint, key: str) -> Compiled | str:
+        config = compiler.config
+        budget_s = config.compile_timeout_ms / 1000
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+
+        def job() -> Compiled:
+            loop.call_soon_threadsafe(started.set)
+            return compiler(constraint)
+
+        future = asyncio.wrap_future(self._executor.submit(job))
+        try:
+            # Waiting behind another compile does not count against this schema's budget...
+            async with asyncio.timeout(budget_s):
+                await started.wait()
+        except TimeoutError:
+            future.cancel()
+            raise ServiceUnavailable(
+                "The gateway is busy compiling other output constraints; try again shortly.",
+                code="guided_compiler_busy",
+                headers={"retry-after": "1"},
+            ) from None
+        try:
+            async with asyncio.timeout(budget_s):  # ...its own compile does
+                result: Compiled | str = await asyncio.shield(future)
+        except TimeoutError:
+            result = f"it is too complex: compiling it took longer than {config.compile_timeout_ms:g} ms"
+        except SchemaProblem as problem:
+            result = str(problem)
+        self._remember(key, result)
+        return result
+
+    def _remember(self, key: str, entry: Compiled | str) -> None:
+        assert self._config is not None
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._config.cache_size:
+            self._entries.popitem(last=False)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

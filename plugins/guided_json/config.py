@@ -1,0 +1,40 @@
+"""The guided_json plugin's ``config:`` section."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GuidedJSONConfig(BaseModel):
+    """Budgets for compiling constraints, what to do with an invalid answer, and the capability probe."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # -- compiling (at the gateway, before anything reaches a worker) --------------------------------
+    whitespace_pattern: str = Field(
+        "[ ]?",
+        description="whitespace allowed between JSON tokens; unbounded whitespace lets small models emit blanks"
+        " until max_tokens",
+    )
+    max_schema_bytes: int = Field(65_536, ge=64, description="largest schema accepted (serialized JSON)")
+    max_schema_nodes: int = Field(5_000, ge=10, description="schema nodes after inlining local $refs")
+    max_regex_chars: int = Field(50_000, ge=100, description="longest regex a schema may turn into")
+    max_states: int = Field(5_000, ge=10, description="most automaton states a constraint may compile to")
+    max_choices: int = Field(256, ge=1)
+    compile_timeout_ms: float = Field(2_000, gt=0, description="time budget of one compile (worker thread)")
+    cache_size: int = Field(1_024, ge=1, description="compiled constraints kept (LRU by schema hash)")
+
+    # -- answers ---------------------------------------------------------------------------------------
+    on_invalid: Literal["error", "retry"] = Field(
+        "retry",
+        description="an answer that does not match: 'error' refuses it; 'retry' asks once more with a larger"
+        " max_tokens (non-streamed requests only), then refuses",
+    )
+    retry_max_tokens: int = Field(2_048, ge=1, description="largest max_tokens a retry may ask for")
+
+    # -- capability probe ------------------------------------------------------------------------------
+    probe: bool = Field(True, description="check once per worker that it enforces a constraint")
+    probe_timeout_s: float = Field(30.0, gt=0)
+    probe_recheck_s: float = Field(300.0, gt=0, description="re-probe a worker that failed the check after this")

@@ -1,0 +1,165 @@
+"""The guided_json plugin: a client that asks for JSON matching a schema gets it, or a clear error.
+
+``on_request``: normalise whatever form the client used (``forms``), compile it at the gateway under
+budgets (``compile``; a refusal is a 400 before any upstream call), make sure the model's workers
+enforce constraints (``probe``), then rewrite the body into the one form vLLM 0.32 enforces.
+``on_response``: check every answer (``validate``); retry once with a larger budget or refuse.
+
+The cache plugin runs before this one, so its key is computed from the client's own fields and it
+only stores answers this plugin let through.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import orjson
+from prometheus_client import Counter
+
+from gateway.context import ModelResponse, RequestContext
+from gateway.errors import GatewayError, ServiceUnavailable, from_upstream
+from gateway.pipeline import Plugin
+from gateway.services import Services
+from gateway.upstream import UpstreamFailure
+from plugins.guided_json.compile import CompileCache, Compiled
+from plugins.guided_json.config import GuidedJSONConfig
+from plugins.guided_json.forms import normalise, rewrite
+from plugins.guided_json.probe import CapabilityTable
+from plugins.guided_json.validate import error_for, find_problem, retry_budget, with_budget
+
+log = logging.getLogger("plugins.guided_json")
+_GUIDED_ENDPOINTS = frozenset({"chat/completions", "completions"})
+
+
+@dataclass
+class GuidedShared:
+    """What outlives a config reload: compiled constraints, worker capabilities, metrics."""
+
+    compiles: CompileCache
+    capabilities: CapabilityTable
+    compile_outcomes: Counter
+    invalid_answers: Counter
+
+    @classmethod
+    def create(cls, services: Services) -> GuidedShared:
+        registry = services.metrics.registry
+        return cls(
+            compiles=CompileCache(),
+            capabilities=CapabilityTable(),
+            compile_outcomes=Counter(
+                "gateway_guided_json_constraints",
+                "Output constraints seen, by outcome (cached|compiled|refused)",
+                ["outcome"],
+                registry=registry,
+            ),
+            invalid_answers=Counter(
+                "gateway_guided_json_invalid_answers",
+                "Answers that did not satisfy their constraint, by model, finish_reason and what followed"
+                " (refused|retried|retry_ok)",
+                ["model", "finish_reason", "action"],
+                registry=registry,
+            ),
+        )
+
+
+class GuidedJSONPlugin(Plugin):
+    name = "guided_json"
+    Config = GuidedJSONConfig
+
+    def __init__(self, config: GuidedJSONConfig, services: Services) -> None:
+        super().__init__(config, services)
+        shared = services.shared.get(self.name)
+        if not isinstance(shared, GuidedShared):
+            shared = services.shared[self.name] = GuidedShared.create(services)
+        shared.compiles.configure(config)
+        self.shared = shared
+
+    async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
+        if ctx.endpoint not in _GUIDED_ENDPOINTS:
+            return None
+        constraint = normalise(ctx.body)
+        if constraint is None:
+            return None
+        try:
+            compiled, cached = await self.shared.compiles.get(constraint)
+        except GatewayError as error:
+            self.shared.compile_outcomes.labels("refused").inc()
+            raise error
+        self.shared.compile_outcomes.labels("cached" if cached else "compiled").inc()
+        if self.config.probe:
+            await self._require_capable_workers(ctx)
+        rewrite(ctx.body, compiled.upstream)
+        ctx.mark_body_changed()
+        ctx.state[self.name] = compiled
+        return None
+
+    async def _require_capable_workers(self, ctx: RequestContext) -> None:
+        """Probe the model's workers once; refuse rather than send a constraint a worker would ignore."""
+        urls = [u for u in ctx.snapshot.models.worker_urls.get(ctx.model.name, []) if u.startswith("http")]
+        if not urls:
+            return
+        known = await self.shared.capabilities.check(
+            self.services.upstream,
+            urls,
+            endpoint=ctx.endpoint,
+            served_model=ctx.model.upstream_name,
+            timeout_s=self.config.probe_timeout_s,
+            recheck_s=self.config.probe_recheck_s,
+        )
+        bad = {url: cap.detail for url, cap in known.items() if not cap.honours}
+        if bad:
+            url, why = next(iter(bad.items()))
+            raise ServiceUnavailable(
+                f"Model '{ctx.model.name}' has a worker that does not enforce output constraints ({url}: {why});"
+                " guided requests are refused rather than answered unconstrained.",
+                code="guided_decoding_unsupported",
+            )
+
+    async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
+        compiled: Compiled | None = ctx.state.get(self.name)
+        if compiled is None or response.status != 200:
+            return None
+        problem = find_problem(compiled, response.json)
+        if problem is None:
+            return None
+        invalid = self.shared.invalid_answers
+        model = ctx.model.name
+        finish = problem.finish_reason or "none"
+        budget = None
+        if problem.truncated and self.config.on_invalid == "retry" and not ctx.stream and ctx.worker is not None:
+            budget = retry_budget(
+                ctx.body,
+                response.json.get("usage"),
+                max_model_len=ctx.model.max_model_len,
+                cap=self.config.retry_max_tokens,
+            )
+        if budget is None:
+            invalid.labels(model, finish, "refused").inc()
+            raise error_for(problem, ctx.body)
+        invalid.labels(model, finish, "retried").inc()
+        retried = await self._retry(ctx, budget)
+        again = find_problem(compiled, retried.json)
+        if again is None:
+            invalid.labels(model, finish, "retry_ok").inc()
+            return retried
+        invalid.labels(model, again.finish_reason or "none", "refused").inc()
+        raise error_for(again, ctx.body, retried_with=budget)
+
+    async def _retry(self, ctx: RequestContext, budget: int) -> ModelResponse:
+        """The same request once more, to the same worker, with ``max_tokens=budget``."""
+        assert ctx.worker is not None
+        log.info("request %s: guided answer cut by max_tokens; retrying with %d", ctx.request_id, budget)
+        body = orjson.dumps(with_budget(ctx.body, budget))
+        try:
+            upstream = await self.services.upstream.open(ctx.worker.url, ctx.path, body)
+            raw = await upstream.read()
+        except UpstreamFailure as failure:
+            raise failure.error from None
+        if upstream.status != 200:
+            raise from_upstream(upstream.status, raw)
+        return ModelResponse(body=raw)
+
+    async def aclose(self) -> None:
+        # The compile cache and its thread are process-wide (services.shared): a reload keeps them.
+        return None
