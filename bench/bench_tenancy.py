@@ -1,0 +1,103 @@
+"""What tenancy adds to each request: the same gateway with and without auth, limits and budgets.
+
+Starts the benchmark mock worker and three gateways (``gateway serve``, one core each run in turn):
+routing only; tenancy with auth off (anonymous tenant, usage counted); tenancy with auth on, a key,
+key and tenant RPM/TPM limits and day/month budgets (limits high enough that nothing is refused).
+Every request is admitted with one Redis script and charged with another (real Redis at
+GATEWAY_REDIS_URL, default 127.0.0.1:6379). Prints one table: requests/s and latency percentiles
+per peer and concurrency, and the p50 added over "routing only".
+
+    .venv/bin/python bench/bench_tenancy.py -d 5 -c 1 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers
+
+from plugins.tenancy.keys import hash_key
+
+KEY = "sk-gw-bench-" + uuid.uuid4().hex
+PEPPER = "bench-pepper"
+LUA = Path(__file__).with_name("wrk_post.lua")
+HIGH = 1_000_000_000
+
+
+def wrk(url: str, connections: int, duration_s: float, headers: list[str]) -> dict[str, Any]:
+    cmd = ["taskset", "-c", peers.LOAD_CPU, "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s"]
+    cmd += ["--timeout", "10s", "-s", str(LUA)]
+    for header in headers:
+        cmd += ["-H", header]
+    cmd += [url, "--", "mock", "unique", "/v1/chat/completions", uuid.uuid4().hex[:8]]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60, check=True).stdout
+    raw = orjson.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{")))
+    seconds = raw["duration_us"] / 1e6
+    return {
+        "rps": raw["requests"] / seconds if seconds else 0.0,
+        "errors": raw["errors"] + raw["non_2xx"],
+        "p50_ms": raw["p50_us"] / 1000,
+        "p99_ms": raw["p99_us"] / 1000,
+    }
+
+
+def peer_plugins(prefix: str) -> dict[str, list[dict[str, Any]]]:
+    limits = {"requests_per_minute": HIGH, "tokens_per_minute": HIGH, "tokens_per_day": HIGH, "tokens_per_month": HIGH}
+    key = {"id": "bench", "tenant": "bench", "hash": hash_key(KEY, PEPPER.encode()), "limits": limits}
+    auth_on = {"redis_prefix": prefix, "keys": [key], "tenants": {"bench": limits}}
+    auth_off = {"redis_prefix": prefix, "auth": False, "anonymous_tenant": "anon"}
+    return {
+        "routing only": [{"name": "routing"}],
+        "tenancy, auth off": [{"name": "tenancy", "config": auth_off}, {"name": "routing"}],
+        "tenancy, auth + limits + budgets": [{"name": "tenancy", "config": auth_on}, {"name": "routing"}],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-d", "--duration", type=float, default=5.0, help="seconds per measurement")
+    parser.add_argument("-c", "--connections", type=int, nargs="+", default=[1, 16])
+    args = parser.parse_args()
+    os.environ["GATEWAY_TENANCY_PEPPER"] = PEPPER
+    prefix = f"bench:tenancy:{uuid.uuid4().hex}"
+    headers = [f"Authorization: Bearer {KEY}"]
+    rows: list[tuple[str, int, dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        mock = peers.start_mock(tmp, 0.0, 16)
+        try:
+            for name, plugins in peer_plugins(prefix).items():
+                gateway = peers.start_gateway(tmp, name.replace(" ", "_").replace(",", ""), mock.url, plugins)
+                try:
+                    wrk(gateway.url, 8, 1, headers)  # warm-up: pools, script cache
+                    for c in args.connections:
+                        rows.append((name, c, wrk(gateway.url, c, args.duration, headers)))
+                finally:
+                    gateway.stop()
+        finally:
+            mock.stop()
+            client = redis.Redis.from_url(os.environ.get("GATEWAY_REDIS_URL", "redis://127.0.0.1:6379/0"))
+            stale = list(client.scan_iter(match=f"{prefix}*", count=1000))
+            if stale:
+                client.delete(*stale)
+            client.close()
+    base = {c: r["p50_ms"] for n, c, r in rows if n == "routing only"}
+    print(f"{'peer':34} {'conns':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'errors':>6}")
+    for name, c, r in rows:
+        added = r["p50_ms"] - base[c]
+        print(f"{name:34} {c:5d} {r['rps']:9.0f} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {added:+8.3f} {r['errors']:6d}")
+
+
+if __name__ == "__main__":
+    main()

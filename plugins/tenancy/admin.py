@@ -1,0 +1,132 @@
+"""Operator actions of the tenancy plugin (``POST /admin/plugins/tenancy/{action}``).
+
+- ``create_key`` ``{"tenant", "id"?, "models"?, "limits"?}``: stores a new key and returns it, the only
+  time it is ever shown.
+- ``revoke_key`` ``{"id"}``: deletes a key created here; every replica refuses it within a second.
+- ``list_keys``: ids, tenants and where each key is defined (never keys or digests).
+- ``usage`` ``{"key_id"}`` or ``{"tenant"}``: tokens and requests in the current UTC day and month,
+  with the budgets and when they reset.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from redis.exceptions import RedisError
+
+from gateway.config import format_validation_error
+from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
+from plugins.tenancy.budgets import usage_report
+from plugins.tenancy.config import NAME_PATTERN, Limits, TenancyConfig
+from plugins.tenancy.keys import KeyExists, KeyStore
+
+_REDIS_ERRORS = (RedisError, OSError, TimeoutError)
+M = TypeVar("M", bound=BaseModel)
+
+
+class CreateKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(pattern=NAME_PATTERN)
+    id: str | None = Field(None, pattern=NAME_PATTERN)
+    models: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
+    limits: Limits | None = None
+
+
+class KeyRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=NAME_PATTERN)
+
+
+class UsageQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    key_id: str | None = Field(None, pattern=NAME_PATTERN)
+    tenant: str | None = Field(None, pattern=NAME_PATTERN)
+
+
+def _parse(model: type[M], body: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        problems = format_validation_error(exc)
+        raise InvalidRequest("; ".join(problems), param=problems[0].split(":", 1)[0]) from None
+
+
+class TenancyAdmin:
+    def __init__(
+        self, config: TenancyConfig, redis: aioredis.Redis, keys: KeyStore, clock: Callable[[], float]
+    ) -> None:
+        self._config = config
+        self._redis = redis
+        self._keys = keys
+        self._clock = clock
+
+    async def handle(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        handlers = {
+            "create_key": self.create_key,
+            "revoke_key": self.revoke_key,
+            "list_keys": self.list_keys,
+            "usage": self.usage,
+        }
+        handler = handlers.get(action)
+        if handler is None:
+            raise NotFound(
+                f"The 'tenancy' plugin has no admin action '{action}' (known: {', '.join(handlers)}).", param="action"
+            )
+        try:
+            return await handler(body)
+        except _REDIS_ERRORS:
+            raise ServiceUnavailable(
+                "Redis is unreachable, so keys and usage cannot be read or changed; try again shortly.",
+                code="tenancy_unavailable",
+            ) from None
+
+    async def create_key(self, body: dict[str, Any]) -> dict[str, Any]:
+        req = _parse(CreateKey, body)
+        key_id = req.id or f"key_{secrets.token_hex(8)}"
+        limits = req.limits if req.limits is not None else self._config.default_key_limits
+        try:
+            key, info = await self._keys.create(key_id, req.tenant, req.models, limits)
+        except KeyExists:
+            raise InvalidRequest(f"A key with id '{key_id}' already exists.", param="id", code="key_exists") from None
+        return {
+            "id": info.id,
+            "key": key,
+            "tenant": info.tenant,
+            "models": list(info.models),
+            "limits": info.limits.model_dump(),
+            "note": "Store this key now: the gateway keeps only its hash and cannot show it again.",
+        }
+
+    async def revoke_key(self, body: dict[str, Any]) -> dict[str, Any]:
+        ref = _parse(KeyRef, body)
+        if self._keys.config_key(ref.id) is not None:
+            raise InvalidRequest(
+                f"Key '{ref.id}' is defined in config.yaml; remove it there and reload.", param="id", code="config_key"
+            )
+        if not await self._keys.revoke(ref.id):
+            raise NotFound(f"No key with id '{ref.id}'.", param="id", code="key_not_found")
+        return {"id": ref.id, "revoked": True}
+
+    async def list_keys(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"keys": await self._keys.list()}
+
+    async def usage(self, body: dict[str, Any]) -> dict[str, Any]:
+        query = _parse(UsageQuery, body)
+        prefix = self._config.redis_prefix
+        if (query.key_id is None) == (query.tenant is None):
+            raise InvalidRequest("Give exactly one of 'key_id' or 'tenant'.", param="key_id")
+        if query.key_id is not None:
+            info = await self._keys.by_id(query.key_id)
+            if info is None:
+                raise NotFound(f"No key with id '{query.key_id}'.", param="key_id", code="key_not_found")
+            return await usage_report(self._redis, prefix, info.tenant, "key", info.id, info.limits, self._clock)
+        assert query.tenant is not None
+        limits = self._config.tenants.get(query.tenant, Limits())
+        return await usage_report(self._redis, prefix, query.tenant, "tenant", query.tenant, limits, self._clock)

@@ -1,0 +1,116 @@
+"""Token budgets per key and per tenant, per UTC day and UTC month.
+
+Usage is counted in Redis hashes named after the period they cover
+(``{prefix}:{t:TENANT}:usage:key:ID:d20250131``), so a budget resets by itself at the UTC boundary:
+the first request of a new day or month counts into a new, empty hash. Old hashes expire after a
+while (35 days / 400 days) so usage stays queryable for that long. The admission script
+(``plugins.tenancy.limits``) checks and counts budgets atomically with the rate limits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+
+from gateway.errors import RateLimited
+from plugins.tenancy.config import Limits
+
+Period = Literal["day", "month"]
+_TTL_S = {"day": 35 * 86400, "month": 400 * 86400}
+_FIELDS = ("requests", "tokens", "prompt_tokens", "completion_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """One usage counter for one scope and period; ``limit`` None means counted but unlimited."""
+
+    scope: str  # "key" | "tenant"
+    name: str
+    period: Period
+    limit: int | None
+    redis_key: str
+    resets_at: float  # epoch seconds of the next UTC boundary
+    ttl_s: int
+
+
+def window(period: Period, now: float) -> tuple[str, float]:
+    """(id of the period containing ``now``, epoch seconds when it ends), both in UTC."""
+    at = datetime.fromtimestamp(now, UTC)
+    if period == "day":
+        start = at.replace(hour=0, minute=0, second=0, microsecond=0)
+        return start.strftime("d%Y%m%d"), start.timestamp() + 86400
+    start = at.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    nxt = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+    return start.strftime("m%Y%m"), nxt.timestamp()
+
+
+def scope_prefix(prefix: str, tenant: str) -> str:
+    """Everything of one tenant shares a Redis Cluster hash slot, so one script can touch it all."""
+    return f"{prefix}:{{t:{tenant}}}"
+
+
+def budgets_for(prefix: str, tenant: str, scope: str, name: str, limits: Limits, now: float) -> list[Budget]:
+    out = []
+    for period, limit in (("day", limits.tokens_per_day), ("month", limits.tokens_per_month)):
+        period_id, resets_at = window(period, now)  # type: ignore[arg-type]
+        key = f"{scope_prefix(prefix, tenant)}:usage:{scope}:{name}:{period_id}"
+        out.append(Budget(scope, name, period, limit, key, resets_at, _TTL_S[period]))  # type: ignore[arg-type]
+    return out
+
+
+def exhausted(budget: Budget, used: int, requested: int, now: float) -> RateLimited:
+    """The 429 for a spent budget: which budget, how much is used, and when it resets."""
+    wait = max(1, int(budget.resets_at - now + 0.999))
+    label = "daily" if budget.period == "day" else "monthly"
+    resets = datetime.fromtimestamp(budget.resets_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    message = (
+        f"The {label} token budget of {budget.scope} '{budget.name}' is exhausted: used {used} of"
+        f" {budget.limit} tokens, this request needs about {requested}. It resets at {resets}"
+        f" (in {format_duration(wait * 1000)})."
+    )
+    return RateLimited(
+        message,
+        code="insufficient_quota",
+        headers={"retry-after": str(wait)},
+    )
+
+
+def format_duration(ms: float) -> str:
+    """A duration as OpenAI writes it in ``x-ratelimit-reset-*``: ``20ms``, ``1.5s``, ``6m0s``, ``1h2m3s``."""
+    ms = max(0.0, ms)
+    if ms < 1000:
+        return f"{int(ms)}ms"
+    total = ms / 1000
+    hours, rest = divmod(total, 3600)
+    minutes, seconds = divmod(rest, 60)
+    sec = f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+    if hours >= 1:
+        return f"{int(hours)}h{int(minutes)}m{sec}"
+    if minutes >= 1:
+        return f"{int(minutes)}m{sec}"
+    return sec
+
+
+async def usage_report(
+    redis: aioredis.Redis, prefix: str, tenant: str, scope: str, name: str, limits: Limits, clock: Any = time.time
+) -> dict[str, Any]:
+    """Usage of one key or tenant in the current day and month, with its budgets and reset times."""
+    now = clock()
+    budgets = budgets_for(prefix, tenant, scope, name, limits, now)
+    async with redis.pipeline(transaction=False) as pipe:
+        for budget in budgets:
+            pipe.hmget(budget.redis_key, list(_FIELDS))
+        rows = await pipe.execute()
+    out: dict[str, Any] = {"scope": scope, "name": name, "tenant": tenant}
+    for budget, row in zip(budgets, rows, strict=True):
+        counts = {f: int(v) if v is not None else 0 for f, v in zip(_FIELDS, row, strict=True)}
+        out[budget.period] = {
+            **counts,
+            "budget_tokens": budget.limit,
+            "resets_at": datetime.fromtimestamp(budget.resets_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+    return out

@@ -1,0 +1,72 @@
+"""Token counts for limits: estimated from the request on admission, taken from usage afterwards.
+
+The admission estimate is characters / 4 (OpenAI's rule of thumb) over the text the model will read,
+plus a few tokens per chat message for the template. It runs on the event loop, so it only walks the
+parsed body: no tokenizer. The estimate is corrected when the worker reports ``usage``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_PER_MESSAGE = 4  # role markers and separators of a chat template
+
+
+def _text_chars(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        total = 0
+        for item in value:
+            if isinstance(item, str):
+                total += len(item)
+            elif isinstance(item, dict):
+                text = item.get("text")
+                if isinstance(text, str):
+                    total += len(text)
+            elif isinstance(item, list | int):
+                total += 4 * (len(item) if isinstance(item, list) else 1)  # token ids: 1 token ~ 4 chars
+        return total
+    return 0
+
+
+def prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
+    """An estimate of the prompt's tokens (at least 1)."""
+    if endpoint == "chat/completions":
+        chars, overhead = 0, 0
+        for message in body.get("messages") or ():
+            if isinstance(message, dict):
+                chars += _text_chars(message.get("content"))
+                overhead += _PER_MESSAGE
+        return max(1, -(-chars // 4) + overhead)
+    field = "prompt" if endpoint == "completions" else "input"
+    return max(1, -(-_text_chars(body.get(field)) // 4))
+
+
+def reserved_completion(body: dict[str, Any]) -> int:
+    """The most completion tokens the request allows (``max_completion_tokens`` / ``max_tokens``) x n."""
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    n = body.get("n") or 1
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 and isinstance(n, int) and n > 0:
+        return limit * n
+    return 0
+
+
+def reported_usage(response: dict[str, Any]) -> tuple[int | None, int] | None:
+    """(prompt, completion) tokens from the response's ``usage``; without usage (a stream that did not
+    ask for it) the prompt is unknown (None) and the completion is estimated from its text."""
+    usage = response.get("usage")
+    if isinstance(usage, dict):
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens") or 0
+        if isinstance(prompt, int) and isinstance(completion, int):
+            return prompt, completion
+    choices = response.get("choices")
+    if not isinstance(choices, list):
+        return None
+    chars = 0
+    for choice in choices:
+        if isinstance(choice, dict):
+            message = choice.get("message")
+            chars += _text_chars(message.get("content") if isinstance(message, dict) else choice.get("text"))
+    return None if not choices else (None, -(-chars // 4))

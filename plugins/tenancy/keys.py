@@ -1,0 +1,172 @@
+"""Client API keys: held only as peppered digests, in config.yaml and in Redis.
+
+A key is ``sk-gw-`` followed by 43 url-safe random characters; only ``hmac_sha256(pepper, key)`` is
+ever stored. Keys created through the admin API live in Redis (``{prefix}:key:{digest}`` -> JSON
+record, ``{prefix}:key-ids`` id -> digest) and every replica sees a new or revoked key within
+``key_cache_ttl_s`` (<= 1 s): a lookup result, found or not, is trusted locally for that long and then
+read again. Nothing here logs a key or a digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from plugins.tenancy.config import ConfigKey, Limits
+
+KEY_PREFIX = "sk-gw-"
+
+
+def hash_key(key: str, pepper: bytes) -> str:
+    """The digest a key is stored and looked up by."""
+    return hmac.new(pepper, key.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """What a valid key grants. Never holds the key itself."""
+
+    id: str
+    tenant: str
+    models: tuple[str, ...]
+    limits: Limits
+    source: str  # "config" | "redis"
+
+    def allows(self, *names: str) -> bool:
+        return any(fnmatchcase(name, pattern) for pattern in self.models for name in names)
+
+    def record(self) -> bytes:
+        return orjson.dumps(
+            {"id": self.id, "tenant": self.tenant, "models": list(self.models), "limits": self.limits.model_dump()}
+        )
+
+    @classmethod
+    def from_record(cls, raw: bytes | str) -> KeyInfo:
+        data = orjson.loads(raw)
+        return cls(data["id"], data["tenant"], tuple(data["models"]), Limits(**data["limits"]), "redis")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class KeyExists(Exception):
+    pass
+
+
+class KeyStore:
+    """Looks keys up by digest (config first, then Redis through a short-lived local cache).
+
+    Redis errors propagate to the caller, which applies the deployment's ``redis_down`` policy;
+    ``stale(digest)`` offers the last answer seen for a key for that purpose.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        prefix: str,
+        pepper: bytes,
+        config_keys: list[ConfigKey],
+        *,
+        ttl_s: float,
+        max_entries: int,
+    ) -> None:
+        self._redis = redis
+        self._prefix = prefix
+        self._pepper = pepper
+        self._ttl_s = ttl_s
+        self._max_entries = max_entries
+        self._config = {k.hash: KeyInfo(k.id, k.tenant, tuple(k.models), k.limits, "config") for k in config_keys}
+        self._config_ids = {info.id: info for info in self._config.values()}
+        self._cache: dict[str, tuple[KeyInfo | None, float]] = {}
+
+    def digest(self, key: str) -> str:
+        return hash_key(key, self._pepper)
+
+    def _record_key(self, digest: str) -> str:
+        return f"{self._prefix}:key:{digest}"
+
+    @property
+    def _ids_key(self) -> str:
+        return f"{self._prefix}:key-ids"
+
+    async def lookup(self, digest: str) -> KeyInfo | None:
+        info = self._config.get(digest)
+        if info is not None:
+            return info
+        now = time.monotonic()
+        cached = self._cache.get(digest)
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        raw = await self._redis.get(self._record_key(digest))
+        found = KeyInfo.from_record(raw) if raw is not None else None
+        if len(self._cache) >= self._max_entries:
+            self._cache.clear()  # bounded memory; a flood of bad keys only costs re-reads
+        self._cache[digest] = (found, now + self._ttl_s)
+        return found
+
+    def stale(self, digest: str) -> KeyInfo | None:
+        """The last lookup result for ``digest``, however old (used while Redis is unreachable)."""
+        cached = self._cache.get(digest)
+        return cached[0] if cached is not None else None
+
+    async def create(self, key_id: str, tenant: str, models: list[str], limits: Limits) -> tuple[str, KeyInfo]:
+        """Store a new key; returns (the key, shown this once; its info). KeyExists if the id is taken."""
+        if key_id in self._config_ids:
+            raise KeyExists(key_id)
+        key = new_key()
+        digest = self.digest(key)
+        info = KeyInfo(key_id, tenant, tuple(models), limits, "redis")
+        if not await self._redis.hsetnx(self._ids_key, key_id, digest):
+            raise KeyExists(key_id)
+        await self._redis.set(self._record_key(digest), info.record())
+        return key, info
+
+    async def revoke(self, key_id: str) -> bool:
+        """Delete a Redis key by id. False when no such key exists there."""
+        digest = await self._redis.hget(self._ids_key, key_id)
+        if digest is None:
+            return False
+        digest_str = _text(digest)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._record_key(digest_str))
+            pipe.hdel(self._ids_key, key_id)
+            await pipe.execute()
+        self._cache.pop(digest_str, None)
+        return True
+
+    def config_key(self, key_id: str) -> KeyInfo | None:
+        return self._config_ids.get(key_id)
+
+    async def by_id(self, key_id: str) -> KeyInfo | None:
+        info = self._config_ids.get(key_id)
+        if info is not None:
+            return info
+        digest = await self._redis.hget(self._ids_key, key_id)
+        if digest is None:
+            return None
+        raw = await self._redis.get(self._record_key(_text(digest)))
+        return KeyInfo.from_record(raw) if raw is not None else None
+
+    async def list(self) -> list[dict[str, Any]]:
+        """Ids, tenants and sources of every key: never digests."""
+        out = [{"id": i.id, "tenant": i.tenant, "source": "config"} for i in self._config.values()]
+        ids = await self._redis.hgetall(self._ids_key)
+        records = await self._redis.mget([self._record_key(_text(d)) for d in ids.values()]) if ids else []
+        for raw in records:
+            if raw is not None:
+                info = KeyInfo.from_record(raw)
+                out.append({"id": info.id, "tenant": info.tenant, "source": "redis"})
+        return sorted(out, key=lambda k: k["id"])

@@ -1,0 +1,243 @@
+"""Requests- and tokens-per-minute limits (GCRA) checked together with token budgets, atomically.
+
+Each limit is a GCRA bucket (the "generic cell rate algorithm" used by redis-cell and Stripe): one
+number per bucket, the theoretical arrival time (TAT). A limit of N per minute lets N arrive at once
+and then refills one every 60/N seconds; a cost of k tokens moves the TAT k intervals forward. One
+Lua script checks every bucket and budget of a request (key and tenant, requests and tokens, day and
+month) and either counts all of them or none, so concurrent requests on any number of replicas can
+never be admitted past a limit. The time is Redis's own (``TIME``), so replica clocks do not matter.
+
+Completion tokens are charged later by a second script (``charge``): it moves the token buckets by
+the difference between what was reserved on admission and what the worker reported (a refund when
+negative) and adds the usage to the budget counters.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import redis.asyncio as aioredis
+
+from plugins.tenancy.budgets import Budget, format_duration
+
+Kind = Literal["requests", "tokens"]
+PERIOD_MS = 60_000
+
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local nb = tonumber(ARGV[1])
+local status, which, retry = 0, 0, 0
+local tats, news = {}, {}
+for i = 1, nb do
+  local limit, period, cost = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+  local tat = tonumber(redis.call('GET', KEYS[i])) or now
+  if tat < now then tat = now end
+  local new = tat + cost * period / limit
+  tats[i], news[i] = tat, new
+  if status == 0 then
+    if cost > limit then status, which = 3, i
+    elseif new - period > now then status, which, retry = 1, i, new - period - now end
+  end
+end
+local used = {}
+local base = 3 * nb + 1
+for j = 1, #KEYS - nb do
+  local budget, cost = tonumber(ARGV[base + 3*j - 2]), tonumber(ARGV[base + 3*j - 1])
+  used[j] = tonumber(redis.call('HGET', KEYS[nb + j], 'tokens')) or 0
+  if status == 0 and budget >= 0 and used[j] + cost > budget then status, which = 2, j end
+end
+local out = {status, which, math.ceil(retry)}
+for i = 1, nb do
+  local period, limit = tonumber(ARGV[3*i]), tonumber(ARGV[3*i-1])
+  local level = tats[i]
+  if status == 0 then
+    level = news[i]
+    redis.call('SET', KEYS[i], tostring(level), 'PX', math.ceil(level - now) + 1000)
+  end
+  out[#out + 1] = math.floor((period - (level - now)) * limit / period)
+  out[#out + 1] = math.ceil(level - now)
+end
+for j = 1, #KEYS - nb do
+  if status == 0 then
+    local cost, ttl = tonumber(ARGV[base + 3*j - 1]), tonumber(ARGV[base + 3*j])
+    redis.call('HINCRBY', KEYS[nb + j], 'tokens', cost)
+    redis.call('HINCRBY', KEYS[nb + j], 'requests', 1)
+    redis.call('EXPIRE', KEYS[nb + j], ttl)
+    used[j] = used[j] + cost
+  end
+  out[#out + 1] = used[j]
+end
+return out
+"""
+
+_CHARGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local nb = tonumber(ARGV[1])
+for i = 1, nb do
+  local limit, period, delta = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+  local tat = tonumber(redis.call('GET', KEYS[i])) or now
+  if tat < now then tat = now end
+  local new = tat + delta * period / limit
+  if new > now then
+    redis.call('SET', KEYS[i], tostring(new), 'PX', math.ceil(new - now) + 1000)
+  else
+    redis.call('DEL', KEYS[i])
+  end
+end
+local base = 3 * nb + 1
+for j = 1, #KEYS - nb do
+  local k = KEYS[nb + j]
+  redis.call('HINCRBY', k, 'tokens', tonumber(ARGV[base + 4*j - 3]))
+  redis.call('HINCRBY', k, 'prompt_tokens', tonumber(ARGV[base + 4*j - 2]))
+  redis.call('HINCRBY', k, 'completion_tokens', tonumber(ARGV[base + 4*j - 1]))
+  redis.call('EXPIRE', k, tonumber(ARGV[base + 4*j]))
+end
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    scope: str  # "key" | "tenant"
+    name: str
+    kind: Kind
+    limit: int
+    redis_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Every counter one request touches."""
+
+    buckets: list[Bucket]
+    budgets: list[Budget]
+
+
+@dataclass(slots=True)
+class Decision:
+    """The outcome of one admission: refused or not, and what headers describe the limits now."""
+
+    status: int  # 0 admitted, 1 over a rate limit, 2 over a budget, 3 larger than a limit
+    bucket: Bucket | None = None
+    budget: Budget | None = None
+    retry_after_ms: int = 0
+    remaining: dict[Bucket, tuple[int, int]] = field(default_factory=dict)  # bucket -> (remaining, reset ms)
+    used: dict[Budget, int] = field(default_factory=dict)
+
+    @property
+    def admitted(self) -> bool:
+        return self.status == 0
+
+    def headers(self) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers, for the tightest bucket of each kind."""
+        out: dict[str, str] = {}
+        for kind in ("requests", "tokens"):
+            states = [(b, s) for b, s in self.remaining.items() if b.kind == kind]
+            if not states:
+                continue
+            bucket, (remaining, reset_ms) = min(states, key=lambda item: (item[1][0], -item[1][1]))
+            out[f"x-ratelimit-limit-{kind}"] = str(bucket.limit)
+            out[f"x-ratelimit-remaining-{kind}"] = str(max(0, min(bucket.limit, remaining)))
+            out[f"x-ratelimit-reset-{kind}"] = format_duration(reset_ms)
+        return out
+
+
+def _admit_args(plan: Plan, tokens: int) -> tuple[list[str], list[int]]:
+    keys = [b.redis_key for b in plan.buckets] + [g.redis_key for g in plan.budgets]
+    args: list[int] = [len(plan.buckets)]
+    for b in plan.buckets:
+        args += [b.limit, PERIOD_MS, 1 if b.kind == "requests" else tokens]
+    for g in plan.budgets:
+        args += [g.limit if g.limit is not None else -1, tokens, g.ttl_s]
+    return keys, args
+
+
+class RedisLimiter:
+    """Admission and charging against Redis. Redis errors propagate; the plugin applies its policy."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._admit = redis.register_script(_ADMIT)
+        self._charge = redis.register_script(_CHARGE)
+
+    async def admit(self, plan: Plan, tokens: int) -> Decision:
+        keys, args = _admit_args(plan, tokens)
+        raw = [int(v) for v in await self._admit(keys=keys, args=args)]
+        status, which, retry = raw[0], raw[1], raw[2]
+        decision = Decision(status, retry_after_ms=retry)
+        at = 3
+        for bucket in plan.buckets:
+            decision.remaining[bucket] = (raw[at], raw[at + 1])
+            at += 2
+        for budget in plan.budgets:
+            decision.used[budget] = raw[at]
+            at += 1
+        if status in (1, 3):
+            decision.bucket = plan.buckets[which - 1]
+        elif status == 2:
+            decision.budget = plan.budgets[which - 1]
+        return decision
+
+    async def charge(self, plan: Plan, delta: int, prompt: int, completion: int) -> None:
+        token_buckets = [b for b in plan.buckets if b.kind == "tokens"]
+        keys = [b.redis_key for b in token_buckets] + [g.redis_key for g in plan.budgets]
+        args: list[int] = [len(token_buckets)]
+        for b in token_buckets:
+            args += [b.limit, PERIOD_MS, delta]
+        for g in plan.budgets:
+            args += [delta, prompt, completion, g.ttl_s]
+        await self._charge(keys=keys, args=args)
+
+
+class LocalLimiter:
+    """The same GCRA buckets in process memory: the fail_open fallback while Redis is unreachable.
+
+    Each replica then enforces ``share`` of every rate limit on its own (budgets are not enforced:
+    their counters live in Redis). Bounded: the table is cleared when it grows past ``max_entries``.
+    """
+
+    def __init__(self, share: float, max_entries: int = 100_000, clock: object = time.monotonic) -> None:
+        self._share = share
+        self._max_entries = max_entries
+        self._clock = clock
+        self._tat: dict[str, float] = {}
+
+    def _limit(self, bucket: Bucket) -> int:
+        return max(1, math.floor(bucket.limit * self._share))
+
+    def admit(self, plan: Plan, tokens: int) -> Decision:
+        now = self._clock() * 1000  # type: ignore[operator]
+        news: list[tuple[Bucket, float, float]] = []
+        decision = Decision(0)
+        for bucket in plan.buckets:
+            limit = self._limit(bucket)
+            cost = 1 if bucket.kind == "requests" else tokens
+            tat = max(self._tat.get(bucket.redis_key, now), now)
+            new = tat + cost * PERIOD_MS / limit
+            news.append((bucket, tat, new))
+            if decision.status == 0 and cost > limit:
+                decision.status, decision.bucket = 3, bucket
+            elif decision.status == 0 and new - PERIOD_MS > now:
+                decision.status, decision.bucket = 1, bucket
+                decision.retry_after_ms = math.ceil(new - PERIOD_MS - now)
+        if len(self._tat) > self._max_entries:
+            self._tat.clear()
+        for bucket, tat, new in news:
+            level = new if decision.admitted else tat
+            if decision.admitted:
+                self._tat[bucket.redis_key] = new
+            limit = self._limit(bucket)
+            remaining = math.floor((PERIOD_MS - (level - now)) * limit / PERIOD_MS)
+            decision.remaining[bucket] = (remaining, math.ceil(level - now))
+        return decision
+
+    def charge(self, plan: Plan, delta: int) -> None:
+        now = self._clock() * 1000  # type: ignore[operator]
+        for bucket in plan.buckets:
+            if bucket.kind == "tokens" and bucket.redis_key in self._tat:
+                tat = max(self._tat[bucket.redis_key], now)
+                self._tat[bucket.redis_key] = max(now, tat + delta * PERIOD_MS / self._limit(bucket))
