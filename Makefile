@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install $(PIP_EXTRA) -e '.[engine,dev]'
 	# PyPI's torchvision breaks transformers imports beside the CPU torch; text models do not need it.
 	$(PY) -m pip uninstall -y torchvision
+	# A third-party plugin package, for the test that plugins are found through entry points.
+	$(PY) -m pip install ./tests/example_plugin
 	touch $(STAMP)
 
 model: $(STAMP)

@@ -30,7 +30,7 @@ def resolve_plugins(config: GatewayConfig, registry: PluginRegistry) -> list[Res
             continue
         try:
             cls = registry.get(entry.name)
-        except (KeyError, TypeError, ImportError) as exc:
+        except (KeyError, TypeError, ImportError, AttributeError) as exc:
             problems.append(f"plugins[{index}].name: {exc.args[0] if exc.args else exc}")
             continue
         try:
