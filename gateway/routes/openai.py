@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -18,6 +19,7 @@ from typing import Any
 
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, PayloadTooLarge, ServerError, model_not_found
+from gateway.metrics import Metrics
 from gateway.protocol import ENDPOINTS, Endpoint, check_request, parse_body
 from gateway.proxy import JSONReply, Proxy, Reply
 from gateway.runtime import RuntimeHolder
@@ -33,14 +35,60 @@ log = logging.getLogger("gateway.access")
 _JSON = (b"content-type", b"application/json")
 
 
-def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
-    """Keep a sane client-supplied x-request-id (short, printable, no spaces); otherwise make one."""
+def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """A sane client-supplied x-request-id (short, printable, no spaces), else None."""
     for name, value in headers:
         if name == b"x-request-id":
             if 0 < len(value) <= 128 and all(33 <= b < 127 for b in value):
                 return value.decode("ascii")
             break
-    return uuid.uuid4().hex
+    return None
+
+
+def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
+    """Keep a sane client-supplied x-request-id (short, printable, no spaces); otherwise make one."""
+    return client_request_id(headers) or uuid.uuid4().hex
+
+
+class RequestIds:
+    """Request ids for the hot path: the client's when sane, else 32 hex digits unique to this process
+    run (a random prefix and a counter; ``uuid4`` reads the OS random source on every request)."""
+
+    def __init__(self) -> None:
+        self._prefix = uuid.uuid4().hex[:16]
+        self._counter = itertools.count(1)
+
+    def __call__(self, headers: list[tuple[bytes, bytes]]) -> str:
+        return client_request_id(headers) or f"{self._prefix}{next(self._counter):016x}"
+
+
+class RequestMetrics:
+    """The per-request metrics with their labelled children cached: ``labels()`` validates, builds a
+    tuple and takes a lock on every call. Label values come from the config (model names, routes) and
+    a small set of statuses, so the cache stays small."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._in_flight: dict[str, Any] = {}
+        self._finished: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+
+    def in_flight(self, model: str) -> Any:
+        child = self._in_flight.get(model)
+        if child is None:
+            child = self._in_flight[model] = self.metrics.in_flight.labels(model)
+        return child
+
+    def finished(self, model: str, route: str, status: int, seconds: float) -> None:
+        key = (model, route, status)
+        children = self._finished.get(key)
+        if children is None:
+            m = self.metrics
+            children = self._finished[key] = (
+                m.requests.labels(model, route, str(status)),
+                m.latency.labels(model, route),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
 
 class _ClientGone(Exception):
@@ -54,6 +102,8 @@ class InferenceEndpoints:
         self.holder = holder
         self.services = services
         self.proxy = Proxy(services)
+        self.request_ids = RequestIds()
+        self.metrics = RequestMetrics(services.metrics)
 
     @staticmethod
     def handles(scope: Scope) -> Endpoint | None:
@@ -63,7 +113,7 @@ class InferenceEndpoints:
         endpoint = ENDPOINTS[scope["path"]]
         started = time.perf_counter()
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
-        request_id = request_id_from(raw_headers)
+        request_id = self.request_ids(raw_headers)
         state: dict[str, Any] = {"status": 0, "model": "-", "sent": False, "finished": False}
         task = asyncio.current_task()
         assert task is not None
@@ -81,7 +131,8 @@ class InferenceEndpoints:
                 if model is None:
                     raise model_not_found(model_name)
                 state["model"] = model.name
-                self.services.metrics.in_flight.labels(model.name).inc()
+                in_flight = self.metrics.in_flight(model.name)
+                in_flight.inc()
                 try:
                     if model_name != model.upstream_name:
                         payload["model"] = model.upstream_name
@@ -102,7 +153,7 @@ class InferenceEndpoints:
                     reply = await self.proxy.serve(ctx)
                     await self._send_reply(reply, request_id, send, state)
                 finally:
-                    self.services.metrics.in_flight.labels(model.name).dec()
+                    in_flight.dec()
         except GatewayError as error:
             await self._send_error(error, request_id, send, state)
         except _ClientGone:
@@ -200,10 +251,7 @@ class InferenceEndpoints:
         self, endpoint: Endpoint, request_id: str, state: dict[str, Any], started: float, ctx: RequestContext | None
     ) -> None:
         elapsed = time.perf_counter() - started
-        status = str(state["status"])
-        metrics = self.services.metrics
-        metrics.requests.labels(state["model"], endpoint.name, status).inc()
-        metrics.latency.labels(state["model"], endpoint.name).observe(elapsed)
+        self.metrics.finished(state["model"], endpoint.name, state["status"], elapsed)
         if not log.isEnabledFor(logging.INFO):
             return
         fields: dict[str, Any] = {
@@ -224,7 +272,8 @@ class InferenceEndpoints:
         if error is not None:
             fields["error_type"] = error.type
             fields["error_code"] = error.code
-        log.info("request", extra={"fields": fields})
+        # log.info() would also walk the stack to find the caller, which the JSON line never shows.
+        log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields}))
 
 
 def _too_large(limit: int) -> PayloadTooLarge:
