@@ -1,0 +1,216 @@
+"""The processes a benchmark run starts: the mock upstream and the peers measured against it.
+
+Every peer is a real process pinned with ``taskset`` (proxies on ``PROXY_CPU``, the mock and the load
+on ``LOAD_CPU``), listening on a free loopback port, with its logs in the run's temp directory. The
+gateway runs exactly as a user runs it: ``gateway serve --config <generated yaml> --no-managed-workers``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+PROXY_CPU = "0"
+LOAD_CPU = "1"
+LITELLM = Path("/tmp/litellm-venv/bin/litellm")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of one process, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+@dataclass
+class Peer:
+    """A running process the load is pointed at. ``mode`` is the request body mode for wrk/streams:
+    ``unique`` (a new prompt each time: a cache miss) or ``fixed`` (the same prompt: a cache hit)."""
+
+    name: str
+    url: str
+    model: str
+    proc: subprocess.Popen[bytes] | None
+    mode: str = "fixed"
+    note: str = ""
+    log: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+def _spawn(cmd: list[str], cpu: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            ["taskset", "-c", cpu, *cmd],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=ROOT,
+        )
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 120.0) -> None:
+    """Poll ``url`` until it answers 200; fail early (with the log's tail) if the process died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} was not ready within {timeout_s:g} s:\n{log.read_text()[-3000:]}")
+
+
+def start_mock(tmp: Path, interval_ms: float, tokens: int) -> Peer:
+    port = free_port()
+    log = tmp / "mock.log"
+    cmd = [sys.executable, str(ROOT / "bench" / "mock_upstream.py"), "--port", str(port)]
+    cmd += ["--interval-ms", str(interval_ms), "--chunks", str(tokens)]
+    proc = _spawn(cmd, LOAD_CPU, log)
+    peer = Peer("direct", f"http://127.0.0.1:{port}", "mock", proc, log=log)
+    wait_ready(peer.url + "/health", proc, log)
+    return peer
+
+
+def start_nginx(tmp: Path, upstream_url: str) -> Peer | None:
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if binary is None:
+        return None
+    port = free_port()
+    home = tmp / "nginx"
+    home.mkdir()
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    upstream = upstream_url.removeprefix("http://")
+    (home / "nginx.conf").write_text(
+        f"""{user}worker_processes 1;
+daemon off;
+error_log {home}/error.log warn;
+pid {home}/nginx.pid;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  client_body_temp_path {home}/body;
+  proxy_temp_path {home}/proxy;
+  fastcgi_temp_path {home}/fastcgi;
+  uwsgi_temp_path {home}/uwsgi;
+  scgi_temp_path {home}/scgi;
+  upstream mock {{ server {upstream}; keepalive 512; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location / {{
+      proxy_pass http://mock;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
+  }}
+}}
+"""
+    )
+    log = home / "stdout.log"
+    proc = _spawn([binary, "-p", str(home), "-c", str(home / "nginx.conf")], PROXY_CPU, log)
+    peer = Peer("nginx", f"http://127.0.0.1:{port}", "mock", proc, log=log)
+    wait_ready(peer.url + "/health", proc, log)
+    return peer
+
+
+def gateway_config(upstream_url: str, plugins: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "models": [{"name": "mock", "workers": [upstream_url]}],
+        "plugins": plugins,
+        "upstream": {"connect_timeout_s": 3, "first_byte_timeout_s": 30, "idle_timeout_s": 30},
+        "logging": {"level": "INFO", "access_log": True},
+    }
+
+
+def start_gateway(
+    tmp: Path,
+    name: str,
+    upstream_url: str,
+    plugins: list[dict[str, Any]],
+    *,
+    mode: str = "fixed",
+    note: str = "",
+    source: Path | None = None,
+) -> Peer:
+    """``source``: run the ``gateway``/``plugins`` packages from another tree (a copy made before a
+    change), so a change is measured against its baseline in the same run."""
+    port = free_port()
+    config = tmp / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(gateway_config(upstream_url, plugins), sort_keys=False))
+    log = tmp / f"{name}.log"
+    cmd = [str(VENV_BIN / "gateway"), "serve", "--config", str(config), "--no-managed-workers"]
+    env = {"GATEWAY_PORT": str(port), "GATEWAY_HOST": "127.0.0.1"}
+    if source is not None:
+        env["PYTHONPATH"] = str(source.resolve())
+    proc = _spawn(cmd, PROXY_CPU, log, env=env)
+    peer = Peer(name, f"http://127.0.0.1:{port}", "mock", proc, mode=mode, note=note, log=log)
+    wait_ready(peer.url + "/ready", proc, log)
+    return peer
+
+
+def start_litellm(tmp: Path, upstream_url: str) -> Peer | None:
+    """LiteLLM's proxy from its own venv (never the project's), if it was installed there."""
+    if not LITELLM.exists():
+        return None
+    port = free_port()
+    config = tmp / "litellm.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model_list": [
+                    {
+                        "model_name": "mock",
+                        "litellm_params": {"model": "openai/mock", "api_base": upstream_url + "/v1", "api_key": "x"},
+                    }
+                ],
+                "litellm_settings": {"drop_params": True, "telemetry": False},
+            }
+        )
+    )
+    log = tmp / "litellm.log"
+    cmd = [str(LITELLM), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
+    proc = _spawn(cmd, PROXY_CPU, log, env={"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"})
+    peer = Peer("litellm", f"http://127.0.0.1:{port}", "mock", proc, log=log)
+    try:
+        wait_ready(peer.url + "/health/liveliness", proc, log, timeout_s=180)
+    except RuntimeError as exc:
+        print(f"litellm did not start, skipping it: {str(exc)[:500]}", file=sys.stderr)
+        peer.stop()
+        return None
+    return peer

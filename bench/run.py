@@ -1,0 +1,260 @@
+"""The benchmark: the gateway side by side with its peers, in one run, on this machine.
+
+Proxies are pinned to core 0; the mock upstream, the load generators and this runner to core 1.
+Peers (each a real process): ``direct`` (the mock itself), ``nginx`` (reverse proxy, keep-alive
+upstream, no buffering), ``gateway`` (routing only), ``gateway-full-miss`` and ``gateway-full-hit``
+(the default plugin set, with a new prompt per request or the same prompt every time) and ``litellm``
+(when installed in /tmp/litellm-venv). Every scenario is repeated ``--reps`` times, interleaved (each
+repetition goes over every peer before the next begins) and the medians are reported.
+
+Scenarios: wrk at concurrency 1, 16, 64 (req/s, p50, p99) and paced SSE streams at 128 and 512
+concurrent streams (stalls, TTFC p50/p99, gap p99). Then memory, on a fresh routing-only gateway: RSS
+after warm-up vs after 200,000 more requests, and RSS per 1,000 open streams.
+
+    .venv/bin/python bench/run.py            # everything (about 15 minutes)
+    .venv/bin/python bench/run.py --quick    # issue 2's comparison: direct vs gateway, ~2 minutes
+
+Results: a table on stdout, ``bench/results/<stamp>.json`` and ``bench/results/<stamp>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import load
+import peers
+import report
+
+ALL_PEERS = ["direct", "nginx", "gateway", "gateway-full-miss", "gateway-full-hit", "litellm"]
+#: The default plugin set in the order DESIGN.md gives; plugins not installed yet are skipped.
+DEFAULT_PLUGINS = ["safety", "cache", "guided_json", "routing"]
+
+
+def resolve_plugins(names: list[str], overrides: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Config entries for the plugins that are installed and accept their config; and what was skipped.
+
+    A plugin's config comes from ``--plugin-config``, else from the root config.yaml, else ``{}``.
+    """
+    from gateway.registry import PluginRegistry
+
+    product = yaml.safe_load((peers.ROOT / "config.yaml").read_text()) or {}
+    from_product = {p["name"]: p for p in product.get("plugins") or [] if p.get("enabled", True)}
+    registry = PluginRegistry()
+    entries: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    for name in names:
+        entry = {k: v for k, v in from_product.get(name, {"name": name}).items() if k != "enabled"}
+        if name in overrides:
+            entry["config"] = overrides[name]
+        try:
+            cls = registry.get(name)
+            cls.Config.model_validate(entry.get("config") or {})
+        except Exception as exc:
+            skipped.append(f"{name} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+            continue
+        entries.append(entry)
+    if not any(e["name"] == "routing" for e in entries):
+        entries.append({"name": "routing"})
+    return entries, skipped
+
+
+def measure(peer: peers.Peer, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
+    if scenario.startswith("c"):
+        return load.run_wrk(peer.url, int(scenario[1:]), args.duration, model=peer.model, mode=peer.mode)
+    cmd = [sys.executable, str(Path(load.__file__)), "streams", "--url", peer.url, "--model", peer.model]
+    cmd += ["-n", scenario[1:], "-d", str(args.duration), "--interval-ms", str(args.interval_ms)]
+    cmd += ["--tokens", str(args.tokens)] + (["--fixed"] if peer.mode == "fixed" else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=args.duration + 120).stdout
+    return dict(orjson.loads(out.strip().splitlines()[-1]))
+
+
+def warm_up(peer: peers.Peer, args: argparse.Namespace) -> None:
+    """Open pools, fill the cache for the hit peer, let the first-request costs pass."""
+    load.run_wrk(peer.url, 16, 1, model=peer.model, mode=peer.mode)
+    if any(s.startswith("s") for s in args.scenarios):
+        cmd = [sys.executable, str(Path(load.__file__)), "streams", "--url", peer.url, "--model", peer.model]
+        cmd += ["-n", "4", "-d", "1", "--tokens", "4"] + (["--fixed"] if peer.mode == "fixed" else [])
+        subprocess.run(cmd, capture_output=True, check=True, timeout=60)
+
+
+def requests_until(url: str, total: int, connections: int = 64) -> int:
+    """Send at least ``total`` requests (wrk in 2 s slices); returns how many were sent."""
+    sent = 0
+    while sent < total:
+        sent += load.run_wrk(url, connections, 2)["requests"]
+    return sent
+
+
+def measure_memory(tmp: Path, mock: peers.Peer, args: argparse.Namespace) -> dict[str, Any]:
+    """RSS of a fresh routing-only gateway: growth over N requests after warm-up, and per 1,000 streams."""
+    gw = peers.start_gateway(tmp, "gateway-memory", mock.url, [{"name": "routing"}])
+    assert gw.proc is not None
+    pid = gw.proc.pid
+    try:
+        started_kib = peers.rss_kib(pid)
+        requests_until(gw.url, args.memory_warmup)
+        time.sleep(1)
+        warm_kib = peers.rss_kib(pid)
+        sent = requests_until(gw.url, args.memory_requests)
+        time.sleep(1)
+        after_kib = peers.rss_kib(pid)
+        idle_kib = peers.rss_kib(pid)
+        cmd = [sys.executable, str(Path(load.__file__)), "hold", "--url", gw.url, "-n", str(args.memory_streams)]
+        holder = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdin is not None
+        line = holder.stdout.readline()
+        opened = orjson.loads(line)["open"] if line.startswith("{") else 0
+        time.sleep(1)
+        streams_kib = peers.rss_kib(pid)
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    finally:
+        gw.stop()
+    return {
+        "rss_at_start_mib": started_kib / 1024,
+        "rss_after_warmup_mib": warm_kib / 1024,
+        f"rss_after_{sent}_requests_mib": after_kib / 1024,
+        "rss_growth_pct": 100 * (after_kib - warm_kib) / warm_kib,
+        "open_streams": opened,
+        f"rss_with_{opened}_streams_mib": streams_kib / 1024,
+        "rss_per_1000_streams_mib": (streams_kib - idle_kib) / 1024 * 1000 / max(opened, 1),
+    }
+
+
+def start_peers(tmp: Path, mock: peers.Peer, args: argparse.Namespace) -> tuple[list[peers.Peer], list[str]]:
+    started: list[peers.Peer] = []
+    notes: list[str] = []
+    full, skipped = resolve_plugins(args.plugins, args.plugin_config)
+    full_names = ",".join(e["name"] for e in full)
+    if skipped and any(p.startswith("gateway-full") for p in args.peers):
+        notes.append("plugins skipped (not installed or config refused): " + "; ".join(skipped))
+    for name in args.peers:
+        peer: peers.Peer | None
+        if name == "direct":
+            peer = mock
+        elif name == "nginx":
+            peer = peers.start_nginx(tmp, mock.url)
+        elif name == "gateway":
+            peer = peers.start_gateway(tmp, name, mock.url, [{"name": "routing"}], note="routing")
+        elif name == "gateway-baseline":
+            if args.baseline_src is None:
+                raise SystemExit("the gateway-baseline peer needs --baseline-src")
+            note = f"routing, code from {args.baseline_src}"
+            peer = peers.start_gateway(tmp, name, mock.url, [{"name": "routing"}], note=note, source=args.baseline_src)
+        elif name == "gateway-full-miss":
+            peer = peers.start_gateway(tmp, name, mock.url, full, mode="unique", note=full_names)
+        elif name == "gateway-full-hit":
+            peer = peers.start_gateway(tmp, name, mock.url, full, mode="fixed", note=full_names)
+        elif name == "litellm":
+            peer = peers.start_litellm(tmp, mock.url)
+        else:
+            raise SystemExit(f"unknown peer {name}; known: {', '.join(ALL_PEERS)}")
+        if peer is None:
+            notes.append(f"{name}: not available on this machine, skipped")
+            continue
+        started.append(peer)
+    return started, notes
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="direct vs gateway, short runs, small memory counts")
+    parser.add_argument("--peers", help=f"comma list (default: all of {','.join(ALL_PEERS)})")
+    parser.add_argument("--plugins", default=",".join(DEFAULT_PLUGINS), help="the 'full' plugin set, in order")
+    parser.add_argument(
+        "--plugin-config", action="append", default=[], metavar="NAME=JSON", help="config for one plugin"
+    )
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="a copy of the tree (gateway/, plugins/) taken before a change: adds the gateway-baseline peer",
+    )
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--duration", type=float, help="seconds per measurement (default 5, quick 3)")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--streams", default="128,512", help="concurrent stream counts")
+    parser.add_argument("--interval-ms", type=float, default=20.0, help="the mock's pacing between chunks")
+    parser.add_argument("--tokens", type=int, default=32, help="content chunks per stream")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--memory-requests", type=int, help="default 200,000 (quick 20,000)")
+    parser.add_argument("--memory-streams", type=int, help="default 1,000 (quick 250)")
+    parser.add_argument("--out", type=Path, default=peers.ROOT / "bench" / "results")
+    args = parser.parse_args()
+    args.peers = (args.peers or ("direct,gateway" if args.quick else ",".join(ALL_PEERS))).split(",")
+    if args.baseline_src is not None and "gateway-baseline" not in args.peers:
+        args.peers.append("gateway-baseline")
+    args.plugins = [p for p in args.plugins.split(",") if p]
+    args.plugin_config = {k: orjson.loads(v) for k, v in (item.split("=", 1) for item in args.plugin_config)}
+    args.duration = args.duration or (3.0 if args.quick else 5.0)
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.stream_counts = [int(n) for n in args.streams.split(",") if n] if not args.quick else [128]
+    args.scenarios = [f"c{c}" for c in args.concurrency] + [f"s{n}" for n in args.stream_counts]
+    args.memory_requests = args.memory_requests or (20_000 if args.quick else 200_000)
+    args.memory_warmup = max(args.memory_requests // 10, 5_000)
+    args.memory_streams = args.memory_streams or (250 if args.quick else 1_000)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    os.sched_setaffinity(0, {int(peers.LOAD_CPU)})  # the runner and its load generators share core 1
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmpdir, contextlib.ExitStack() as stack:
+        tmp = Path(tmpdir)
+        mock = peers.start_mock(tmp, args.interval_ms, args.tokens)
+        stack.callback(mock.stop)
+        running, notes = start_peers(tmp, mock, args)
+        for peer in running:
+            if peer is not mock:
+                stack.callback(peer.stop)
+            warm_up(peer, args)
+        for rep in range(args.reps):
+            for scenario in args.scenarios:
+                for peer in running:
+                    result = measure(peer, scenario, args)
+                    results.setdefault(peer.name, {}).setdefault(scenario, []).append(result)
+                    print(f"rep {rep + 1} {scenario:>5} {peer.name:<18} {orjson.dumps(result).decode()}", flush=True)
+        memory = {} if args.no_memory else measure_memory(tmp, mock, args)
+    medians = {peer: {s: report.median_of(runs) for s, runs in scen.items()} for peer, scen in results.items()}
+    print()
+    print(report.main_table(medians, args.concurrency, args.stream_counts))
+    if "direct" in medians:
+        print()
+        print(report.added_latency_table(medians, "direct", [c for c in (1, 64) if c in args.concurrency]))
+    if memory:
+        print()
+        print(report.memory_table(memory))
+    for note in notes:
+        print(f"note: {note}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = report.plot(medians, args.concurrency, args.out / f"{stamp}.png")
+    record = {
+        "stamp": stamp,
+        "command": " ".join(sys.argv),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "peers": {p.name: p.note for p in running},
+        "notes": notes,
+        "medians": medians,
+        "runs": results,
+        "memory": memory,
+    }
+    (args.out / f"{stamp}.json").write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2, default=str))
+    print(f"\nsaved {args.out / f'{stamp}.json'}" + (f" and {png}" if png else " (no matplotlib: no plot)"))
+
+
+if __name__ == "__main__":
+    main()
