@@ -85,7 +85,7 @@ class Proxy:
             worker.in_flight += 1
             error: GatewayError
             try:
-                upstream = await self.services.upstream.open(worker.url, ctx.path, body)
+                upstream = await self._connect(ctx, worker, body)
             except UpstreamFailure as failure:
                 worker.in_flight -= 1
                 workers.report_failure(worker, failure.kind)
@@ -114,6 +114,21 @@ class Proxy:
             metrics.retries.labels(ctx.model.name).inc()
             log.info("request %s: retrying on %s after %s", ctx.request_id, nxt.url, error.message)
             worker = nxt
+
+    async def _connect(self, ctx: RequestContext, worker: Worker, body: bytes) -> UpstreamResponse:
+        """One attempt; with tracing on, also a span (to response headers) and a ``traceparent``."""
+        tracing = self.services.tracing
+        if tracing is None:
+            return await self.services.upstream.open(worker.url, ctx.path, body)
+        started = time.perf_counter()
+        status = 0
+        try:
+            upstream = await self.services.upstream.open(worker.url, ctx.path, body, headers=tracing.inject())
+            status = upstream.status
+            return upstream
+        finally:
+            attributes = {"gateway.worker": worker.url, "http.response.status_code": status}
+            tracing.record(f"upstream {ctx.path}", time.perf_counter() - started, attributes, error=status != 200)
 
     def _finish(self, ctx: RequestContext, worker: Worker, *, ok: bool, error: GatewayError | None = None) -> None:
         worker.in_flight -= 1
@@ -147,6 +162,8 @@ class Proxy:
         except orjson.JSONDecodeError:
             raise BadGateway("The model worker sent a response that is not JSON.", code="upstream_error") from None
         response = await ctx.snapshot.pipeline.run_response(ctx, response)
+        if ctx.snapshot.config.logging.log_content:  # opt-in only: completions are the client's data
+            ctx.log["completion"] = [c.get("message", c.get("text")) for c in response.json.get("choices", ())]
         return JSONReply(response.status, response.body, {**ctx.response_headers, **response.headers})
 
     async def _relay_bytes(self, ctx: RequestContext, upstream: UpstreamResponse) -> AsyncIterator[bytes]:
@@ -157,15 +174,23 @@ class Proxy:
         tail = b""
         first = True
         ok = False
+        first_at = last_at = 0.0
+        events = 0  # after the first chunk; each SSE event is about one decoding step
         try:
             async for chunk in upstream.iter_chunks():
+                last_at = time.perf_counter()
                 if first:
                     first = False
-                    self.services.metrics.ttft.labels(ctx.model.name).observe(time.perf_counter() - ctx.started)
+                    first_at = last_at
+                    ctx.log["ttft_ms"] = round((last_at - ctx.started) * 1000, 3)
+                    self.services.metrics.ttft.labels(ctx.model.name).observe(last_at - ctx.started)
+                else:
+                    events += chunk.count(b"data:")
                 yield chunk
                 tail = (tail + chunk)[-64:]
             if b"data: [DONE]" in tail:
                 ok = True
+                self._observe_tpot(ctx, last_at - first_at, events - 1)
             else:
                 yield _cut_short().to_sse()
         except UpstreamFailure as failure:
@@ -185,6 +210,8 @@ class Proxy:
         first = True
         done = False
         ok = False
+        first_at = 0.0
+        events = 0
         try:
             async for raw in upstream.iter_chunks():
                 for payload in parser.feed(raw):
@@ -200,7 +227,11 @@ class Proxy:
                     assembler.add(chunk)
                     if first:
                         first = False
-                        self.services.metrics.ttft.labels(ctx.model.name).observe(time.perf_counter() - ctx.started)
+                        first_at = time.perf_counter()
+                        ctx.log["ttft_ms"] = round((first_at - ctx.started) * 1000, 3)
+                        self.services.metrics.ttft.labels(ctx.model.name).observe(first_at - ctx.started)
+                    else:
+                        events += 1
                     if has_chunk_hooks:
                         out = await pipeline.run_chunk(ctx, chunk)
                         if out is not None:
@@ -216,6 +247,7 @@ class Proxy:
                 yield _cut_short().to_sse()
                 return
             ok = True
+            self._observe_tpot(ctx, time.perf_counter() - first_at, events)
             result = assembler.result()
             self._count_usage(ctx, result.get("usage"))
             await pipeline.run_response(ctx, ModelResponse(json=result))
@@ -229,6 +261,12 @@ class Proxy:
         finally:
             upstream.close()
             self._finish(ctx, worker, ok=ok)
+
+    def _observe_tpot(self, ctx: RequestContext, seconds: float, steps: int) -> None:
+        """Time per output token of a completed stream: the decode time after the first event over the
+        events that followed (ignores prefill, which TTFT measures). Not observed for one-event streams."""
+        if steps > 0:
+            self.services.metrics.tpot.labels(ctx.model.name).observe(seconds / steps)
 
     def _count_usage(self, ctx: RequestContext, usage: Any) -> None:
         if not isinstance(usage, dict):

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from gateway.config import ConfigError, GatewayConfig, ModelConfig, config_version, is_url
-from gateway.pipeline import BoundPlugin, Pipeline
+from gateway.pipeline import BoundPlugin, HookObserver, Pipeline
 from gateway.registry import PluginRegistry
 from gateway.services import Services
 from gateway.validate import resolve_plugins
@@ -88,9 +88,14 @@ async def build_snapshot(config: GatewayConfig, registry: PluginRegistry, servic
         config=config,
         version=config_version(config),
         loaded_at=time.time(),
-        pipeline=Pipeline(bound, observe=services.metrics.observe_hook),
+        pipeline=Pipeline(bound, observe=_hook_observer(services)),
         models=ModelTable(config),
     )
+
+
+def _hook_observer(services: Services) -> HookObserver:
+    observe = services.metrics.observe_hook
+    return observe if services.tracing is None else services.tracing.hook_observer(observe)
 
 
 class RuntimeHolder:

@@ -61,8 +61,8 @@ def find_preload_libs(python: str, *, candidates: Sequence[str] = TCMALLOC_CANDI
     libs: list[str] = []
     tcmalloc = next((c for c in candidates if Path(c).is_file()), None)
     if tcmalloc is None:
-        found = ctypes.util.find_library("tcmalloc_minimal")
-        tcmalloc = found if found and Path(found).is_absolute() and Path(found).is_file() else None
+        # a bare soname from the linker cache (ldconfig -p): the dynamic loader resolves it in LD_PRELOAD
+        tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
     if tcmalloc:
         libs.append(tcmalloc)
     # A venv's interpreter is bin/python (often a symlink): do not resolve it, its prefix is bin/..

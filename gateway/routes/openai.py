@@ -119,6 +119,8 @@ class InferenceEndpoints:
         assert task is not None
         watcher: asyncio.Task[None] | None = None
         ctx: RequestContext | None = None
+        tracing = self.services.tracing
+        span = tracing.start_request(endpoint.name, raw_headers) if tracing is not None else None
         try:
             body = await self._read_body(raw_headers, receive)
             watcher = asyncio.create_task(self._watch_disconnect(receive, task, state))
@@ -176,6 +178,10 @@ class InferenceEndpoints:
             if watcher is not None:
                 watcher.cancel()
             self._record(endpoint, request_id, state, started, ctx)
+            if span is not None:
+                worker = ctx.worker.url if ctx is not None and ctx.worker is not None else None
+                attributes = {"request_id": request_id, "model": state["model"], "worker": worker}
+                span.end(attributes, state["status"])
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> bytes:
         limit = self.holder.current.config.limits.max_body_bytes if self.holder.loaded else 4 * 1024 * 1024
@@ -267,6 +273,8 @@ class InferenceEndpoints:
                 fields["worker"] = ctx.worker.url
             if ctx.tenant:
                 fields["tenant"] = ctx.tenant
+            if ctx.snapshot.config.logging.log_content:  # opt-in only: prompts are the client's data
+                fields["prompt"] = ctx.body.get("messages", ctx.body.get("prompt", ctx.body.get("input")))
             fields.update(ctx.log)
         error = state.get("error")
         if error is not None:
