@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip wheel
 	$(PY) -m pip install $(PIP_EXTRA) -e '.[engine,dev]'
-	# PyPI's torchvision breaks transformers imports beside the CPU torch; text models do not need it.
-	$(PY) -m pip uninstall -y torchvision
+	# PyPI's torchvision (and torchaudio, torchcodec) break transformers imports beside the CPU torch;
+	# text models need none of them.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	# A third-party plugin package, for the test that plugins are found through entry points.
 	$(PY) -m pip install ./tests/example_plugin
 	touch $(STAMP)
