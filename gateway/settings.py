@@ -25,3 +25,11 @@ class Settings(BaseSettings):
     managed_workers: bool = Field(True, description="start the engine workers declared in config.yaml")
     model_dir: Path = Path("models")
     log_level: str | None = Field(None, description="overrides logging.level from config.yaml")
+    config_watch_s: float = Field(
+        2.0, ge=0, description="re-read the config file this often and reload when its content changed (0: off)"
+    )
+    config_channel: str | None = Field(
+        None, description="Redis pub/sub channel on which replicas share config changes (unset: off)"
+    )
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP traces endpoint, e.g. http://otel:4318 (unset: off)")
+    service_name: str = Field("vllm-gateway", description="service.name on exported traces")

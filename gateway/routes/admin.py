@@ -1,0 +1,125 @@
+"""The admin API: reload, inspect and replace the config, and plugin actions. Admin token required.
+
+- ``POST /admin/reload``: re-read the config file named in the settings (never a path from the body).
+- ``PUT /admin/config``: a new config as YAML or JSON in the body; validated, prepared, then swapped.
+- ``GET /admin/config``: the running config (secrets redacted), its version (content hash) and load time.
+- ``POST /admin/plugins/{name}/{action}``: the live plugin's ``on_admin(action, body)``.
+
+A refused config answers 400 with the field and the reason, and the running config stays live.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
+
+from gateway.admin_auth import require_admin
+from gateway.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from gateway.reload import Reloader
+from gateway.routes import JSON
+from gateway.runtime import RuntimeSnapshot
+from gateway.state import AppState
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
+
+REDACTED = "***"
+# Keys whose values are credentials wherever they appear in a config (plugin sections included).
+_SECRET_KEY = re.compile(r"(pass(word|wd)?|secret|token|api[_-]?keys?|keys|credential|auth|private)", re.I)
+_URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@/\s]+@", re.I)
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """A copy of ``value`` with credential-like keys masked and passwords cut out of URLs."""
+    if key and _SECRET_KEY.search(key) and value not in (None, "", [], {}):
+        return REDACTED
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED + "@", value)
+    return value
+
+
+def _reloader(request: Request) -> Reloader:
+    state: AppState = request.app.state.gateway
+    reloader: Reloader = state.extras["reloader"]
+    return reloader
+
+
+def _live(request: Request) -> RuntimeSnapshot:
+    state: AppState = request.app.state.gateway
+    if not state.holder.loaded:
+        raise ServiceUnavailable("The gateway has no config loaded yet.", code="not_ready")
+    return state.holder.current
+
+
+def describe(snapshot: RuntimeSnapshot, source: str) -> dict[str, Any]:
+    config = snapshot.config.model_dump(mode="json")
+    # A plugin's validated config masks its SecretStr fields; prefer it to the raw section.
+    validated = {b.name: b.plugin.config for b in snapshot.pipeline.plugins}
+    for entry in config.get("plugins", []):
+        model = validated.get(entry["name"])
+        if isinstance(model, BaseModel):
+            entry["config"] = model.model_dump(mode="json")
+    return {
+        "version": snapshot.version,
+        "loaded_at": datetime.fromtimestamp(snapshot.loaded_at, UTC).isoformat(),
+        "loaded_at_unix": snapshot.loaded_at,
+        "source": source,
+        "config": redact(config),
+    }
+
+
+@router.get("/config")
+async def get_config(request: Request) -> JSON:
+    return JSON(describe(_live(request), _reloader(request).source))
+
+
+@router.post("/reload")
+async def reload_file(request: Request) -> JSON:
+    result = await _reloader(request).from_file("api")
+    return JSON(result.as_json())
+
+
+@router.put("/config")
+async def put_config(request: Request) -> JSON:
+    state: AppState = request.app.state.gateway
+    limit = state.holder.current.config.limits.max_body_bytes if state.holder.loaded else 4 * 1024 * 1024
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise PayloadTooLarge(f"A config larger than {limit} bytes is not accepted.", code="request_too_large")
+    if not body.strip():
+        raise InvalidRequest("Send the new config (YAML or JSON) as the request body.", code="config_invalid")
+    # YAML is a superset of JSON, so one safe parser serves both content types; nothing is executed.
+    result = await _reloader(request).from_text(body, "api", origin="request body")
+    return JSON(result.as_json())
+
+
+@router.post("/plugins/{name}/{action}")
+async def plugin_action(name: str, action: str, request: Request) -> JSON:
+    state: AppState = request.app.state.gateway
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("The body of a plugin action must be a JSON object.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The body of a plugin action must be a JSON object.", code="invalid_json")
+    _live(request)
+    with state.holder.pin() as snapshot:  # the plugin cannot be retired while its action runs
+        bound = next((b for b in snapshot.pipeline.plugins if b.name == name), None)
+        if bound is None:
+            enabled = ", ".join(b.name for b in snapshot.pipeline.plugins) or "none"
+            raise NotFound(
+                f"No plugin '{name}' is enabled (enabled: {enabled}).", param="name", code="plugin_not_found"
+            )
+        result = await bound.plugin.on_admin(action, body)
+    return JSON({"plugin": name, "action": action, "result": result})

@@ -1,0 +1,83 @@
+"""Output checks on streams: a bounded hold-back per choice.
+
+Text from the worker is kept unreleased until ``hold_back_chars`` newer characters follow it. Every
+time a piece arrives the held text (with the last released characters before it, for regex context)
+is scanned; so any match of at most ``hold_back_chars`` characters is seen whole before any of its
+characters is released. On a ``block`` hit the text before the match is released and the stream ends
+(``finish_reason: "content_filter"``); ``redact`` rewrites the held text; ``log`` reports once. The
+chunk that carries ``finish_reason`` releases everything still held. Latency added: the text is late
+by at most ``hold_back_chars`` characters, and not at all once the choice has finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from plugins.safety.rules import Hit, RuleSet, redact
+
+Reporter = Callable[[Hit, bytes], None]
+
+
+@dataclass(slots=True)
+class _Held:
+    context: str = ""  # the last released characters, scanned again for context only
+    pending: str = ""  # not yet released
+    released_bytes: int = 0  # UTF-8 bytes released so far (absolute offsets for de-duplication)
+    reported: set[tuple[str, int]] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    text: str
+    blocked: Hit | None = None
+
+
+class StreamGuard:
+    """Hold-back state for one stream (all its choices)."""
+
+    def __init__(self, rules: RuleSet, hold_back_chars: int, report: Reporter) -> None:
+        self._rules = rules
+        self._hold = hold_back_chars
+        self._report = report
+        self._choices: dict[int, _Held] = {}
+
+    def feed(self, index: int, piece: str, *, final: bool) -> Release:
+        """Add ``piece`` to choice ``index``; returns what may be sent now (and the block hit, if any)."""
+        held = self._choices.get(index)
+        if held is None:
+            held = self._choices[index] = _Held()
+        held.pending += piece
+        if not held.pending:
+            return Release("")
+        context_bytes = held.context.encode()
+        data = context_bytes + held.pending.encode()
+        base = len(context_bytes)
+        hits = [h for h in self._rules.scan(data) if h.end > base]
+        origin = held.released_bytes - base  # absolute offset of data[0]
+        for hit in hits:
+            key = (hit.rule.id, origin + hit.start)
+            if key not in held.reported:
+                held.reported.add(key)
+                self._report(hit, data[hit.start : hit.end])
+        blocked = next((h for h in hits if h.rule.action == "block"), None)
+        cut = len(data) if blocked is None else max(blocked.start, base)
+        redactions = [
+            Hit(h.rule, max(h.start, base) - base, min(h.end, cut) - base, h.label)
+            for h in hits
+            if h.rule.action == "redact" and h.start < cut
+        ]
+        pending = redact(data[base:cut], redactions).decode()
+        if blocked is not None or final:
+            return self._release(held, pending, "", blocked)
+        if len(pending) <= self._hold:
+            held.pending = pending
+            return Release("")
+        return self._release(held, pending[: -self._hold], pending[-self._hold :], None)
+
+    def _release(self, held: _Held, out: str, keep: str, blocked: Hit | None) -> Release:
+        held.pending = keep
+        if out:
+            held.context = (held.context + out)[-self._hold :]
+            held.released_bytes += len(out.encode())
+        return Release(out, blocked)
