@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
+
+log = logging.getLogger("gateway.context")
 
 if TYPE_CHECKING:
     from gateway.config import ModelConfig
@@ -100,6 +104,22 @@ class RequestContext:
     state: dict[str, Any] = field(default_factory=dict)
     log: dict[str, Any] = field(default_factory=dict)  # extra fields for the access log line
     body_changed: bool = False
+    _finalizers: list[Callable[[], None]] = field(default_factory=list)
+
+    def add_finalizer(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once when the request is over, whatever the outcome (answered, refused,
+        failed, cut, or the client went away): for a plugin that holds something for the life of a
+        request (e.g. the cache's single-flight lock). It must not block; schedule async work."""
+        self._finalizers.append(callback)
+
+    def finalize(self) -> None:
+        """Called by the core exactly once, after the last byte (or the error) was sent."""
+        callbacks, self._finalizers = self._finalizers, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # one plugin's cleanup must not skip another's
+                log.exception("request %s: a finalizer failed", self.request_id)
 
     def mark_body_changed(self) -> None:
         self.body_changed = True

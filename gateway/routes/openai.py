@@ -177,6 +177,8 @@ class InferenceEndpoints:
             state["finished"] = True
             if watcher is not None:
                 watcher.cancel()
+            if ctx is not None:
+                ctx.finalize()
             self._record(endpoint, request_id, state, started, ctx)
             if span is not None:
                 worker = ctx.worker.url if ctx is not None and ctx.worker is not None else None
