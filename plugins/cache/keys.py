@@ -1,0 +1,93 @@
+"""The cache key: a hash over the canonical request, the namespace and the tenant scope.
+
+What is in the key is decided by exclusion: every top-level request field is assumed to change the
+answer (messages, sampling parameters, response_format, tools, tool_choice, logprobs, n, and any
+engine-specific extra such as ``guided_json``) except the few listed in ``NOT_IN_KEY``, which only
+change how the answer is delivered or who asked. A field vLLM adds tomorrow is therefore keyed by
+default: a missed hit costs engine time, a wrong hit serves a wrong answer.
+
+Only the top level is normalised (key order, ``null`` meaning absent, ``1.0 == 1``): nested objects
+are hashed as the client sent them, because their order can change the output (the property order of
+a JSON schema is the order guided decoding emits fields in).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+
+#: Fields that never change the generated answer. ``model`` is replaced by the resolved model name,
+#: so an alias and its model share entries.
+NOT_IN_KEY = frozenset(
+    {"model", "stream", "stream_options", "user", "request_id", "metadata", "store", "priority", "service_tier"}
+)
+KEY_VERSION = b"1"
+_GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    """The Redis keys of one request: its entry and its single-flight lock (same hash slot)."""
+
+    digest: str
+    entry: str
+    lock: str
+
+
+def canonical_request(body: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The output-relevant fields of a request body, in a stable order."""
+    out: list[tuple[str, Any]] = []
+    for name in sorted(body):
+        if name in NOT_IN_KEY:
+            continue
+        value = body[name]
+        if value is None or (name == "n" and value == 1):
+            continue  # explicit null and the default n are the same request as leaving them out
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        out.append((name, value))
+    return out
+
+
+def make_key(
+    *,
+    prefix: str,
+    namespace: str,
+    tenant: str | None,
+    default_scope: str,
+    endpoint: str,
+    model: str,
+    body: dict[str, Any],
+) -> CacheKey:
+    """Hash everything that decides the answer and who may see it.
+
+    A tenant and the default scope are tagged differently, so a tenant named like the default scope
+    still never shares entries with unscoped requests.
+    """
+    scope = ["tenant", tenant] if tenant is not None else ["scope", default_scope]
+    material = orjson.dumps([namespace, scope, endpoint, model, canonical_request(body)])
+    digest = hashlib.blake2b(KEY_VERSION + material, digest_size=16).hexdigest()
+    # The {digest} hash tag keeps entry and lock in one slot, so the Lua scripts also work on a cluster.
+    return CacheKey(
+        digest=digest,
+        entry=f"{prefix}:{namespace}:e:{_segment(model)}:{{{digest}}}",
+        lock=f"{prefix}:{namespace}:l:{{{digest}}}",
+    )
+
+
+def entry_pattern(prefix: str, namespace: str, model: str | None) -> str:
+    """A SCAN MATCH pattern for the entries of a namespace, or of one model in it (for purges)."""
+    base = f"{prefix}:{namespace}:e:".translate(_GLOB_SPECIAL)
+    if model is None:
+        return base + "*"
+    return base + _segment(model).translate(_GLOB_SPECIAL) + ":*"
+
+
+def _segment(model: str) -> str:
+    # Model names may contain ':' (e.g. "llama3:8b"); quoting keeps one model's pattern from
+    # matching another's entries.
+    return quote(model, safe="")

@@ -1,0 +1,306 @@
+"""The response cache: answer repeated deterministic requests from Redis, streamed or not.
+
+On the way in (``on_request``) it decides whether the request may use the cache (``policy``), builds
+the key (``keys``), and in one Redis round trip either finds the answer (a hit: an early answer, which
+the core replays as SSE for a streaming request), takes the single-flight lock (this request will
+compute the answer), or finds another request computing it and waits for that (``flight``). On the
+way back (``on_response``, which for a stream the core calls once with the assembled answer, and only
+for complete streams) it stores complete answers in the background, so a store never delays a reply.
+Because the cache runs before output-validating plugins and ``on_response`` runs in reverse order, an
+answer that a later plugin rejected raises before it reaches the cache and is never stored.
+
+Redis trouble never fails a request: every call is bounded (``store``), failures open a circuit
+breaker shared across reloads, and the request goes to the engine with ``x-cache: bypass``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from redis.exceptions import RedisError
+
+from gateway.context import ModelResponse, RequestContext
+from gateway.errors import GatewayTimeout, InvalidRequest, ServiceUnavailable
+from gateway.pipeline import Plugin
+from gateway.services import Services
+from plugins.cache.breaker import CircuitBreaker
+from plugins.cache.config import CacheConfig
+from plugins.cache.flight import LocalLeaders, wait_for_leader
+from plugins.cache.keys import CacheKey, entry_pattern, make_key
+from plugins.cache.metrics import CacheMetrics
+from plugins.cache.policy import Decision, decide, is_complete
+from plugins.cache.store import CacheStore, Lookup, RedisUnavailable, decode_entry, encode_entry
+
+log = logging.getLogger("plugins.cache")
+SHARED_KEY = "cache"
+_PURGE_BUDGET_S = 120.0
+
+
+@dataclass
+class CacheShared:
+    """Per-process cache state that outlives config reloads (kept in ``services.shared``)."""
+
+    metrics: CacheMetrics
+    breaker: CircuitBreaker
+    leaders: LocalLeaders = field(default_factory=LocalLeaders)
+    reported_open: bool = False
+
+
+def shared_state(services: Services, config: CacheConfig) -> CacheShared:
+    shared = services.shared.get(SHARED_KEY)
+    if shared is None:
+        shared = CacheShared(
+            metrics=CacheMetrics(services.metrics.registry),
+            breaker=CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s),
+        )
+        services.shared[SHARED_KEY] = shared
+    else:
+        shared.breaker.configure(config.breaker_failures, config.breaker_cooldown_s)
+    assert isinstance(shared, CacheShared)
+    return shared
+
+
+@dataclass(slots=True)
+class _Pending:
+    """What a cacheable miss carries from ``on_request`` to ``on_response`` and its finalizer."""
+
+    key: CacheKey
+    lock_token: bytes | None = None
+    strip_usage: bool = False
+    done: bool = False  # the lock was handed to a store or released
+
+
+class CachePlugin(Plugin):
+    name = "cache"
+    Config = CacheConfig
+    default_on_error = "fail_open"
+    default_timeout_ms = None  # every Redis call and every wait is bounded inside the plugin
+
+    def __init__(self, config: CacheConfig, services: Services) -> None:
+        super().__init__(config, services)
+        self._shared = shared_state(services, config)
+        self.metrics = self._shared.metrics
+        timeout_s = config.timeout_ms / 1000
+        self.store = CacheStore(
+            services.redis(socket_timeout_s=timeout_s, connect_timeout_s=timeout_s),
+            services.redis(socket_timeout_s=5.0, connect_timeout_s=1.0),
+            self._shared.breaker,
+            timeout_s,
+            on_error=self._redis_failed,
+        )
+        self._writes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        try:
+            await self.store.warm_up()
+        except RedisUnavailable as exc:  # the cache fails open; a config never depends on Redis being up
+            log.warning("cache: Redis is not reachable at start-up (%s); requests bypass the cache until it is", exc)
+
+    # -- the way in -------------------------------------------------------------------------------
+
+    async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
+        cfg = self.config
+        model = ctx.model.name
+        decision = decide(cfg, ctx.endpoint, model, ctx.body, ctx.headers)
+        if decision.bypass:
+            return self._bypass(ctx, model, decision.reason)
+        if not self.store.available:
+            return self._bypass(ctx, model, "redis")
+        started = time.perf_counter()
+        key = make_key(
+            prefix=cfg.key_prefix,
+            namespace=cfg.namespace,
+            tenant=ctx.tenant,
+            default_scope=cfg.default_scope,
+            endpoint=ctx.endpoint,
+            model=model,
+            body=ctx.body,
+        )
+        pending = _Pending(key)
+        if decision.lookup:
+            token = secrets.token_bytes(12) if cfg.coalesce and decision.store else None
+            try:
+                found = await self._lookup(key, token)
+            except RedisUnavailable:
+                return self._bypass(ctx, model, "redis")
+            if self._shared.reported_open:
+                self._shared.reported_open = False
+                self.metrics.breaker_open.set(0)
+            if found.status == "leader":
+                pending.lock_token = token
+                self._shared.leaders.lead(key.digest)
+                ctx.add_finalizer(lambda: self._finalize(pending))
+            elif found.status == "locked":
+                outcome, entry = await wait_for_leader(
+                    self.store,
+                    self._shared.leaders,
+                    key,
+                    wait_s=cfg.coalesce_wait_s,
+                    poll_interval_s=cfg.poll_interval_ms / 1000,
+                )
+                self.metrics.coalesced.labels(model, outcome).inc()
+                found = Lookup("hit", entry) if entry is not None else found
+                if outcome == "redis_error":
+                    return self._bypass(ctx, model, "redis")
+            if found.status == "hit" and found.entry is not None:
+                answer = self._answer(ctx, model, found.entry, decision, started)
+                if answer is not None:
+                    return answer
+            ctx.response_headers["x-cache"] = "miss"
+            self.metrics.misses.labels(model).inc()
+        else:
+            self._bypass(ctx, model, "cache_control")  # no-cache: not looked up, the fresh answer is stored
+        if decision.store:
+            ctx.state[SHARED_KEY] = pending
+            if ctx.stream:
+                self._ask_for_usage(ctx, pending)
+        return None
+
+    async def _lookup(self, key: CacheKey, token: bytes | None) -> Lookup:
+        if self.config.coalesce:
+            return await self.store.lookup(key, lock_token=token, lock_ttl_ms=int(self.config.lock_ttl_s * 1000))
+        entry = await self.store.get(key)
+        return Lookup("hit", entry) if entry is not None else Lookup("miss")
+
+    def _answer(
+        self, ctx: RequestContext, model: str, raw: bytes, decision: Decision, started: float
+    ) -> ModelResponse | None:
+        decoded = decode_entry(raw)
+        if decoded is None:
+            return None
+        created, body = decoded
+        age = max(0.0, time.time() - created)
+        if decision.max_age_s is not None and age > decision.max_age_s:
+            return None
+        ctx.response_headers["x-cache"] = "hit"
+        ctx.response_headers["age"] = str(int(age))
+        ctx.log["cache"] = "hit"
+        self.metrics.hits.labels(model).inc()
+        self.metrics.bytes.labels("served").inc(len(body))
+        self.metrics.hit_latency.labels(model).observe(time.perf_counter() - started)
+        # The stored bytes go to the client as they are; only a streaming hit parses them (to replay).
+        return ModelResponse(body=body)
+
+    def _bypass(self, ctx: RequestContext, model: str, reason: str) -> ModelResponse | None:
+        ctx.response_headers["x-cache"] = "bypass"
+        self.metrics.bypasses.labels(model, reason).inc()
+        return None
+
+    @staticmethod
+    def _ask_for_usage(ctx: RequestContext, pending: _Pending) -> None:
+        """A stored answer must carry its usage even when this client did not ask for it: request the
+        usage chunk upstream and hold it back from the client (``on_chunk``)."""
+        options = ctx.body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            return
+        ctx.body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        ctx.mark_body_changed()
+        pending.strip_usage = True
+
+    # -- the way back -----------------------------------------------------------------------------
+
+    async def on_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        pending: _Pending | None = ctx.state.get(SHARED_KEY)
+        if pending is not None and pending.strip_usage and not chunk.get("choices") and chunk.get("usage"):
+            return None
+        return chunk
+
+    async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
+        pending: _Pending | None = ctx.state.get(SHARED_KEY)
+        if pending is None or pending.done or response.status != 200:
+            return None
+        model = ctx.model.name
+        try:
+            complete = is_complete(response.json)
+        except orjson.JSONDecodeError:
+            complete = False
+        if not complete:
+            self.metrics.not_stored.labels(model, "incomplete").inc()
+            return None
+        body = response.body
+        if len(body) > self.config.max_value_bytes:
+            self.metrics.not_stored.labels(model, "too_large").inc()
+            return None
+        if len(self._writes) >= self.config.max_pending_writes:
+            self.metrics.not_stored.labels(model, "backlog").inc()
+            return None
+        pending.done = True
+        ttl_ms = self.config.ttl_for(model) * 1000
+        self._spawn(self._write(pending, model, encode_entry(body, time.time()), ttl_ms))
+        return None
+
+    async def _write(self, pending: _Pending, model: str, entry: bytes, ttl_ms: int) -> None:
+        try:
+            await self.store.store(pending.key, entry, ttl_ms, pending.lock_token)
+        except RedisUnavailable:
+            return  # counted by the store; waiting requests see Redis fail too and go to the engine
+        finally:
+            if pending.lock_token is not None:
+                self._shared.leaders.done(pending.key.digest)
+        self.metrics.stores.labels(model).inc()
+        self.metrics.bytes.labels("stored").inc(len(entry))
+
+    def _finalize(self, pending: _Pending) -> None:
+        """The request is over without storing (error, cut stream, refusal, not storable, client
+        gone): release the lock now so waiting requests go to the engine instead of waiting it out."""
+        if pending.done or pending.lock_token is None:
+            return
+        pending.done = True
+        self._spawn(self._release(pending.key, pending.lock_token))
+
+    async def _release(self, key: CacheKey, token: bytes) -> None:
+        try:
+            await self.store.release(key, token)
+        except RedisUnavailable:
+            pass  # the lock expires by itself (lock_ttl_s)
+        finally:
+            self._shared.leaders.done(key.digest)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    def _redis_failed(self, op: str) -> None:
+        self.metrics.errors.labels(op).inc()
+        if self.store.breaker.state == "open" and not self._shared.reported_open:
+            self._shared.reported_open = True
+            self.metrics.breaker_open.set(1)
+
+    # -- admin and lifecycle ----------------------------------------------------------------------
+
+    async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``purge``: delete the entries of a namespace (default: the live one), or of one model in it."""
+        if action != "purge":
+            return await super().on_admin(action, body)
+        namespace = body.get("namespace", self.config.namespace)
+        model = body.get("model")
+        if not isinstance(namespace, str) or not namespace or ":" in namespace:
+            raise InvalidRequest("'namespace' must be a non-empty string without ':'.", param="namespace")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise InvalidRequest("'model' must be a non-empty string.", param="model")
+        pattern = entry_pattern(self.config.key_prefix, namespace, model)
+        try:
+            async with asyncio.timeout(_PURGE_BUDGET_S):
+                deleted = await self.store.purge(pattern)
+        except TimeoutError:
+            raise GatewayTimeout(
+                f"Purging the cache took longer than {_PURGE_BUDGET_S:.0f} s; run it again to finish.",
+                code="cache_purge_timeout",
+            ) from None
+        except (RedisError, OSError) as exc:
+            raise ServiceUnavailable(
+                f"Redis is unavailable, so the cache was not purged ({type(exc).__name__}); try again later.",
+                code="cache_unavailable",
+            ) from None
+        return {"purged": deleted, "namespace": namespace, "model": model}
+
+    async def aclose(self) -> None:
+        if self._writes:
+            await asyncio.wait(set(self._writes), timeout=max(1.0, self.config.timeout_ms / 1000 * 4))

@@ -1,0 +1,170 @@
+"""Redis access for the cache: one round trip per operation, every call bounded, a breaker in front.
+
+Each request-path operation is a single command (a Lua script where several keys must change
+together), wrapped in ``asyncio.timeout`` so a slow or paused Redis costs at most ``timeout_s`` per
+call (the socket timeouts of the pooled client are the same value; the outer bound also covers
+connecting and the client library's own retries). Any failure is reported to the circuit breaker and
+raised as ``RedisUnavailable``: the plugin then steps aside and the request goes to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from plugins.cache.breaker import CircuitBreaker
+from plugins.cache.keys import CacheKey
+
+T = TypeVar("T")
+
+# An entry is: format byte, creation time (unix seconds, big-endian double), the response body bytes.
+_ENTRY_FORMAT = b"\x01"
+_HEADER = struct.Struct(">d")
+_HEADER_SIZE = 1 + _HEADER.size
+
+# Hit: the value. Miss: take the single-flight lock when asked ("lock"), or report whether another
+# request holds it ("peek"). One round trip either way.
+_LOOKUP = """
+local v = redis.call('GET', KEYS[1])
+if v then return {1, v} end
+if ARGV[3] == 'lock' then
+  if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
+  return {3}
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {3} end
+return {0}
+"""
+# Store the entry and, if this request still holds the lock, release it.
+_STORE = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if ARGV[3] ~= '' and redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
+return 1
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_STATUS: dict[int, Literal["miss", "hit", "leader", "locked"]] = {0: "miss", 1: "hit", 2: "leader", 3: "locked"}
+
+
+class RedisUnavailable(Exception):
+    """Redis failed or timed out, or the breaker is open: the cache steps aside for this call."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """``hit`` (with the raw entry), ``leader`` (this request holds the lock), ``locked`` (another
+    request is computing the answer) or ``miss`` (nobody is)."""
+
+    status: Literal["miss", "hit", "leader", "locked"]
+    entry: bytes | None = None
+
+
+def encode_entry(body: bytes, created: float) -> bytes:
+    return _ENTRY_FORMAT + _HEADER.pack(created) + body
+
+
+def decode_entry(raw: bytes) -> tuple[float, bytes] | None:
+    """(created, body), or None for a value this version does not understand (treated as a miss)."""
+    if len(raw) <= _HEADER_SIZE or raw[:1] != _ENTRY_FORMAT:
+        return None
+    return _HEADER.unpack_from(raw, 1)[0], raw[_HEADER_SIZE:]
+
+
+class CacheStore:
+    """The cache's Redis operations. ``on_error(op)`` is called for each failure (metrics)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        admin_client: aioredis.Redis,
+        breaker: CircuitBreaker,
+        timeout_s: float,
+        on_error: Callable[[str], None],
+    ) -> None:
+        self._client = client
+        self._admin = admin_client
+        self.breaker = breaker
+        self.timeout_s = timeout_s
+        self._on_error = on_error
+        self._lookup = client.register_script(_LOOKUP)
+        self._store = client.register_script(_STORE)
+        self._release = client.register_script(_RELEASE)
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open (a cheap check before doing any work for Redis)."""
+        return self.breaker.state != "open"
+
+    async def _call(self, op: str, make: Callable[[], Awaitable[T]]) -> T:
+        if not self.breaker.allow():
+            raise RedisUnavailable(f"{op}: circuit breaker open")
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                result = await make()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.breaker.failure()
+            self._on_error(op)
+            raise RedisUnavailable(f"{op}: {type(exc).__name__}") from exc
+        self.breaker.success()
+        return result
+
+    async def warm_up(self) -> None:
+        """Load the scripts and open a connection, so the first request does not pay for it."""
+        sources = [script.script for script in (self._lookup, self._store, self._release)]
+
+        async def load() -> None:
+            for source in sources:
+                await self._client.script_load(source)
+
+        await self._call("warm_up", load)
+
+    async def lookup(self, key: CacheKey, *, lock_token: bytes | None, lock_ttl_ms: int) -> Lookup:
+        mode = b"lock" if lock_token else b"peek"
+        args: list[bytes | int] = [lock_token or b"", lock_ttl_ms, mode]
+        reply: Any = await self._call("lookup", lambda: self._lookup(keys=[key.entry, key.lock], args=args))
+        status = _STATUS[int(reply[0])]
+        return Lookup(status, reply[1] if status == "hit" else None)
+
+    async def get(self, key: CacheKey) -> bytes | None:
+        value = await self._call("lookup", lambda: self._client.get(key.entry))
+        return value if isinstance(value, bytes) else None
+
+    async def poll(self, key: CacheKey) -> tuple[bytes | None, bool]:
+        """(entry or None, whether the lock is still held): what a waiting request checks."""
+
+        async def both() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.get(key.entry)
+            pipe.exists(key.lock)
+            return list(await pipe.execute())
+
+        entry, locked = await self._call("poll", both)
+        return entry, bool(locked)
+
+    async def store(self, key: CacheKey, entry: bytes, ttl_ms: int, lock_token: bytes | None) -> None:
+        args: list[bytes | int] = [entry, ttl_ms, lock_token or b""]
+        await self._call("store", lambda: self._store(keys=[key.entry, key.lock], args=args))
+
+    async def release(self, key: CacheKey, lock_token: bytes) -> None:
+        await self._call("release", lambda: self._release(keys=[key.lock], args=[lock_token]))
+
+    async def purge(self, pattern: str, *, batch: int = 500) -> int:
+        """UNLINK every key matching ``pattern`` (admin only: SCAN with the admin client's longer
+        timeouts, not subject to the breaker). Raises RedisError on failure."""
+        deleted = 0
+        pending: list[bytes] = []
+        async for name in self._admin.scan_iter(match=pattern, count=batch):
+            pending.append(name)
+            if len(pending) >= batch:
+                deleted += int(await self._admin.unlink(*pending))
+                pending.clear()
+        if pending:
+            deleted += int(await self._admin.unlink(*pending))
+        return deleted
