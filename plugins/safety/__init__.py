@@ -62,7 +62,7 @@ class SafetyPlugin(Plugin):
         except ValueError as exc:
             raise ValueError(f"safety: {exc}") from None
         if self.policies.skipped_secret_types:
-            log.info(
+            log.debug(
                 "safety: detect-secrets types not usable with RE2: %s", ", ".join(self.policies.skipped_secret_types)
             )
         for path in self.policies.tokenizer_paths():

@@ -54,6 +54,12 @@ class StreamGuard:
         data = context_bytes + held.pending.encode()
         base = len(context_bytes)
         hits = [h for h in self._rules.scan(data) if h.end > base]
+        # A redact or log hit that touches the end of the text so far may still grow (an e-mail address
+        # cut after "example.or"): act on it only once text follows it or the choice ends, and hold
+        # everything from its start until then. A block acts at once: a prefix that matches is enough.
+        growing = [] if final else [h for h in hits if h.end == len(data) and h.rule.action != "block"]
+        if growing:
+            hits = [h for h in hits if h not in growing]
         origin = held.released_bytes - base  # absolute offset of data[0]
         for hit in hits:
             key = (hit.rule.id, origin + hit.start)
@@ -70,10 +76,15 @@ class StreamGuard:
         pending = redact(data[base:cut], redactions).decode()
         if blocked is not None or final:
             return self._release(held, pending, "", blocked)
-        if len(pending) <= self._hold:
+        keep_from = len(pending) - self._hold
+        if growing:
+            # A growing hit is a suffix of the text, untouched by the redactions before it: hold it whole.
+            start = max(base, min(h.start for h in growing))
+            keep_from = min(keep_from, len(pending) - len(data[start:].decode()))
+        if keep_from <= 0:
             held.pending = pending
             return Release("")
-        return self._release(held, pending[: -self._hold], pending[-self._hold :], None)
+        return self._release(held, pending[:keep_from], pending[keep_from:], None)
 
     def _release(self, held: _Held, out: str, keep: str, blocked: Hit | None) -> Release:
         held.pending = keep
