@@ -33,6 +33,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("gateway.access")
 _JSON = (b"content-type", b"application/json")
+_WATCH_AFTER_S = 0.05  # a non-streamed request starts watching for a client disconnect after this
 
 
 def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -117,15 +118,20 @@ class InferenceEndpoints:
         state: dict[str, Any] = {"status": 0, "model": "-", "sent": False, "finished": False}
         task = asyncio.current_task()
         assert task is not None
-        watcher: asyncio.Task[None] | None = None
+        watcher: asyncio.TimerHandle | None = None
         ctx: RequestContext | None = None
         tracing = self.services.tracing
         span = tracing.start_request(endpoint.name, raw_headers) if tracing is not None else None
         try:
             body = await self._read_body(raw_headers, receive)
-            watcher = asyncio.create_task(self._watch_disconnect(receive, task, state))
             payload = parse_body(body)
             model_name, stream = check_request(endpoint, payload)
+            # Watching for a disconnect takes a task per request. A plain request usually ends within
+            # the delay, so it never needs one; a longer one still has its upstream closed when the
+            # client leaves (receive() reports a disconnect that happened before the watch began).
+            watcher = asyncio.get_running_loop().call_later(
+                0.0 if stream else _WATCH_AFTER_S, self._start_watcher, receive, task, state
+            )
             if not self.holder.loaded:
                 raise ServerError("The gateway has no config loaded yet.", code="not_ready", status=503)
             with self.holder.pin() as snapshot:
@@ -177,6 +183,9 @@ class InferenceEndpoints:
             state["finished"] = True
             if watcher is not None:
                 watcher.cancel()
+            watch_task = state.get("watcher")
+            if watch_task is not None:
+                watch_task.cancel()
             if ctx is not None:
                 ctx.finalize()
             self._record(endpoint, request_id, state, started, ctx)
@@ -205,6 +214,10 @@ class InferenceEndpoints:
             if not message.get("more_body", False):
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _start_watcher(self, receive: Receive, task: asyncio.Task[Any], state: dict[str, Any]) -> None:
+        if not state["finished"]:
+            state["watcher"] = asyncio.create_task(self._watch_disconnect(receive, task, state))
 
     @staticmethod
     async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], state: dict[str, Any]) -> None:
