@@ -184,6 +184,18 @@ def start_gateway(
     return peer
 
 
+def start_minimal_hop(tmp: Path, upstream_url: str) -> Peer:
+    """uvicorn + aiohttp and nothing else (bench/minimal_hop.py): the floor for a Python hop."""
+    port = free_port()
+    log = tmp / "minimal-hop.log"
+    cmd = [str(VENV_BIN / "uvicorn"), "--factory", "bench.minimal_hop:create_app", "--port", str(port)]
+    cmd += ["--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"]
+    proc = _spawn(cmd, PROXY_CPU, log, env={"UPSTREAM": upstream_url})
+    peer = Peer("python-hop", f"http://127.0.0.1:{port}", "mock", proc, note="uvicorn + aiohttp", log=log)
+    wait_ready(peer.url + "/health", proc, log)
+    return peer
+
+
 def start_litellm(tmp: Path, upstream_url: str) -> Peer | None:
     """LiteLLM's proxy from its own venv (never the project's), if it was installed there."""
     if not LITELLM.exists():

@@ -38,7 +38,7 @@ import load
 import peers
 import report
 
-ALL_PEERS = ["direct", "nginx", "gateway", "gateway-full-miss", "gateway-full-hit", "litellm"]
+ALL_PEERS = ["direct", "nginx", "python-hop", "gateway", "gateway-full-miss", "gateway-full-hit", "litellm"]
 #: The default plugin set in the order DESIGN.md gives; plugins not installed yet are skipped.
 DEFAULT_PLUGINS = ["safety", "cache", "guided_json", "routing"]
 
@@ -147,6 +147,8 @@ def start_peers(tmp: Path, mock: peers.Peer, args: argparse.Namespace) -> tuple[
             peer = mock
         elif name == "nginx":
             peer = peers.start_nginx(tmp, mock.url)
+        elif name == "python-hop":
+            peer = peers.start_minimal_hop(tmp, mock.url)
         elif name == "gateway":
             peer = peers.start_gateway(tmp, name, mock.url, [{"name": "routing"}], note="routing")
         elif name == "gateway-baseline":
