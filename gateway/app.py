@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.config import ConfigError, GatewayConfig, UpstreamConfig, load_config
 from gateway.errors import GatewayError, InvalidRequest, ServerError, error_for_status
+from gateway.logs import apply_logging
 from gateway.metrics import Metrics
 from gateway.protocol import ENDPOINTS
 from gateway.registry import PluginRegistry
@@ -131,6 +132,7 @@ def create_app(
             await state.engine.start()
         try:
             await state.holder.load(initial)
+            apply_logging(initial.logging, override=settings.log_level)
             services.workers.start_health_checks(
                 lambda url: _probe(services, url), state.holder.current.config.upstream.health_interval_s
             )

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 from gateway.app import GatewayApp, create_app
+from gateway.logs import configure_logging
 from gateway.settings import Settings
 
 
 def app() -> GatewayApp:
-    return create_app(Settings())
+    settings = Settings()
+    if not logging.getLogger().handlers:
+        # A worker process uvicorn spawned (--workers > 1) starts with logging unconfigured; the levels
+        # from config.yaml are applied once the config is loaded (lifespan).
+        configure_logging(settings.log_level or "INFO")
+    return create_app(settings)

@@ -18,6 +18,7 @@ class JSONFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
+            "pid": record.process,  # several uvicorn worker processes write to one stream
         }
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):

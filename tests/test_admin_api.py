@@ -156,7 +156,8 @@ def test_request_bodies_never_load_code_or_files(
             f"models: !!python/object/apply:os.system ['touch {marker}']\n".encode(),
             # Import paths and entry-point strings are not plugin names.
             b"models: [{name: m1, workers: [http://127.0.0.1:1]}]\nplugins: [{name: 'os:system'}]\n",
-            b"models: [{name: m1, workers: [http://127.0.0.1:1]}]\nplugins: [{name: 'plugins.routing:RoutingPlugin'}]\n",
+            b"models: [{name: m1, workers: [http://127.0.0.1:1]}]\n"
+            b"plugins: [{name: 'plugins.routing:RoutingPlugin'}]\n",
             # A config section naming a file to include is just an unknown field.
             f"include: {tmp_path}/other.yaml\nmodels: [{{name: m1, workers: [http://127.0.0.1:1]}}]\n".encode(),
         ]

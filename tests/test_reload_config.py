@@ -63,27 +63,25 @@ class Tagger(Plugin):
 
     name = "tagger"
     Config = TagConfig
-    closed: list[tuple[str, float]] = []  # noqa: RUF012 - reset per test by the fixture
 
     async def on_request(self, ctx: RequestContext) -> None:
         ctx.response_headers["x-tag"] = self.config.tag
 
     async def aclose(self) -> None:
-        Tagger.closed.append((self.config.tag, time.monotonic()))
+        self.services.shared.setdefault("tagger_closed", []).append((self.config.tag, time.monotonic()))
 
 
-@pytest.fixture(autouse=True)
-def _reset_tagger() -> Iterator[None]:
-    Tagger.closed = []
-    yield
-    Tagger.closed = []
+def closed_tags(app: Any) -> list[tuple[str, float]]:
+    return list(app.state.services.shared.get("tagger_closed", []))
 
 
 PLUGINS: dict[str, type[Plugin]] = {"needs_redis": NeedsRedis, "tagger": Tagger}
 
 
 def tagged(upstream_url: str, tag: str, **extra: Any) -> dict[str, Any]:
-    return base_config([upstream_url], plugins=[{"name": "tagger", "config": {"tag": tag}}, {"name": "routing"}], **extra)
+    return base_config(
+        [upstream_url], plugins=[{"name": "tagger", "config": {"tag": tag}}, {"name": "routing"}], **extra
+    )
 
 
 def put(server: ServerThread, body: bytes | dict[str, Any]) -> httpx.Response:
@@ -154,14 +152,16 @@ def test_broken_config_is_refused_and_the_old_one_serves(
             assert error["param"] == param
         assert live_version(server) == before
         serves_tag(server, "old")
-        assert Tagger.closed == []  # the live plugin was not touched
+        assert closed_tags(app) == []  # the live plugin was not touched
 
 
 def test_plugin_needing_redis_loads_when_redis_answers(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
 ) -> None:
     with gateway_factory(tagged(upstream_url, "old"), plugins=PLUGINS, admin_token=TOKEN) as (_, server):
-        good = base_config([upstream_url], plugins=[{"name": "needs_redis", "config": {"url": "redis://127.0.0.1:6379/0"}}])
+        good = base_config(
+            [upstream_url], plugins=[{"name": "needs_redis", "config": {"url": "redis://127.0.0.1:6379/0"}}]
+        )
         good["plugins"].append({"name": "routing"})
         response = put(server, good)
         assert response.status_code == 200 and response.json()["changed"] is True
@@ -203,7 +203,7 @@ def test_in_flight_stream_finishes_on_its_snapshot_and_old_plugins_close_after(
 ) -> None:
     upstream.behavior.chunks = 8
     upstream.behavior.pace_s = 0.15
-    with gateway_factory(tagged(upstream_url, "old"), plugins=PLUGINS, admin_token=TOKEN) as (_, server):
+    with gateway_factory(tagged(upstream_url, "old"), plugins=PLUGINS, admin_token=TOKEN) as (app, server):
         body = {**CHAT, "stream": True}
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=10) as stream:
             assert stream.headers["x-tag"] == "old"
@@ -212,7 +212,7 @@ def test_in_flight_stream_finishes_on_its_snapshot_and_old_plugins_close_after(
             assert put(server, tagged(upstream_url, "new")).json()["changed"] is True
             serves_tag(server, "new")  # new requests see the new config at once
             time.sleep(0.2)
-            assert Tagger.closed == []  # the old plugin is still in use by the open stream
+            assert closed_tags(app) == []  # the old plugin is still in use by the open stream
             rest = list(lines)
             stream_ended = time.monotonic()
         assert "data: [DONE]" in rest
@@ -223,10 +223,10 @@ def test_in_flight_stream_finishes_on_its_snapshot_and_old_plugins_close_after(
         )
         assert text.endswith("worker.")
         deadline = time.monotonic() + 5
-        while not Tagger.closed and time.monotonic() < deadline:
+        while not closed_tags(app) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert [tag for tag, _ in Tagger.closed] == ["old"]
-        assert Tagger.closed[0][1] >= stream_ended - 0.5
+        assert [tag for tag, _ in closed_tags(app)] == ["old"]
+        assert closed_tags(app)[0][1] >= stream_ended - 0.5
 
 
 # -- the file watcher: a Kubernetes ConfigMap volume -----------------------------------------------
