@@ -26,10 +26,14 @@ import hashlib
 import logging
 import signal
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
 
 from gateway.config import ConfigError, GatewayConfig, parse_config
 from gateway.errors import InvalidRequest
@@ -85,6 +89,7 @@ class Reloader:
         self._file_hash: str | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sighup = False
+        self.channel: ConfigChannel | None = None
 
     # -- sources ----------------------------------------------------------------------------------
 
@@ -143,6 +148,10 @@ class Reloader:
             log.debug("SIGHUP reload not available in this thread")
         if watch and self.settings.config_watch_s > 0:
             self.spawn(self._watch(self.settings.config_watch_s), "config-watch")
+        if self.settings.config_channel:
+            self.channel = ConfigChannel(self, self.settings.redis_url, self.settings.config_channel)
+            self.announce = self.channel.publish
+            self.spawn(self.channel.listen(), "config-channel")
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -190,3 +199,72 @@ class Reloader:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=5)
+        if self.channel is not None:
+            await self.channel.aclose()
+
+
+class ConfigChannel:
+    """Replicas tell each other about a new config over Redis pub/sub.
+
+    A replica that loaded a change (from any source but the channel) publishes
+    ``{"origin", "version", "config"}``; every other replica (and every worker process of this one)
+    loads that text through the same parse/prepare/swap, so a refused config is refused everywhere it
+    is invalid and the running one stays. Whoever can publish on the channel can change the config:
+    protect Redis with ACLs as you protect the admin token. Every wait is bounded: publishing by the
+    socket timeout, listening by one-second polls, reconnecting by a capped backoff.
+    """
+
+    def __init__(self, reloader: Reloader, redis_url: str, channel: str) -> None:
+        self.reloader = reloader
+        self.name = channel
+        self.origin = uuid.uuid4().hex
+        # Its own client: a subscribed connection cannot serve commands, and the shared pools use
+        # sub-second timeouts meant for cache lookups.
+        self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+        self.ready = asyncio.Event()
+
+    async def publish(self, text: bytes, version: str, source: str) -> None:
+        if source == "channel":
+            return
+        message = {"origin": self.origin, "version": version, "source": source, "config": text.decode()}
+        await self.redis.publish(self.name, orjson.dumps(message))
+
+    async def listen(self) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(self.name)
+                    self.ready.set()
+                    backoff = 0.5
+                    while True:
+                        message = await pubsub.get_message(timeout=1.0)
+                        if message is not None and message.get("type") == "message":
+                            await self._received(message["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: keep serving, try again later
+                self.ready.clear()
+                log.warning("config channel %s: %s; retrying in %.1f s", self.name, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    async def _received(self, data: bytes) -> None:
+        try:
+            message = orjson.loads(data)
+            origin, version, text = message["origin"], message["version"], message["config"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            log.warning("config channel %s: ignored a message that is not a config announcement", self.name)
+            return
+        holder = self.reloader.holder
+        if origin == self.origin or (holder.loaded and holder.current.version == version):
+            return
+        try:
+            result = await self.reloader.from_text(str(text).encode(), "channel", origin="config channel")
+        except ConfigRefused:
+            return  # logged; the running config stays
+        if result.version != version:
+            log.warning("config channel: announced version %s loaded as %s here", version, result.version)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
