@@ -9,6 +9,8 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
 - ``Config``: a pydantic model for its ``config:`` section, validated before a config goes live.
 - ``__init__(config, services)``: build from the validated config and the process-wide services
   (upstream client, Redis, worker table, metrics). No I/O here.
+- ``prepare(config)``: optional; sees the whole ``GatewayConfig`` being prepared (e.g. the model table,
+  to check names the plugin's own section refers to). Raising ``ValueError`` refuses that config.
 - ``async start()``: open what the plugin needs (connections, files, compiled rules). A failure refuses
   the config that asked for it; the running config stays live.
 - ``async on_request(ctx)``: runs in list order before the upstream call. Return None to go on, return
@@ -52,6 +54,7 @@ from gateway.context import ModelResponse, RequestContext
 from gateway.errors import GatewayError, NotFound, ServiceUnavailable
 
 if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
     from gateway.services import Services
 
 OnError = Literal["fail_closed", "fail_open"]
@@ -73,6 +76,9 @@ class Plugin:
     def __init__(self, config: Any, services: Services) -> None:
         self.config = config
         self.services = services
+
+    def prepare(self, config: GatewayConfig) -> None:
+        return None
 
     async def start(self) -> None:
         return None

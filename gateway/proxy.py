@@ -78,15 +78,21 @@ class Proxy:
                 code="no_healthy_worker",
                 headers={"retry-after": "1"},
             )
-        body = ctx.upstream_body()
         workers = self.services.workers
         metrics = self.services.metrics
         while True:
+            # Per attempt: a retry may go to a fallback model, which changes the body's "model".
+            body = ctx.upstream_body()
             worker.in_flight += 1
             error: GatewayError
             try:
                 upstream = await self._connect(ctx, worker, body)
-            except UpstreamFailure as failure:
+            except BaseException as exc:
+                if not isinstance(exc, UpstreamFailure):  # cancelled (client gone): keep counters exact
+                    worker.in_flight -= 1
+                    plan.finished(worker, ok=False)
+                    raise
+                failure = exc
                 worker.in_flight -= 1
                 workers.report_failure(worker, failure.kind)
                 metrics.upstream_errors.labels(worker.url, failure.kind).inc()
@@ -96,7 +102,14 @@ class Proxy:
                 if upstream.status == 200:
                     ctx.worker = worker
                     return upstream
-                error = from_upstream(upstream.status, await upstream.read())
+                try:
+                    error = from_upstream(upstream.status, await upstream.read())
+                except BaseException as exc:
+                    worker.in_flight -= 1
+                    plan.finished(worker, ok=False)
+                    if isinstance(exc, UpstreamFailure):
+                        raise exc.error from None
+                    raise
                 worker.in_flight -= 1
                 retryable = upstream.status in _RETRYABLE_STATUS
                 if upstream.status >= 500:
@@ -155,6 +168,9 @@ class Proxy:
         except UpstreamFailure as failure:
             self._finish(ctx, worker, ok=False, error=failure.error)
             raise failure.error from None
+        except BaseException:  # cancelled (client gone): keep counters exact
+            self._finish(ctx, worker, ok=False)
+            raise
         self._finish(ctx, worker, ok=True)
         response = ModelResponse(body=body)
         try:

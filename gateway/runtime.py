@@ -68,6 +68,7 @@ async def build_snapshot(config: GatewayConfig, registry: PluginRegistry, servic
             entry, cls = item.entry, item.cls
             plugin = cls(item.config, services)
             try:
+                plugin.prepare(config)
                 await plugin.start()
             except Exception as exc:
                 await plugin.aclose()

@@ -52,15 +52,54 @@ class WorkerTable:
         self.max_ejection_s = max_ejection_s
         self._task: asyncio.Task[None] | None = None
         self.on_change: list[Callable[[Worker], None]] = []
+        self._static: list[str] = []
+        self._discovered: dict[str, list[str]] = {}
+        #: Bumped whenever the set of workers changes, so callers can cache what they derive from it.
+        self.generation = 0
 
     def sync(self, urls: Iterable[str]) -> None:
-        """Make the table hold exactly ``urls`` (new ones start optimistic; kept ones keep state)."""
-        wanted = dict.fromkeys(urls)
+        """Make the table hold exactly ``urls`` plus the discovered workers (new ones start optimistic;
+        kept ones keep state)."""
+        self._static = list(dict.fromkeys(urls))
+        self._rebuild()
+
+    def set_discovered(self, ref: str, urls: Iterable[str]) -> bool:
+        """A discovery source says ``ref`` (e.g. ``dns://name:port``) now means ``urls``; they join the
+        table and its health checks. Returns True when that changed anything."""
+        new = list(dict.fromkeys(urls))
+        if self._discovered.get(ref) == new:
+            return False
+        self._discovered[ref] = new
+        self._rebuild()
+        return True
+
+    def retain_discovered(self, refs: Iterable[str]) -> None:
+        """Forget discovered refs that are not in ``refs`` (no longer named by any model)."""
+        keep = set(refs)
+        stale = [ref for ref in self._discovered if ref not in keep]
+        for ref in stale:
+            del self._discovered[ref]
+        if stale:
+            self._rebuild()
+
+    def expand(self, refs: Iterable[str]) -> list[str]:
+        """Worker refs as URLs: a discovered ref becomes its current addresses (none until resolved)."""
+        out: list[str] = []
+        for ref in refs:
+            if ref.startswith("dns://"):
+                out.extend(self._discovered.get(ref, ()))
+            else:
+                out.append(ref)
+        return out
+
+    def _rebuild(self) -> None:
+        wanted = dict.fromkeys([*self._static, *(u for urls in self._discovered.values() for u in urls)])
         for url in list(self._workers):
             if url not in wanted and self._workers[url].in_flight == 0:
                 del self._workers[url]
         for url in wanted:
             self._workers.setdefault(url, Worker(url=url))
+        self.generation += 1
 
     def get(self, url: str) -> Worker:
         worker = self._workers.get(url)

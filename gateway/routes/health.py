@@ -29,7 +29,7 @@ async def ready(request: Request) -> JSON:
     models = {}
     ready = True
     for model in snapshot.models.models:
-        urls = snapshot.models.worker_urls[model.name]
+        urls = workers.expand(snapshot.models.worker_urls[model.name])
         healthy = [u for u in urls if workers.get(u).available()]
         models[model.name] = {"workers": len(urls), "healthy": len(healthy)}
         ready = ready and bool(healthy)
