@@ -1,71 +1,199 @@
 """Routing: choose the worker for each request among the workers of its model.
 
-This is the minimal policy (round robin over healthy workers, retry on another worker when a failure
-happened before any byte reached the client). It hands its choice to the core as a ``RoutePlan``.
+Per request, in ``on_request`` (the terminal plugin): pick the weighted target (canary), skip to a
+fallback model when the target has no healthy worker (503 at once when none has), take an admission
+slot (429 with ``Retry-After`` when the model is full), and hand the core a ``Plan`` that picks the
+worker by the model's policy and the next one after a retryable failure. Everything on this path is
+in-memory arithmetic; the only waits are the bounded admission queue and none at all when it is empty.
 """
 
 from __future__ import annotations
 
-import itertools
+import random
 import time
-from typing import Literal
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from gateway.config import GatewayConfig, ModelConfig
 from gateway.context import ModelResponse, RequestContext
-from gateway.errors import GatewayError
+from gateway.errors import ServiceUnavailable
 from gateway.pipeline import Plugin
 from gateway.services import Services
 from gateway.workers import Worker
+from plugins.routing.canary import WeightedTargets, fallback_chain, retarget, unknown_references
+from plugins.routing.config import ModelRouting, RoutingConfig
+from plugins.routing.discovery import DnsDiscovery, Resolver, system_resolver
+from plugins.routing.plan import Plan
+from plugins.routing.policies import LoadBias, WorkerPool, prompt_prefix, stable_hash
+from plugins.routing.telemetry import RoutingShared
+from plugins.routing.workerload import WorkerLoadScraper
+
+if TYPE_CHECKING:
+    from gateway.workers import WorkerTable
 
 
-class RoutingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ModelRoute:
+    """One model as a request may use it: its pool and policy, and the request's affinity key
+    (computed once, on the first pick, and reused for retries)."""
 
-    policy: Literal["round_robin"] = "round_robin"
-    max_attempts: int = Field(3, ge=1, le=10, description="tries per request, each on a different worker")
+    __slots__ = ("_ctx", "_key", "_pool", "_routing", "bias", "model")
 
+    def __init__(
+        self, model: ModelConfig, routing: ModelRouting, pool: WorkerPool, ctx: RequestContext, bias: LoadBias | None
+    ) -> None:
+        self.model = model
+        self._routing = routing
+        self._pool = pool
+        self._ctx = ctx
+        self._key: int | None = -1
+        self.bias = bias
 
-class RoundRobinPlan:
-    """Round robin over the available workers; a retry never returns to a worker that failed."""
+    def pool_available(self, now: float) -> bool:
+        return self._pool.any_available(now)
 
-    __slots__ = ("_attempts", "_candidates", "_max_attempts", "_start", "_tried")
+    def choose(self, tried: list[Worker], now: float) -> Worker | None:
+        policy = self._routing.policy
+        if policy == "round_robin":
+            return self._pool.round_robin(tried, now)
+        if policy != "least_outstanding":
+            key = self._affinity_key()
+            if key is not None:
+                return self._pool.hashed(key, self._routing.load_factor, tried, now)
+        return self._pool.least_outstanding(tried, now, self.bias)
 
-    def __init__(self, candidates: list[Worker], start: int, max_attempts: int) -> None:
-        self._candidates = candidates
-        self._start = start
-        self._max_attempts = max_attempts
-        self._tried: list[Worker] = []
-        self._attempts = 0
-
-    def next_worker(self, failed: Worker | None, error: GatewayError | None) -> Worker | None:
-        if self._attempts >= self._max_attempts or not self._candidates:
-            return None
-        now = time.monotonic()
-        n = len(self._candidates)
-        for offset in range(n):
-            worker = self._candidates[(self._start + self._attempts + offset) % n]
-            if worker not in self._tried and worker.available(now):
-                self._tried.append(worker)
-                self._attempts += 1
-                return worker
-        return None
-
-    def finished(self, worker: Worker, *, ok: bool, error: GatewayError | None = None) -> None:
-        return None
+    def _affinity_key(self) -> int | None:
+        if self._key == -1:
+            ctx = self._ctx
+            if self._routing.policy == "session_affinity":
+                text = ctx.headers.get(self._routing.session_header, "")
+            else:
+                text = prompt_prefix(ctx.endpoint, ctx.body, self._routing.prefix_chars)
+            self._key = stable_hash(text.encode("utf-8", "surrogatepass")) if text else None
+        return self._key
 
 
 class RoutingPlugin(Plugin):
     name = "routing"
     Config = RoutingConfig
 
+    #: How ``dns://`` refs are resolved; a subclass may replace it (tests control the answers).
+    resolver: Resolver = staticmethod(system_resolver)
+
     def __init__(self, config: RoutingConfig, services: Services) -> None:
         super().__init__(config, services)
-        self._counter = itertools.count()
+        self.shared = RoutingShared.of(services)
+        self.rng = random.Random()
+        self._models: dict[str, ModelConfig] = {}
+        self._refs: dict[str, list[str]] = {}
+        self._targets: dict[str, WeightedTargets] = {}
+        self._chains: dict[str, list[str]] = {}
+        self._pools: dict[str, tuple[int, WorkerPool]] = {}
+        self._discovery: DnsDiscovery | None = None
+        self.load = WorkerLoadScraper(config.load_metrics, services.workers, services.upstream)
+
+    def prepare(self, config: GatewayConfig) -> None:
+        """Check the model names this section refers to and learn the model table."""
+        known = {m.name for m in config.models}
+        problems = unknown_references(self.config, known)
+        if problems:
+            raise ValueError("; ".join(problems))
+        managed = {w.name: w.url for w in config.engine.workers}
+        for model in config.models:
+            self._models[model.name] = model
+            self._refs[model.name] = [managed.get(ref, ref) for ref in model.workers]
+            self._chains[model.name] = fallback_chain(model.name, self.config, known)
+            targets = self.config.for_model(model.name).targets
+            if targets and model.name in self.config.models:
+                self._targets[model.name] = WeightedTargets(targets, self.rng)
+        refs = [ref for refs in self._refs.values() for ref in refs if ref.startswith("dns://")]
+        self._discovery = DnsDiscovery(
+            self.services.workers,
+            refs,
+            interval_s=self.config.discovery.dns_interval_s,
+            timeout_s=self.config.discovery.dns_timeout_s,
+            resolver=self.resolver,
+        )
+
+    async def start(self) -> None:
+        if self._discovery is not None:
+            await self._discovery.start()
+        await self.load.start()
+
+    async def aclose(self) -> None:
+        if self._discovery is not None:
+            await self._discovery.aclose()
+        await self.load.aclose()
+
+    def pool(self, model: str) -> WorkerPool:
+        """The model's workers, rebuilt only when the worker table changed."""
+        table: WorkerTable = self.services.workers
+        cached = self._pools.get(model)
+        if cached is not None and cached[0] == table.generation:
+            return cached[1]
+        pool = WorkerPool([table.get(url) for url in table.expand(self._refs.get(model, ()))])
+        self._pools[model] = (table.generation, pool)
+        return pool
 
     async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
-        workers = self.services.workers
-        urls = ctx.snapshot.models.worker_urls[ctx.model.name]
-        candidates = [workers.get(url) for url in urls]
-        ctx.plan = RoundRobinPlan(candidates, next(self._counter), self.config.max_attempts)
+        requested = ctx.model.name
+        picker = self._targets.get(requested)
+        if picker is not None:
+            target = picker.pick()
+            self.shared.targets.labels(requested, target).inc()
+            if target != requested:
+                retarget(ctx, self._models[target])
+        bias = self.load.bias if self.config.load_metrics.enabled else None
+        routes = [
+            ModelRoute(self._models[name], self.config.for_model(name), self.pool(name), ctx, bias)
+            for name in self._chains.get(ctx.model.name, (ctx.model.name,))
+            if name in self._models
+        ]
+        now = time.monotonic()
+        while routes and not routes[0].pool_available(now):
+            routes.pop(0)
+        if not routes:
+            self.shared.rejected.labels(requested, "no_healthy_worker").inc()
+            raise ServiceUnavailable(
+                f"No healthy worker serves model '{requested}' right now; try again shortly.",
+                code="no_healthy_worker",
+                headers={"retry-after": "1"},
+            )
+        if routes[0].model is not ctx.model:
+            self.shared.fallbacks.labels(ctx.model.name, routes[0].model.name).inc()
+            ctx.log["fallback_from"] = ctx.model.name
+            retarget(ctx, routes[0].model)
+        model = ctx.model.name
+        admission = self.config.for_model(model).admission
+        gate = self.shared.gate(model, admission) if admission.max_in_flight is not None else None
+        if gate is not None:
+            try:
+                waited = await gate.acquire(self._priority(ctx))
+            except Exception:
+                self.shared.rejected.labels(model, "over_capacity").inc()
+                raise
+            if waited:
+                self.shared.queue_wait.labels(model).observe(waited)
+        ctx.plan = Plan(
+            ctx,
+            routes,
+            gate=gate,
+            budget=self.shared.budget(model, self.config.retry_budget),
+            max_attempts=self.config.max_attempts,
+            on_fallback=self._count_fallback,
+            on_budget_refused=self._count_budget_refused,
+        )
         return None
+
+    def _priority(self, ctx: RequestContext) -> int:
+        raw = ctx.headers.get(self.config.priority_header)
+        if not raw:
+            return 0
+        try:
+            return max(-1000, min(1000, int(raw)))
+        except ValueError:
+            return 0
+
+    def _count_fallback(self, model: str, fallback: str) -> None:
+        self.shared.fallbacks.labels(model, fallback).inc()
+
+    def _count_budget_refused(self, model: str) -> None:
+        self.shared.budget_exhausted.labels(model).inc()

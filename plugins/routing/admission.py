@@ -1,0 +1,89 @@
+"""Admission control per model: a bounded number of requests at the workers, a bounded priority queue
+in front of them with a maximum wait, and a fast 429 beyond that.
+
+A client told to come back later (429 with ``Retry-After``) can retry elsewhere or slow down; a request
+left to queue into a timeout wastes both the client's time and the worker's. The gate counts requests
+from admission until their last attempt finishes (``release``); a retry of an admitted request takes its
+slot back without queueing (``reacquire``). Higher ``priority`` waiters are admitted first, FIFO within
+a priority.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+
+from gateway.errors import RateLimited
+from plugins.routing.config import AdmissionConfig
+
+
+class ModelGate:
+    """The in-flight slots and waiting queue of one model. Lives across config reloads (limits are
+    updated in place) so requests admitted under the old config still count."""
+
+    __slots__ = ("_heap", "_queued", "_seq", "in_flight", "limits", "model")
+
+    def __init__(self, model: str, limits: AdmissionConfig) -> None:
+        self.model = model
+        self.limits = limits
+        self.in_flight = 0
+        self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._queued = 0
+        self._seq = itertools.count()
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def _refuse(self, why: str) -> RateLimited:
+        retry_after = self.limits.retry_after_s
+        return RateLimited(
+            f"Model '{self.model}' is at capacity ({why}); retry after {retry_after} s.",
+            code="model_overloaded",
+            headers={"retry-after": str(retry_after)},
+        )
+
+    async def acquire(self, priority: int = 0) -> float:
+        """Take a slot, waiting in the queue if allowed. Returns the seconds waited; raises
+        ``RateLimited`` when the queue is full or the wait runs over ``max_queue_time_s``."""
+        limit = self.limits.max_in_flight
+        if limit is None or (self.in_flight < limit and not self._queued):
+            self.in_flight += 1
+            return 0.0
+        if self._queued >= self.limits.max_queue:
+            raise self._refuse(f"{self.in_flight} requests in flight, {self._queued} waiting")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        heapq.heappush(self._heap, (-priority, next(self._seq), future))
+        self._queued += 1
+        started = loop.time()
+        try:
+            async with asyncio.timeout(self.limits.max_queue_time_s):
+                await future
+        except BaseException as exc:
+            if future.done() and not future.cancelled():
+                self.release()  # the slot was handed over just as we gave up: pass it on
+            else:
+                future.cancel()
+                self._queued -= 1
+            if isinstance(exc, TimeoutError):
+                raise self._refuse(f"waited {self.limits.max_queue_time_s:g} s for a slot") from None
+            raise
+        return loop.time() - started
+
+    def reacquire(self) -> None:
+        """A retry of an already admitted request: it does not queue again."""
+        self.in_flight += 1
+
+    def release(self) -> None:
+        """A request (or one attempt of it) is done: hand its slot to the best waiter, if any."""
+        limit = self.limits.max_in_flight
+        while self._heap and (limit is None or self.in_flight <= limit):
+            _, _, future = heapq.heappop(self._heap)
+            if future.done():  # gave up waiting (timed out or cancelled); already uncounted
+                continue
+            self._queued -= 1
+            future.set_result(None)  # the slot passes to the waiter: in_flight stays the same
+            return
+        self.in_flight -= 1

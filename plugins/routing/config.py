@@ -1,0 +1,108 @@
+"""The routing plugin's ``config:`` section: per-model policy, canary weights, fallbacks, admission,
+retries, discovery and optional load scraping. Validated before a config goes live."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+PolicyName = Literal["round_robin", "least_outstanding", "prefix_affinity", "session_affinity"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AdmissionConfig(_Strict):
+    """Per-model limits. A request over ``max_in_flight`` waits in a priority queue (at most
+    ``max_queue`` waiters, each at most ``max_queue_time_s``); beyond that it gets a 429 at once."""
+
+    max_in_flight: int | None = Field(
+        None, ge=1, description="requests at the model's workers at once (None: no limit)"
+    )
+    max_queue: int = Field(0, ge=0, description="requests that may wait for a slot")
+    max_queue_time_s: float = Field(5.0, gt=0, description="longest wait for a slot before a 429")
+    retry_after_s: int = Field(1, ge=1, le=3600, description="the Retry-After a refused client is given")
+
+
+class ModelRouting(_Strict):
+    """How the workers of one model are chosen, and where its traffic may go instead."""
+
+    policy: PolicyName = "least_outstanding"
+    prefix_chars: int = Field(
+        1024, ge=16, le=1 << 20, description="prefix_affinity: how much of the prompt start identifies a prefix"
+    )
+    load_factor: float = Field(
+        1.25, ge=1.0, le=10.0, description="bounded loads: a worker takes at most this times the mean in-flight"
+    )
+    session_header: str = Field("x-session-id", min_length=1, description="session_affinity: the header to hash")
+    targets: dict[str, float] = Field(
+        default_factory=dict,
+        description="canary: model name -> weight (e.g. {a: 90, b: 10}); empty means this model alone",
+    )
+    fallbacks: list[str] = Field(
+        default_factory=list,
+        description="models tried in order when this one has no healthy worker or fails before the first byte",
+    )
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+
+    @field_validator("targets")
+    @classmethod
+    def _weights(cls, targets: dict[str, float]) -> dict[str, float]:
+        if any(w < 0 for w in targets.values()):
+            raise ValueError("target weights must be >= 0")
+        if targets and sum(targets.values()) <= 0:
+            raise ValueError("at least one target needs a weight > 0")
+        return targets
+
+    @field_validator("session_header")
+    @classmethod
+    def _lower(cls, name: str) -> str:
+        return name.lower()
+
+
+class RetryBudgetConfig(_Strict):
+    """Retries may add at most ``ratio`` x recent requests (plus ``min_per_s``), so in an outage they
+    cannot multiply the load on the workers that are left."""
+
+    ratio: float = Field(0.2, ge=0.0, le=10.0)
+    min_per_s: float = Field(5.0, ge=0.0)
+    window_s: float = Field(10.0, gt=0)
+
+
+class DiscoveryConfig(_Strict):
+    """``dns://name:port`` worker refs (e.g. a Kubernetes headless Service) are re-resolved this often."""
+
+    dns_interval_s: float = Field(10.0, gt=0)
+    dns_timeout_s: float = Field(2.0, gt=0)
+
+
+class LoadMetricsConfig(_Strict):
+    """Optionally scrape each worker's /metrics in the background and weigh its own queue and KV cache
+    use into least_outstanding (score = in_flight + waiting_weight*waiting + kv_weight*kv_usage)."""
+
+    enabled: bool = False
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    waiting_weight: float = Field(1.0, ge=0)
+    kv_weight: float = Field(4.0, ge=0)
+    max_age_s: float = Field(10.0, gt=0, description="older samples are ignored")
+
+
+class RoutingConfig(_Strict):
+    default: ModelRouting = Field(default_factory=ModelRouting, description="for models not listed in `models`")
+    models: dict[str, ModelRouting] = Field(default_factory=dict, description="per model name")
+    max_attempts: int = Field(3, ge=1, le=10, description="tries per request, each on a different worker")
+    retry_budget: RetryBudgetConfig = Field(default_factory=RetryBudgetConfig)
+    priority_header: str = Field("x-priority", description="integer; higher is admitted first (default 0)")
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    load_metrics: LoadMetricsConfig = Field(default_factory=LoadMetricsConfig)
+
+    @field_validator("priority_header")
+    @classmethod
+    def _lower(cls, name: str) -> str:
+        return name.lower()
+
+    def for_model(self, name: str) -> ModelRouting:
+        return self.models.get(name, self.default)

@@ -1,0 +1,109 @@
+"""What routing shares across config reloads: admission gates, retry budgets and its metrics.
+
+Kept in ``services.shared["routing"]`` so a reload neither forgets requests already admitted (limits are
+updated in place) nor registers its metrics twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.metrics import LATENCY_BUCKETS
+from gateway.services import Services
+from gateway.workers import WorkerTable
+from plugins.routing.admission import ModelGate
+from plugins.routing.config import AdmissionConfig, RetryBudgetConfig
+from plugins.routing.plan import RetryBudget
+
+SHARED_KEY = "routing"
+
+
+class _WorkerCollector(Collector):
+    """Per-worker load and health, read from the worker table when /metrics is scraped."""
+
+    def __init__(self, workers: WorkerTable, gates: dict[str, ModelGate]) -> None:
+        self.workers = workers
+        self.gates = gates
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight = GaugeMetricFamily("gateway_worker_in_flight", "Requests at each worker now", labels=["worker"])
+        ejected = GaugeMetricFamily(
+            "gateway_worker_ejected", "1 while a worker is ejected after repeated failures", labels=["worker"]
+        )
+        ejections = GaugeMetricFamily(
+            "gateway_worker_consecutive_ejections", "Ejections in a row without a success", labels=["worker"]
+        )
+        for worker in self.workers.all():
+            in_flight.add_metric([worker.url], worker.in_flight)
+            ejected.add_metric([worker.url], 0 if worker.available() or not worker.healthy else 1)
+            ejections.add_metric([worker.url], worker.ejections)
+        admitted = GaugeMetricFamily(
+            "gateway_routing_admitted", "Requests holding an admission slot, by model", labels=["model"]
+        )
+        queued = GaugeMetricFamily("gateway_routing_queued", "Requests waiting for a slot, by model", labels=["model"])
+        for name, gate in self.gates.items():
+            admitted.add_metric([name], gate.in_flight)
+            queued.add_metric([name], gate.queued)
+        yield from (in_flight, ejected, ejections, admitted, queued)
+
+
+class RoutingShared:
+    """Process-wide routing state; one per ``Services``."""
+
+    def __init__(self, services: Services) -> None:
+        self.gates: dict[str, ModelGate] = {}
+        self.budgets: dict[str, RetryBudget] = {}
+        r = services.metrics.registry
+        self.rejected = Counter(
+            "gateway_routing_rejected",
+            "Requests refused by admission or health, by model and reason",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "gateway_routing_queue_wait_seconds",
+            "Time admitted requests waited for a slot",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "gateway_routing_fallbacks", "Requests served by a fallback model", ["model", "fallback"], registry=r
+        )
+        self.targets = Counter(
+            "gateway_routing_target",
+            "Requests by requested model and the weighted target chosen",
+            ["model", "target"],
+            registry=r,
+        )
+        self.budget_exhausted = Counter(
+            "gateway_routing_retry_budget_exhausted", "Retries refused by the retry budget", ["model"], registry=r
+        )
+        r.register(_WorkerCollector(services.workers, self.gates))
+
+    @classmethod
+    def of(cls, services: Services) -> RoutingShared:
+        shared = services.shared.get(SHARED_KEY)
+        if not isinstance(shared, cls):
+            shared = services.shared[SHARED_KEY] = cls(services)
+        return shared
+
+    def gate(self, model: str, limits: AdmissionConfig) -> ModelGate:
+        gate = self.gates.get(model)
+        if gate is None:
+            gate = self.gates[model] = ModelGate(model, limits)
+        elif gate.limits != limits:
+            gate.limits = limits
+        return gate
+
+    def budget(self, model: str, config: RetryBudgetConfig) -> RetryBudget:
+        budget = self.budgets.get(model)
+        if budget is None:
+            budget = self.budgets[model] = RetryBudget(config)
+        elif budget.config != config:
+            budget.config = config
+        return budget
