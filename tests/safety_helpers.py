@@ -8,6 +8,12 @@ import httpx
 import openai
 import orjson
 
+from gateway.config import UpstreamConfig
+from gateway.metrics import Metrics
+from gateway.services import Services
+from gateway.settings import Settings
+from gateway.upstream import UpstreamClient
+from gateway.workers import WorkerTable
 from tests.fakes import ServerThread
 
 # kind -> (extra rule fields, a sample that must match, the placeholder a redaction leaves)
@@ -79,3 +85,8 @@ def finish_reasons(events: list[dict[str, Any] | str]) -> list[str]:
         for c in e.get("choices") or ()
         if c.get("finish_reason") is not None
     ]
+
+
+def services() -> Services:
+    """Process services for building a plugin outside a gateway (no I/O until used)."""
+    return Services(Settings(), UpstreamClient(UpstreamConfig()), WorkerTable(), Metrics())

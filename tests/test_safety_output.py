@@ -11,16 +11,10 @@ import httpx
 import orjson
 import pytest
 
-from gateway.config import UpstreamConfig
-from gateway.metrics import Metrics
-from gateway.services import Services
-from gateway.settings import Settings
-from gateway.upstream import UpstreamClient
-from gateway.workers import WorkerTable
 from plugins.safety import OutputSafetyPlugin, SafetyConfig, SafetyPlugin
 from tests.conftest import GatewayFactory, base_config
 from tests.fakes import FakeUpstream, ServerThread
-from tests.safety_helpers import SAMPLES, chat, finish_reasons, rules, safety, stream_events, streamed_text
+from tests.safety_helpers import SAMPLES, chat, finish_reasons, rules, safety, services, stream_events, streamed_text
 
 KINDS = list(SAMPLES)
 BEFORE = "Sure, here it is. "
@@ -45,15 +39,11 @@ def output_gateway(gateway_factory: GatewayFactory, upstream_url: str) -> Iterat
 def test_the_class_is_chosen_by_whether_output_rules_exist() -> None:
     input_only = SafetyConfig.model_validate({"rules": rules("block")})
     with_output = SafetyConfig.model_validate({"rules": rules("block", ["input", "output"])})
-    assert type(SafetyPlugin(input_only, _services())) is SafetyPlugin
-    assert type(SafetyPlugin(with_output, _services())) is OutputSafetyPlugin
+    assert type(SafetyPlugin(input_only, services())) is SafetyPlugin
+    assert type(SafetyPlugin(with_output, services())) is OutputSafetyPlugin
     # The core passes stream bytes through untouched unless a plugin class overrides these hooks.
     assert not SafetyPlugin.overrides("on_chunk") and not SafetyPlugin.overrides("on_response")
     assert OutputSafetyPlugin.overrides("on_chunk") and OutputSafetyPlugin.overrides("on_response")
-
-
-def _services() -> Services:
-    return Services(Settings(), UpstreamClient(UpstreamConfig()), WorkerTable(), Metrics())
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -81,7 +71,7 @@ def test_non_stream_redact_and_log(
     with caplog.at_level(logging.INFO, logger="gateway.safety"):
         logged = chat(output_gateway("log"), "tell me").json()["choices"][0]
     assert logged["message"]["content"] == BEFORE + sample + AFTER
-    hashes = [r.fields["span_sha256"] for r in caplog.records if r.name == "gateway.safety" and hasattr(r, "fields")]  # type: ignore[attr-defined]
+    hashes = [r.fields["span_sha256"] for r in caplog.records if r.name == "gateway.safety" and hasattr(r, "fields")]
     assert hashlib.sha256(sample.encode()).hexdigest() in hashes
 
 

@@ -9,7 +9,8 @@ entropy and keyword plugins are not used: they flag ordinary prose and code far 
 gateway that refuses or rewrites prompts.
 
 A private key pattern matches only the ``BEGIN ... PRIVATE KEY`` line, so its span is extended to the
-matching ``END`` line (or the end of the text) to cover the key itself.
+matching ``END`` line (or the end of the text) to cover the key itself; a JWT's span is extended over
+its signature, which the lazy pattern leaves out.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from plugins.safety.detectors import Span, compile_re2
 _EXCLUDED = frozenset({"Public IP (ipv4)"})
 _LOOKBEHIND_NONWORD = "(?:(?<=\\W)|(?<=^))"
 _LOOKAHEAD_NONWORD = "(?!\\w)"
+_JWT_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.+/=")
 _PRIVATE_KEY_END = compile_re2(r"-----END[A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----")
 
 
@@ -103,5 +105,9 @@ class SecretDetector:
                         start -= 1
                     tail = _PRIVATE_KEY_END.search(data, end)
                     end = tail.end() if tail is not None else len(data)
+                elif pattern.secret_type == "JSON Web Token":
+                    # Its pattern ends lazily (detect-secrets decodes the token afterwards): take the signature.
+                    while end < len(data) and data[end] in _JWT_CHARS:
+                        end += 1
                 spans.append(Span(start, end))
         return spans
