@@ -17,7 +17,6 @@ Linux only (``prctl`` and ``/proc``), like vLLM's CPU and GPU builds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import os
 import signal
@@ -97,6 +96,20 @@ async def wait_group_gone(pgid: int, timeout_s: float, interval_s: float = 0.1) 
     return True
 
 
+async def wait_exit(proc: asyncio.subprocess.Process, timeout_s: float | None = None, interval_s: float = 0.1) -> bool:
+    """Wait until ``proc`` has exited; False on timeout.
+
+    Not ``proc.wait()``: asyncio resolves that only once the output pipe is closed too, and children left
+    behind by a crashed worker keep it open.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while proc.returncode is None:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(interval_s)
+    return True
+
+
 async def terminate_group(pgid: int, leader: asyncio.subprocess.Process | None, grace_s: float) -> None:
     """SIGTERM the group, wait up to ``grace_s`` for it to exit, then SIGKILL whatever is left.
 
@@ -104,14 +117,13 @@ async def terminate_group(pgid: int, leader: asyncio.subprocess.Process | None, 
     """
     signal_group(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    if leader is not None and leader.returncode is None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(leader.wait(), timeout=grace_s)
+    if leader is not None:
+        await wait_exit(leader, grace_s)
     if not await wait_group_gone(pgid, max(0.0, deadline - time.monotonic())):
         signal_group(pgid, signal.SIGKILL)
         await wait_group_gone(pgid, 5.0)
-    if leader is not None and leader.returncode is None:
-        await leader.wait()
+    if leader is not None:
+        await wait_exit(leader, 5.0)
 
 
 def kill_group_now(pgid: int) -> None:

@@ -180,7 +180,7 @@ class WorkerProcess:
         self._emit("ready")
 
     async def _reap(self, proc: asyncio.subprocess.Process) -> None:
-        await proc.wait()
+        await procgroup.wait_exit(proc, 5.0)
         self.last_exit_code = proc.returncode
         await procgroup.wait_group_gone(proc.pid, 5.0)
         await self._drain_output()
@@ -198,8 +198,7 @@ class WorkerProcess:
                     pass
                 if time.monotonic() >= deadline:
                     raise self._start_error(f"was not ready after {self._ready_timeout_s:.0f}s")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(proc.wait()), self._poll_interval_s)
+                await procgroup.wait_exit(proc, self._poll_interval_s, interval_s=0.05)
 
     def _start_error(self, what: str) -> WorkerStartError:
         tail = "\n".join(f"    {line}" for line in self._tail) or "    (no output)"
@@ -229,8 +228,8 @@ class WorkerProcess:
     async def _watch(self) -> None:
         failures = 0
         while self._proc is not None:
-            code = await self._proc.wait()
-            self.last_exit_code = code
+            await procgroup.wait_exit(self._proc, None, interval_s=0.2)
+            code = self.last_exit_code = self._proc.returncode
             uptime = time.monotonic() - self._ready_at
             failures = 1 if uptime >= self._policy.stable_after_s else failures + 1
             self._log.warning("[worker %s] exited with code %s after %.0fs", self.name, code, uptime)
