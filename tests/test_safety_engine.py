@@ -34,7 +34,7 @@ def client(gateway_factory: GatewayFactory, real_worker: Any) -> Iterator[openai
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
+ASK: list[Any] = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
 def test_ordinary_prompt_passes_untouched(client: openai.OpenAI) -> None:
@@ -55,7 +55,7 @@ def test_ordinary_prompt_streams_with_output_checks(client: openai.OpenAI) -> No
 
 
 def test_long_prompt_is_counted_with_the_real_tokenizer(client: openai.OpenAI) -> None:
-    long = [{"role": "user", "content": "colour " * 1700}]
+    long: list[Any] = [{"role": "user", "content": "colour " * 1700}]
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="smollm2", messages=long, max_tokens=8)
     assert info.value.code == "context_length_exceeded"

@@ -4,6 +4,7 @@ on pathological input, and the stream hold-back at every possible split point.""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -101,6 +102,10 @@ def test_pathological_patterns_finish_in_bounded_time() -> None:
     assert [h.rule.id for h in hits] == ["evil"]
 
 
+def _collect(into: list[Hit]) -> Callable[[Hit, bytes], None]:
+    return lambda hit, span: into.append(hit)
+
+
 @pytest.mark.parametrize("action", ["block", "redact"])
 def test_hold_back_catches_a_match_at_every_split(action: str) -> None:
     secret = "AKIAIOSFODNN7EXAMPLE"
@@ -110,7 +115,7 @@ def test_hold_back_catches_a_match_at_every_split(action: str) -> None:
         for size in (1, 3, 7):
             pieces = [text[:first]] + [text[i : i + size] for i in range(first, len(text), size)]
             reported: list[Hit] = []
-            guard = StreamGuard(rules, 24, lambda hit, span, reported=reported: reported.append(hit))
+            guard = StreamGuard(rules, 24, _collect(reported))
             sent = ""
             for i, piece in enumerate(pieces):
                 release = guard.feed(0, piece, final=i == len(pieces) - 1)
