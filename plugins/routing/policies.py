@@ -73,9 +73,9 @@ class WorkerPool:
         self._rr = (start + 1) % n if n else 0
         best: Worker | None = None
         best_load = math.inf
-        for offset in range(n):
-            worker = workers[(start + offset) % n]
-            if not worker.available(now) or worker in tried:
+        # The hot loop of the busiest policy: availability is inlined (Worker.available) on purpose.
+        for worker in workers[start:] + workers[:start]:
+            if not worker.healthy or worker.ejected_until > now or (tried and worker in tried):
                 continue
             load = worker.in_flight + bias(worker) if bias is not None else worker.in_flight
             if load < best_load:
@@ -91,7 +91,7 @@ class WorkerPool:
         total = 0
         live = 0
         for worker in workers:
-            if worker.available(now) and worker not in tried:
+            if worker.healthy and worker.ejected_until <= now and not (tried and worker in tried):
                 total += worker.in_flight
                 live += 1
         if not live:
