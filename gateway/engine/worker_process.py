@@ -230,6 +230,7 @@ class WorkerProcess:
         while self._proc is not None:
             await procgroup.wait_exit(self._proc, None, interval_s=0.2)
             code = self.last_exit_code = self._proc.returncode
+            self.state = WorkerState.RESTARTING
             uptime = time.monotonic() - self._ready_at
             failures = 1 if uptime >= self._policy.stable_after_s else failures + 1
             self._log.warning("[worker %s] exited with code %s after %.0fs", self.name, code, uptime)
