@@ -1,8 +1,9 @@
 """The pooled HTTP client to workers.
 
-One ``aiohttp`` session per process (keep-alive, bounded pool). aiohttp was chosen by measurement: on
-one core a minimal hop reached ~8,700 req/s with it against ~1,400 with ``httpx.AsyncClient``, whose
-pool also stalled streams under concurrency (README, Performance).
+One keep-alive pool per process (``gateway.http1``: asyncio + httptools), chosen by measurement: on
+one core a minimal hop reached ~8,700 req/s with aiohttp's client against ~1,400 with
+``httpx.AsyncClient``, whose pool also stalled streams under concurrency, and the lean pool took the
+client's share of the gateway's profile down again (bench/README.md).
 
 Every wait is bounded: connect, first byte (response headers), and the idle gap between two body reads.
 Failures before the headers are raised as ``UpstreamFailure`` with ``retryable`` set when no byte can
@@ -15,13 +16,23 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from gateway.config import UpstreamConfig
 from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
+from gateway.http1 import Connection, ConnectionPool, ProtocolError
 
-_HOP_HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+_ACCEPT = b"Accept: application/json, text/event-stream\r\n"
+
+
+def _broke(exc: BaseException) -> UpstreamFailure:
+    return UpstreamFailure(
+        BadGateway(f"The connection to the model worker broke ({type(exc).__name__}).", code="upstream_error"),
+        retryable=False,
+        kind="protocol",
+    )
 
 
 class UpstreamFailure(Exception):
@@ -37,44 +48,59 @@ class UpstreamFailure(Exception):
 class UpstreamResponse:
     """A worker's response whose headers have arrived; the body is read on demand."""
 
-    __slots__ = ("_idle_s", "_resp", "status")
+    __slots__ = ("_conn", "_done", "_idle_s", "_pool", "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse, idle_s: float) -> None:
-        self._resp = resp
+    def __init__(self, conn: Connection, pool: ConnectionPool, idle_s: float) -> None:
+        self._conn = conn
+        self._pool = pool
         self._idle_s = idle_s
-        self.status = resp.status
+        self._done = False
+        self.status = conn.status
 
     @property
     def content_type(self) -> str:
-        return self._resp.headers.get("content-type", "")
+        for name, value in self._conn.headers:
+            if name == b"content-type":
+                return value.decode("latin-1")
+        return ""
 
     async def read(self) -> bytes:
+        """The whole body (the idle timeout bounds the wait for the rest of it)."""
+        conn = self._conn
+        parts: list[bytes] = []
         try:
-            async with asyncio.timeout(self._idle_s):
-                return await self._resp.read()
+            if not conn.complete:
+                async with asyncio.timeout(self._idle_s):
+                    while not conn.complete:
+                        if conn.lost is not None:
+                            raise conn.lost
+                        await conn.wait_data()
+            while chunk := conn.chunk_nowait():
+                parts.append(chunk)
         except TimeoutError:
             raise UpstreamFailure(
                 GatewayTimeout("The model worker stopped sending its response.", code="upstream_timeout"),
                 retryable=False,
                 kind="timeout",
             ) from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailure(
-                BadGateway(f"The connection to the model worker broke ({type(exc).__name__}).", code="upstream_error"),
-                retryable=False,
-                kind="protocol",
-            ) from None
+        except (OSError, ProtocolError) as exc:
+            raise _broke(exc) from None
         finally:
-            self._resp.release()
+            self.close()
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive; each wait bounded by the idle timeout."""
-        content = self._resp.content
+        conn = self._conn
         try:
             while True:
                 try:
-                    async with asyncio.timeout(self._idle_s):
-                        chunk = await content.readany()
+                    chunk = conn.chunk_nowait()
+                    if chunk is None:
+                        async with asyncio.timeout(self._idle_s):
+                            while chunk is None:
+                                await conn.wait_data()
+                                chunk = conn.chunk_nowait()
                 except TimeoutError:
                     raise UpstreamFailure(
                         GatewayTimeout(
@@ -83,15 +109,8 @@ class UpstreamResponse:
                         retryable=False,
                         kind="timeout",
                     ) from None
-                except aiohttp.ClientError as exc:
-                    raise UpstreamFailure(
-                        BadGateway(
-                            f"The connection to the model worker broke ({type(exc).__name__}).",
-                            code="upstream_error",
-                        ),
-                        retryable=False,
-                        kind="protocol",
-                    ) from None
+                except (OSError, ProtocolError) as exc:
+                    raise _broke(exc) from None
                 if not chunk:
                     return
                 yield chunk
@@ -99,30 +118,35 @@ class UpstreamResponse:
             self.close()
 
     def close(self) -> None:
-        """Drop the connection unless the body was read to the end (an unread body cannot be reused,
-        and closing it is what tells vLLM to abort the generation)."""
-        if self._resp.content.at_eof():
-            self._resp.release()
-        else:
-            self._resp.close()
+        """Keep the connection for reuse if the body was read to the end; otherwise close it (an
+        unread body cannot be reused, and closing it is what tells vLLM to abort the generation)."""
+        if not self._done:
+            self._done = True
+            self._pool.release(self._conn)
 
 
 class UpstreamClient:
-    """The process-wide connection pool to workers."""
+    """The process-wide connection pool to workers.
+
+    Requests on the hot path go over ``gateway.http1`` connections; the occasional GET (health checks,
+    metrics scrapes) over an aiohttp session.
+    """
 
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
+        self._pool = ConnectionPool(
+            limit=config.max_connections,
+            limit_per_host=config.max_connections_per_worker,
+            keepalive_s=config.keepalive_s,
+        )
+        self._targets: dict[tuple[str, str], tuple[tuple[str, int, bool], bytes]] = {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = aiohttp.TCPConnector(
-                limit=self.config.max_connections,
-                limit_per_host=self.config.max_connections_per_worker,
-                keepalive_timeout=self.config.keepalive_s,
-                ttl_dns_cache=10,
-                family=socket.AF_UNSPEC,
+                limit=64, keepalive_timeout=self.config.keepalive_s, ttl_dns_cache=10, family=socket.AF_UNSPEC
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -134,18 +158,48 @@ class UpstreamClient:
         return self._session
 
     def reconfigure(self, config: UpstreamConfig) -> None:
-        """Timeouts apply to new requests at once; pool sizes are fixed when the pool is created."""
+        """Timeouts and keep-alive apply to new requests at once; pool sizes are fixed at start."""
         self.config = config
+        self._pool.keepalive_s = config.keepalive_s
+
+    def _target(self, base_url: str, path: str) -> tuple[tuple[str, int, bool], bytes]:
+        """(host, port, tls) and the request head up to the headers that vary, cached per URL."""
+        cached = self._targets.get((base_url, path))
+        if cached is None:
+            parts = urlsplit(base_url)
+            tls = parts.scheme == "https"
+            host = parts.hostname or "127.0.0.1"
+            port = parts.port or (443 if tls else 80)
+            target = (parts.path.rstrip("/") + path) or "/"
+            head = f"POST {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+            cached = self._targets[(base_url, path)] = ((host, port, tls), head.encode("latin-1") + _ACCEPT)
+        return cached
 
     async def open(
         self, base_url: str, path: str, body: bytes, *, headers: dict[str, str] | None = None
     ) -> UpstreamResponse:
         """POST ``body`` and wait (bounded) for response headers."""
-        send_headers = _HOP_HEADERS if not headers else {**_HOP_HEADERS, **headers}
         cfg = self.config
+        key, head = self._target(base_url, path)
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1") if headers else b""
+        request = b"%sContent-Length: %d\r\n%s\r\n%s" % (head, len(body), extra, body)
         try:
             async with asyncio.timeout(cfg.first_byte_timeout_s):
-                resp = await self.session.post(base_url + path, data=body, headers=send_headers)
+                for attempt in (1, 2):
+                    conn, reused = await self._pool.acquire(key, cfg.connect_timeout_s)
+                    try:
+                        await conn.send(request)
+                    except (OSError, ProtocolError) as exc:
+                        self._pool.discard(conn)
+                        # A kept-alive connection the worker closed as we wrote: nothing was processed,
+                        # so one fresh connection is tried before the failure counts.
+                        if attempt == 1 and reused and not conn.received and isinstance(exc, OSError):
+                            continue
+                        raise
+                    except BaseException:
+                        self._pool.discard(conn)  # timed out or cancelled: close it, vLLM aborts
+                        raise
+                    return UpstreamResponse(conn, self._pool, cfg.idle_timeout_s)
         except TimeoutError:
             raise UpstreamFailure(
                 GatewayTimeout(
@@ -154,7 +208,7 @@ class UpstreamClient:
                 retryable=True,
                 kind="timeout",
             ) from None
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as exc:
+        except OSError as exc:
             raise UpstreamFailure(
                 ServiceUnavailable(
                     f"The model worker could not be reached ({type(exc).__name__}).", code="upstream_unavailable"
@@ -162,7 +216,7 @@ class UpstreamClient:
                 retryable=True,
                 kind="connect",
             ) from None
-        except aiohttp.ClientError as exc:
+        except ProtocolError as exc:
             raise UpstreamFailure(
                 BadGateway(
                     f"The model worker's answer was not valid HTTP ({type(exc).__name__}).", code="upstream_error"
@@ -170,7 +224,7 @@ class UpstreamClient:
                 retryable=False,
                 kind="protocol",
             ) from None
-        return UpstreamResponse(resp, cfg.idle_timeout_s)
+        raise AssertionError("unreachable")
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         """A small bounded GET (health checks, model listings)."""
@@ -178,6 +232,7 @@ class UpstreamClient:
             return resp.status, await resp.read()
 
     async def aclose(self) -> None:
+        self._pool.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
