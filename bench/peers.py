@@ -42,6 +42,25 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its children (nginx's worker, uvicorn's server).
+
+    On a shared machine this is the steadiest measure of a proxy's cost: other load can delay the
+    proxy (latency, req/s) but does not add to the CPU time it spends per request."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    pids = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        pids += [int(c) for c in task.read_text().split()]
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
 @dataclass
 class Peer:
     """A running process the load is pointed at. ``mode`` is the request body mode for wrk/streams:

@@ -73,7 +73,12 @@ def resolve_plugins(names: list[str], overrides: dict[str, dict[str, Any]]) -> t
 
 def measure(peer: peers.Peer, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
     if scenario.startswith("c"):
-        return load.run_wrk(peer.url, int(scenario[1:]), args.duration, model=peer.model, mode=peer.mode)
+        pid = peer.proc.pid if peer.proc is not None else None
+        before = peers.cpu_seconds(pid) if pid else 0.0
+        result = load.run_wrk(peer.url, int(scenario[1:]), args.duration, model=peer.model, mode=peer.mode)
+        if pid and result["requests"]:
+            result["cpu_us_per_req"] = (peers.cpu_seconds(pid) - before) / result["requests"] * 1e6
+        return result
     cmd = [sys.executable, str(Path(load.__file__)), "streams", "--url", peer.url, "--model", peer.model]
     cmd += ["-n", scenario[1:], "-d", str(args.duration), "--interval-ms", str(args.interval_ms)]
     cmd += ["--tokens", str(args.tokens)] + (["--fixed"] if peer.mode == "fixed" else [])
