@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +15,7 @@ from gateway.config import GatewayConfig
 from gateway.pipeline import Plugin
 from gateway.registry import PluginRegistry
 from gateway.settings import Settings
-from tests.fakes import FakeUpstream, ServerThread
+from tests.fakes import FakeUpstream, ServerThread, free_port
 
 
 @pytest.fixture(scope="session")
@@ -77,3 +79,60 @@ def gateway(gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_ur
     """A gateway with the routing plugin in front of the fake worker."""
     with gateway_factory(base_config([upstream_url])) as (_, server):
         yield server
+
+
+# -- the real engine ------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+ENGINE_MODEL = "smollm2"
+
+
+@dataclass
+class RealEngine:
+    """A gateway whose lifespan started one managed vLLM CPU worker with the default model."""
+
+    gateway_url: str
+    url: str  # the worker itself (OpenAI server), for tests that build their own gateways
+    app: GatewayApp
+    model: str = ENGINE_MODEL
+
+
+def engine_config(worker_port: int, plugins: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "models": [{"name": ENGINE_MODEL, "aliases": ["default"], "workers": ["cpu-0"], "max_model_len": 2048}],
+        "engine": {
+            "workers": [
+                {
+                    "name": "cpu-0",
+                    "model": ENGINE_MODEL,
+                    "served_model_name": ENGINE_MODEL,
+                    "port": worker_port,
+                    "dtype": "bfloat16",
+                    "max_model_len": 2048,
+                    "kv_cache_space_gb": 1,
+                    "max_num_seqs": 32,
+                    "enforce_eager": True,
+                    "structured_outputs_backend": "outlines",
+                }
+            ],
+            "ready_timeout_s": 600,
+        },
+        "plugins": plugins if plugins is not None else [{"name": "routing"}],
+        "upstream": {"first_byte_timeout_s": 300, "idle_timeout_s": 120, "health_interval_s": 1},
+    }
+
+
+@pytest.fixture(scope="session")
+def real_engine() -> Iterator[RealEngine]:
+    """Started once per session, on first use (the model is prepared by `make test` beforehand)."""
+    port = free_port()
+    config = GatewayConfig.model_validate(engine_config(port))
+    app = create_app(Settings(model_dir=REPO / "models"), registry=PluginRegistry(), config=config)
+    with ServerThread(app, start_timeout_s=900) as server:
+        yield RealEngine(gateway_url=server.url, url=f"http://127.0.0.1:{port}", app=app)
+
+
+@pytest.fixture(scope="session")
+def real_worker(real_engine: RealEngine) -> RealEngine:
+    """The real vLLM worker (``.url``) serving model ``smollm2``."""
+    return real_engine

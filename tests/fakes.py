@@ -26,7 +26,8 @@ def free_port() -> int:
 class ServerThread:
     """uvicorn serving ``app`` on 127.0.0.1 in a daemon thread with its own event loop."""
 
-    def __init__(self, app: Any, port: int | None = None, *, lifespan: str = "on") -> None:
+    def __init__(self, app: Any, port: int | None = None, *, lifespan: str = "on", start_timeout_s: float = 30) -> None:
+        self.start_timeout_s = start_timeout_s
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
@@ -46,18 +47,18 @@ class ServerThread:
 
     def __enter__(self) -> ServerThread:
         self.thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + self.start_timeout_s
         while not self.server.started:
             if not self.thread.is_alive():
                 raise RuntimeError("server thread died during start-up")
             if time.monotonic() > deadline:
-                raise RuntimeError("server did not start within 30 s")
+                raise RuntimeError(f"server did not start within {self.start_timeout_s:g} s")
             time.sleep(0.01)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=15)
+        self.thread.join(timeout=60)
 
 
 @dataclass
