@@ -23,9 +23,11 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.config import ConfigError, GatewayConfig, UpstreamConfig, load_config
+from gateway.drain import install_sigterm_drain
 from gateway.errors import GatewayError, InvalidRequest, ServerError, error_for_status
 from gateway.logs import apply_logging
 from gateway.metrics import Metrics
+from gateway.openapi import ERROR_RESPONSES, placeholder_for
 from gateway.protocol import ENDPOINTS
 from gateway.registry import PluginRegistry
 from gateway.reload import Reloader
@@ -127,6 +129,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         initial = config or load_config(settings.config_path)
+        restore_sigterm = None
         if engine_factory is not None and settings.managed_workers and initial.engine.workers:
             state.engine = engine_factory(state, initial)
             await state.engine.start()
@@ -141,9 +144,12 @@ def create_app(
                 await admin_server.start()
             gc.collect()
             gc.freeze()  # start-up objects never need collecting; keeps GC pauses short under load
+            restore_sigterm = install_sigterm_drain(state, settings.drain_delay_s)
             yield
         finally:
             state.draining = True
+            if restore_sigterm is not None:
+                restore_sigterm()
             await reloader.aclose()
             if admin_server is not None:
                 await admin_server.stop()
@@ -161,7 +167,13 @@ def create_app(
     api.include_router(models.router)
     for path in ENDPOINTS:
         # Declared for the OpenAPI schema and so other methods get 405; POSTs never reach FastAPI.
-        api.add_api_route(path, _served_by_asgi, methods=["POST"], summary=f"OpenAI-compatible {path}")
+        api.add_api_route(
+            path,
+            placeholder_for(path),
+            methods=["POST"],
+            summary=f"OpenAI-compatible {path}",
+            responses=ERROR_RESPONSES,
+        )
     if settings.admin_port is None:
         api.include_router(admin.router)
     else:
@@ -242,10 +254,6 @@ class AdminServer:
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(self._task, timeout=10)
-
-
-async def _served_by_asgi() -> None:
-    raise ServerError("This route is served by the inference handler.")
 
 
 async def _probe(services: Services, url: str) -> str | None:
