@@ -161,6 +161,9 @@ def create_app(
                 await asyncio.to_thread(services.tracing.shutdown)  # flushes, bounded by the exporter timeout
 
     api = FastAPI(title="vLLM gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # Starlette answers "/path/" with a 307 to "/path" built from the Host header: a client-chosen
+    # host in Location (host-header injection). Routes are exact; a wrong spelling is a 404.
+    api.router.redirect_slashes = False
     api.state.gateway = state
     _install_error_handlers(api)
     api.include_router(health.router)
@@ -180,6 +183,7 @@ def create_app(
         # Its own app, not a filter on the public one: the public port has no admin routes at all, so
         # no Host header, path trick or proxy header can reach them there.
         admin_api = FastAPI(title="vLLM gateway admin", docs_url=None, redoc_url=None, openapi_url=None)
+        admin_api.router.redirect_slashes = False
         admin_api.state.gateway = state
         _install_error_handlers(admin_api)
         admin_api.include_router(admin.router)
