@@ -44,6 +44,11 @@ class UpstreamConfig(StrictModel):
 
 class LimitsConfig(StrictModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_n: int = Field(128, ge=1, description="largest 'n' (choices per request) a client may ask for, as OpenAI")
+    extra_params: list[str] = Field(
+        default_factory=list,
+        description="request fields to pass through beside the built-in allow-list (gateway.allowlist)",
+    )
 
 
 class LoggingConfig(StrictModel):

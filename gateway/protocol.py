@@ -3,8 +3,8 @@
 The gateway parses a request body once (orjson) and checks only what it needs to route and to give a
 clear error early: the model, the stream flags, and the shape of the fields every worker requires. The
 rest of the body is passed to the worker untouched, and the worker's own validation errors are
-translated into OpenAI's vocabulary (``gateway.errors.from_upstream``). Unknown fields are tolerated,
-as OpenAI and vLLM do.
+translated into OpenAI's vocabulary (``gateway.errors.from_upstream``). Which top-level fields a
+client may send at all is ``gateway.allowlist``'s decision.
 """
 
 from __future__ import annotations

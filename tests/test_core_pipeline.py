@@ -206,7 +206,8 @@ def test_unchanged_bodies_go_upstream_byte_for_byte(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
 ) -> None:
     raw = b'{"model":"m1",  "messages":[{"role":"user","content":"hi"}], "x_unknown": {"kept": true}}'
-    with gateway_factory(base_config([upstream_url])) as (_, server):
+    # x_unknown stands for an operator's extension field, allowed through limits.extra_params.
+    with gateway_factory(base_config([upstream_url], limits={"extra_params": ["x_unknown"]})) as (_, server):
         httpx.post(server.url + "/v1/chat/completions", content=raw)
     assert upstream.requests[-1].raw == raw
 

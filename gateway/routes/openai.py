@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from gateway.allowlist import ParamAllowList
+from gateway.config import LimitsConfig
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, PayloadTooLarge, ServerError, model_not_found
 from gateway.metrics import Metrics
@@ -105,6 +107,14 @@ class InferenceEndpoints:
         self.proxy = Proxy(services)
         self.request_ids = RequestIds()
         self.metrics = RequestMetrics(services.metrics)
+        self._allow: tuple[LimitsConfig, ParamAllowList] | None = None
+
+    def _allow_list(self, limits: LimitsConfig) -> ParamAllowList:
+        """The allow-list of the live config, rebuilt only when a reload brought new limits."""
+        cached = self._allow
+        if cached is None or cached[0] is not limits:
+            cached = self._allow = (limits, ParamAllowList(limits.extra_params, max_n=limits.max_n))
+        return cached[1]
 
     @staticmethod
     def handles(scope: Scope) -> Endpoint | None:
@@ -135,6 +145,7 @@ class InferenceEndpoints:
             if not self.holder.loaded:
                 raise ServerError("The gateway has no config loaded yet.", code="not_ready", status=503)
             with self.holder.pin() as snapshot:
+                self._allow_list(snapshot.config.limits).check(endpoint.name, payload)
                 model = snapshot.models.resolve(model_name)
                 if model is None:
                     raise model_not_found(model_name)
