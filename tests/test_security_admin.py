@@ -108,7 +108,9 @@ def admin_on_main_port(gateway_factory: GatewayFactory, upstream: FakeUpstream, 
 
 
 @pytest.mark.parametrize("headers", HEADER_TRICKS, ids=lambda h: ",".join(h) or "plain")
-def test_no_path_or_header_trick_reaches_admin_without_the_token(admin_on_main_port: Any, headers: dict[str, str]) -> None:
+def test_no_path_or_header_trick_reaches_admin_without_the_token(
+    admin_on_main_port: Any, headers: dict[str, str]
+) -> None:
     port = admin_on_main_port.port
     version = httpx.get(admin_on_main_port.url + "/admin/config", headers={"authorization": f"Bearer {TOKEN}"})
     assert version.status_code == 200  # the token itself works
@@ -130,7 +132,12 @@ def test_with_an_admin_port_the_public_port_has_no_admin_routes_even_with_the_to
     with gateway_factory(base_config([upstream_url]), admin_token=TOKEN, admin_port=admin_port) as (_, server):
         good = {"Authorization": f"Bearer {TOKEN}"}
         for path in PATHS:
-            for headers in ({}, good, {**good, "Host": f"127.0.0.1:{admin_port}"}, {**good, "X-Forwarded-Port": str(admin_port)}):
+            for headers in (
+                {},
+                good,
+                {**good, "Host": f"127.0.0.1:{admin_port}"},
+                {**good, "X-Forwarded-Port": str(admin_port)},
+            ):
                 status, payload = raw_request(server.port, "GET", path, headers)
                 assert_refused(status, payload, (400, 404, 405))
         # The admin port serves admin, still only with the token, and serves no client routes.
@@ -139,7 +146,11 @@ def test_with_an_admin_port_the_public_port_has_no_admin_routes_even_with_the_to
         status, payload = raw_request(admin_port, "GET", "/admin/config", {"Host": "localhost"})
         assert_refused(status, payload, (401,))
         status, payload = raw_request(
-            admin_port, "POST", "/v1/chat/completions", good, b'{"model":"m1","messages":[{"role":"user","content":"x"}]}'
+            admin_port,
+            "POST",
+            "/v1/chat/completions",
+            good,
+            b'{"model":"m1","messages":[{"role":"user","content":"x"}]}',
         )
         assert_refused(status, payload, (404, 405))
     assert upstream.requests == []
@@ -152,9 +163,7 @@ def test_admin_disabled_without_a_token_even_from_loopback(gateway: Any) -> None
         assert orjson.loads(payload)["error"]["code"] == "admin_disabled"
 
 
-def test_admin_token_is_compared_with_compare_digest(
-    admin_on_main_port: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_admin_token_is_compared_with_compare_digest(admin_on_main_port: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
 
