@@ -21,6 +21,7 @@ from gateway.allowlist import ParamAllowList
 from gateway.config import LimitsConfig
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, PayloadTooLarge, ServerError, model_not_found
+from gateway.media_urls import check_media_urls
 from gateway.metrics import Metrics
 from gateway.protocol import ENDPOINTS, Endpoint, check_request, parse_body
 from gateway.proxy import JSONReply, Proxy, Reply
@@ -146,6 +147,8 @@ class InferenceEndpoints:
                 raise ServerError("The gateway has no config loaded yet.", code="not_ready", status=503)
             with self.holder.pin() as snapshot:
                 self._allow_list(snapshot.config.limits).check(endpoint.name, payload)
+                if endpoint.name == "chat/completions":
+                    check_media_urls(payload["messages"])
                 model = snapshot.models.resolve(model_name)
                 if model is None:
                     raise model_not_found(model_name)
