@@ -17,6 +17,10 @@ import orjson
 from gateway.errors import InvalidRequest
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+#: Deepest nesting accepted. orjson parses up to 1024 levels but serialises only up to 254, and the
+#: gateway re-serialises a body a plugin changed (or an alias rewrote): deeper bodies would fail there.
+#: vLLM's own parser stops at 200 levels; no OpenAI request needs more than a few dozen.
+MAX_DEPTH = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +49,25 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(
             f"The request body must be a JSON object, not {type(payload).__name__}.", code="invalid_json"
         )
+    # Nesting deeper than MAX_DEPTH needs that many brackets: two C-speed counts spare the walk for
+    # nearly every body.
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _deeper_than(payload, MAX_DEPTH):
+        raise InvalidRequest(f"The request body is nested more than {MAX_DEPTH} levels deep.", code="invalid_json")
     return payload
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether ``value`` nests arrays/objects more than ``limit`` levels (iterative: no recursion)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(node, dict):
+            stack.extend((child, depth + 1) for child in node.values() if isinstance(child, dict | list))
+        elif isinstance(node, list):
+            stack.extend((child, depth + 1) for child in node if isinstance(child, dict | list))
+    return False
 
 
 def _is_int(value: object) -> bool:
