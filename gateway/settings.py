@@ -33,3 +33,8 @@ class Settings(BaseSettings):
     )
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP traces endpoint, e.g. http://otel:4318 (unset: off)")
     service_name: str = Field("vllm-gateway", description="service.name on exported traces")
+    drain_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="on SIGTERM, answer /ready with 503 and keep serving this long before the listener closes",
+    )
