@@ -27,6 +27,7 @@ from gateway.drain import install_sigterm_drain
 from gateway.errors import GatewayError, InvalidRequest, ServerError, error_for_status
 from gateway.logs import apply_logging
 from gateway.metrics import Metrics
+from gateway.openapi import ERROR_RESPONSES, placeholder_for
 from gateway.protocol import ENDPOINTS
 from gateway.registry import PluginRegistry
 from gateway.reload import Reloader
@@ -160,19 +161,29 @@ def create_app(
                 await asyncio.to_thread(services.tracing.shutdown)  # flushes, bounded by the exporter timeout
 
     api = FastAPI(title="vLLM gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # Starlette answers "/path/" with a 307 to "/path" built from the Host header: a client-chosen
+    # host in Location (host-header injection). Routes are exact; a wrong spelling is a 404.
+    api.router.redirect_slashes = False
     api.state.gateway = state
     _install_error_handlers(api)
     api.include_router(health.router)
     api.include_router(models.router)
     for path in ENDPOINTS:
         # Declared for the OpenAPI schema and so other methods get 405; POSTs never reach FastAPI.
-        api.add_api_route(path, _served_by_asgi, methods=["POST"], summary=f"OpenAI-compatible {path}")
+        api.add_api_route(
+            path,
+            placeholder_for(path),
+            methods=["POST"],
+            summary=f"OpenAI-compatible {path}",
+            responses=ERROR_RESPONSES,
+        )
     if settings.admin_port is None:
         api.include_router(admin.router)
     else:
         # Its own app, not a filter on the public one: the public port has no admin routes at all, so
         # no Host header, path trick or proxy header can reach them there.
         admin_api = FastAPI(title="vLLM gateway admin", docs_url=None, redoc_url=None, openapi_url=None)
+        admin_api.router.redirect_slashes = False
         admin_api.state.gateway = state
         _install_error_handlers(admin_api)
         admin_api.include_router(admin.router)
@@ -247,10 +258,6 @@ class AdminServer:
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(self._task, timeout=10)
-
-
-async def _served_by_asgi() -> None:
-    raise ServerError("This route is served by the inference handler.")
 
 
 async def _probe(services: Services, url: str) -> str | None:
