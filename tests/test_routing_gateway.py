@@ -258,10 +258,21 @@ def test_admission_queue_waits_then_admits(gateway_factory: GatewayFactory, thre
         threads = [threading.Thread(target=call) for _ in range(4)]
         for t in threads:
             t.start()
+        # The queue is the autoscaler's signal: the core gauge gateway_queued_requests follows it.
+        queued_seen = 0.0
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and queued_seen == 0:
+            for line in httpx.get(gw.url + "/metrics").text.splitlines():
+                if line.startswith('gateway_queued_requests{model="m1"}'):
+                    queued_seen = float(line.split()[-1])
+            time.sleep(0.02)
         for t in threads:
             t.join()
         assert len(results) == 4
+        assert queued_seen >= 1
         assert plugin_of(app).shared.gates["m1"].in_flight == 0
+        after = httpx.get(gw.url + "/metrics").text
+        assert 'gateway_queued_requests{model="m1"} 0.0' in after
 
 
 def system_chat(prompt: str, question: str) -> dict[str, Any]:

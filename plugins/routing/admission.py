@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections.abc import Callable
 
 from gateway.errors import RateLimited
 from plugins.routing.config import AdmissionConfig
@@ -22,19 +23,27 @@ class ModelGate:
     """The in-flight slots and waiting queue of one model. Lives across config reloads (limits are
     updated in place) so requests admitted under the old config still count."""
 
-    __slots__ = ("_heap", "_queued", "_seq", "in_flight", "limits", "model")
+    __slots__ = ("_heap", "_on_queue", "_queued", "_seq", "in_flight", "limits", "model")
 
-    def __init__(self, model: str, limits: AdmissionConfig) -> None:
+    def __init__(self, model: str, limits: AdmissionConfig, on_queue: Callable[[str, int], None] | None = None) -> None:
         self.model = model
         self.limits = limits
         self.in_flight = 0
         self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
         self._queued = 0
         self._seq = itertools.count()
+        #: Told the queue length whenever it changes (the core's gateway_queued_requests gauge, which
+        #: the autoscaler reads).
+        self._on_queue = on_queue
 
     @property
     def queued(self) -> int:
         return self._queued
+
+    def _queue_changed(self, delta: int) -> None:
+        self._queued += delta
+        if self._on_queue is not None:
+            self._on_queue(self.model, self._queued)
 
     def _refuse(self, why: str) -> RateLimited:
         retry_after = self.limits.retry_after_s
@@ -56,7 +65,7 @@ class ModelGate:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         heapq.heappush(self._heap, (-priority, next(self._seq), future))
-        self._queued += 1
+        self._queue_changed(1)
         started = loop.time()
         try:
             async with asyncio.timeout(self.limits.max_queue_time_s):
@@ -66,7 +75,7 @@ class ModelGate:
                 self.release()  # the slot was handed over just as we gave up: pass it on
             else:
                 future.cancel()
-                self._queued -= 1
+                self._queue_changed(-1)
             if isinstance(exc, TimeoutError):
                 raise self._refuse(f"waited {self.limits.max_queue_time_s:g} s for a slot") from None
             raise
@@ -83,7 +92,7 @@ class ModelGate:
             _, _, future = heapq.heappop(self._heap)
             if future.done():  # gave up waiting (timed out or cancelled); already uncounted
                 continue
-            self._queued -= 1
+            self._queue_changed(-1)
             future.set_result(None)  # the slot passes to the waiter: in_flight stays the same
             return
         self.in_flight -= 1

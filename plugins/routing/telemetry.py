@@ -84,6 +84,7 @@ class RoutingShared:
             "gateway_routing_retry_budget_exhausted", "Retries refused by the retry budget", ["model"], registry=r
         )
         r.register(_WorkerCollector(services.workers, self.gates))
+        self._queued_gauge = services.metrics.queued
 
     @classmethod
     def of(cls, services: Services) -> RoutingShared:
@@ -95,7 +96,8 @@ class RoutingShared:
     def gate(self, model: str, limits: AdmissionConfig) -> ModelGate:
         gate = self.gates.get(model)
         if gate is None:
-            gate = self.gates[model] = ModelGate(model, limits)
+            queued = self._queued_gauge
+            gate = self.gates[model] = ModelGate(model, limits, lambda m, n: queued.labels(m).set(n))
         elif gate.limits != limits:
             gate.limits = limits
         return gate
