@@ -79,6 +79,20 @@ def _install_error_handlers(api: FastAPI) -> None:
         return _error_response(ServerError("The gateway failed to process the request; it has been logged."))
 
 
+# Worker events that mean it is not serving (or stopped trying): worth a warning in the logs.
+_BAD_WORKER_EVENTS = frozenset({"exited", "restarting", "restart_failed", "failed"})
+
+
+def _engine_event_hook(metrics: Metrics) -> Callable[[str, str], None]:
+    """The managed workers' ``on_event``: count each event and log it (it must not block or raise)."""
+
+    def on_event(worker: str, event: str) -> None:
+        metrics.engine_worker_events.labels(worker, event).inc()
+        log.log(logging.WARNING if event in _BAD_WORKER_EVENTS else logging.INFO, "engine worker %s: %s", worker, event)
+
+    return on_event
+
+
 def _default_engine(state: AppState, config: GatewayConfig) -> Any:
     from gateway.engine.supervisor import EngineManager
 
@@ -86,6 +100,7 @@ def _default_engine(state: AppState, config: GatewayConfig) -> Any:
         list(config.engine.workers),
         models_dir=state.settings.model_dir,
         ready_timeout_s=config.engine.ready_timeout_s,
+        on_event=_engine_event_hook(state.services.metrics),
     )
 
 

@@ -101,6 +101,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.engine_worker_events = Counter(
+            "gateway_engine_worker_events",
+            "Lifecycle events of managed vLLM workers (ready, exited, restarting, restarted, restart_failed,"
+            " failed, stopped), by worker and event",
+            ["worker", "event"],
+            registry=r,
+        )
         self.config_info = Gauge(
             "gateway_config_info",
             "The running config version (value 1)",

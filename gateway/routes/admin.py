@@ -4,6 +4,7 @@
 - ``PUT /admin/config``: a new config as YAML or JSON in the body; validated, prepared, then swapped.
 - ``GET /admin/config``: the running config (secrets redacted), its version (content hash) and load time.
 - ``POST /admin/plugins/{name}/{action}``: the live plugin's ``on_admin(action, body)``.
+- ``GET /admin/engine``: the managed vLLM workers (name, url, pid, state, restarts, last exit code, model).
 - ``GET /admin/debug/tasks``: how many asyncio tasks the serving process holds, by name (leak checks).
 
 A refused config answers 400 with the field and the reason, and the running config stays live.
@@ -127,6 +128,15 @@ async def plugin_action(name: str, action: str, request: Request) -> JSON:
             )
         result = await bound.plugin.on_admin(action, body)
     return JSON({"plugin": name, "action": action, "result": result})
+
+
+@router.get("/engine")
+async def engine_status(request: Request) -> JSON:
+    """The managed workers this process started; ``managed: false`` when it starts none (URLs only)."""
+    state: AppState = request.app.state.gateway
+    if state.engine is None:
+        return JSON({"managed": False, "workers": []})
+    return JSON({"managed": True, "workers": state.engine.status()})
 
 
 @router.get("/debug/tasks")
