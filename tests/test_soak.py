@@ -6,6 +6,7 @@ are correctness criteria on leaks, not speed targets; the 30-minute run is ``ben
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,11 @@ def test_two_minute_soak_holds_memory_fds_and_tasks_flat() -> None:
     spec = importlib.util.spec_from_file_location("soak", SOAK)
     assert spec is not None and spec.loader is not None
     soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
+    sys.modules["soak"] = soak  # its dataclasses resolve their annotations through sys.modules
+    try:
+        spec.loader.exec_module(soak)
+    finally:
+        sys.modules.pop("soak", None)
     result = soak.run(soak.parse_args(["--minutes", "2", "--sample-s", "10", "--concurrency", "12"]))
     assert result["checks"] == {
         "rss_growth<=10%": True,
