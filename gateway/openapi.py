@@ -4,17 +4,24 @@ The inference endpoints are served at the ASGI level (``gateway.routes.openai``)
 body once with orjson and checks only what it needs (``gateway.protocol``, ``gateway.allowlist``);
 these pydantic models never parse a request. They exist so ``/openapi.json`` documents the bodies
 clients send (fields in the order of OpenAI's API reference, with OpenAI's documented bounds) and so
-a schema fuzzer generates meaningful requests. Every model tolerates unknown fields, as the hot path
-does; which extra fields a request may carry is decided by ``gateway.allowlist``.
+a schema fuzzer generates meaningful requests. The request bodies document the fields most clients
+use and say ``additionalProperties: false``: the gateway refuses a field that is not on its allow-list
+(``gateway.allowlist``, which also admits the rest of OpenAI's fields and vLLM's sampling extras).
+Nested objects (messages, parts) tolerate unknown fields, as the hot path does.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import ServerError
+
+_Texts = Annotated[list[str], Field(min_length=1)]
+_Tokens = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+_TokenLists = Annotated[list[_Tokens], Field(min_length=1)]
+_Prompt = str | _Texts | _Tokens | _TokenLists
 
 
 class _Open(BaseModel):
@@ -40,7 +47,10 @@ class TextPart(_Open):
 
 
 class ImageURL(_Open):
-    url: str = Field(description="an https URL or a data: URL; see the README on internal addresses")
+    url: str = Field(
+        pattern=r"^(https?|data):",
+        description="a public http(s) URL or a data: URL; URLs that point inside the network are refused",
+    )
     detail: Literal["auto", "low", "high"] | None = None
 
 
@@ -61,7 +71,12 @@ class StreamOptions(_Open):
     include_usage: bool | None = None
 
 
-class _Sampling(_Open):
+class _Sampling(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"description": "Other accepted fields: see gateway/allowlist.py and limits.extra_params."},
+    )
+
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -74,6 +89,14 @@ class _Sampling(_Open):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     user: str | None = None
+    # vLLM's sampling extras (a few of those allowed)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    structured_outputs: dict[str, Any] | None = Field(None, description='{"json" | "regex" | "choice" | ...: ...}')
 
 
 class ChatCompletionRequest(_Sampling):
@@ -96,17 +119,19 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
     model: str = Field(min_length=1, description="a name or alias from GET /v1/models")
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(description="text, texts, or token ids")
+    prompt: _Prompt = Field(description="text, texts, or token ids")
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
 
 
-class EmbeddingRequest(_Open):
+class EmbeddingRequest(BaseModel):
     """``POST /v1/embeddings``."""
 
+    model_config = ConfigDict(extra="forbid")
+
     model: str = Field(min_length=1, description="a name or alias from GET /v1/models")
-    input: str | list[str] | list[int] | list[list[int]]
+    input: _Prompt
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None

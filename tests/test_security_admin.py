@@ -174,7 +174,7 @@ def test_admin_token_is_compared_with_compare_digest(admin_on_main_port: Any, mo
     monkeypatch.setattr("gateway.admin_auth.hmac.compare_digest", recording)
     statuses = []
     for presented in ("wrong", TOKEN, "é-non-ascii"):
-        response = httpx.get(admin_on_main_port.url + "/admin/config", headers={"x-admin-token": presented.encode()})
+        response = httpx.get(admin_on_main_port.url + "/admin/config", headers={b"x-admin-token": presented.encode()})
         statuses.append(response.status_code)
     assert statuses == [403, 200, 403]
     assert len(calls) == 3
