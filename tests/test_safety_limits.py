@@ -35,7 +35,7 @@ def _tool(name: str) -> dict[str, Any]:
 
 OVER: dict[str, tuple[dict[str, Any], str, str]] = {
     # limit -> (request fields over it, param named, code)
-    "max_body_bytes": ({"metadata_blob": "x" * 5000}, "messages", "request_too_large"),
+    "max_body_bytes": ({"metadata": {"blob": "x" * 5000}}, "messages", "request_too_large"),
     "max_messages": ({"messages": [{"role": "user", "content": "hi"}] * 4}, "messages", "limit_exceeded"),
     "max_prompt_chars": ({"messages": [{"role": "user", "content": "y" * 501}]}, "messages", "limit_exceeded"),
     "max_tokens": ({"max_tokens": 101}, "max_tokens", "limit_exceeded"),
