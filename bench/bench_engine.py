@@ -88,7 +88,7 @@ async def managed_worker(speculative: dict[str, Any] | None, enforce_eager: bool
 
 
 @contextlib.contextmanager
-def gateway_process(worker_url: str) -> Iterator[str]:
+def gateway_process(worker_url: str) -> Iterator[tuple[str, int]]:
     """``gateway serve --no-managed-workers`` in front of ``worker_url``, routing plugin only."""
     port = free_port()
     config = {
@@ -117,7 +117,7 @@ def gateway_process(worker_url: str) -> Iterator[str]:
                 if time.monotonic() > deadline:
                     raise RuntimeError("gateway not ready within 60 s")
                 time.sleep(0.3)
-            yield url
+            yield url, proc.pid
         finally:
             proc.terminate()
             try:
@@ -144,19 +144,21 @@ FULL = Plan(128, {1: 4, 8: 16, 32: 64}, 2, {1: 4, 32: 32}, 5)
 QUICK = Plan(128, {1: 2, 8: 8, 32: 32}, 1, {1: 2, 32: 32}, 3)
 
 
-async def both(paths: dict[str, str], prompts: Any, c: int, plan: Plan, first: str) -> dict[str, Batch]:
+async def both(
+    paths: dict[str, str], prompts: Any, c: int, plan: Plan, first: str, pids: dict[str, int]
+) -> dict[str, Batch]:
     """The same batch on each path (own salts so no path reuses the other's cache), ``first`` first."""
     order = sorted(paths, key=lambda p: p != first)
     out: dict[str, Batch] = {}
     for path in order:
-        out[path] = await run_batch(paths[path], prompts(path), c, plan.max_tokens)
+        out[path] = await run_batch(paths[path], prompts(path), c, plan.max_tokens, pids.get(path))
         b = out[path]
         print(f"    c={c:<2} {path:<7} {b.tokens_per_s:7.1f} tok/s  TTFT p50 {b.ttft_ms['p50']:7.0f} ms  "
               f"TPOT p50 {b.tpot_ms.get('p50', 0):5.1f} ms  (load {b.load})", flush=True)  # fmt: skip
     return out
 
 
-async def throughput(paths: dict[str, str], plan: Plan) -> dict[str, Any]:
+async def throughput(paths: dict[str, str], plan: Plan, pids: dict[str, int]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     turn = 0
     for c, n in plan.throughput_requests.items():
@@ -165,7 +167,9 @@ async def throughput(paths: dict[str, str], plan: Plan) -> dict[str, Any]:
             # alternate which path goes first so a drift in machine load does not favour one of them
             first = "direct" if turn % 2 == 0 else "gateway"
             turn += 1
-            batches = await both(paths, lambda p, n=n, c=c, rep=rep: chat_prompts(n, f"tp{c}{p}{rep}"), c, plan, first)
+            batches = await both(
+                paths, lambda p, n=n, c=c, rep=rep: chat_prompts(n, f"tp{c}{p}{rep}"), c, plan, first, pids
+            )
             for p, b in batches.items():
                 runs[p].append(b)
         result[str(c)] = {
@@ -195,25 +199,25 @@ async def prefix(paths: dict[str, str], pairs: int) -> dict[str, Any]:
     return result
 
 
-async def speculative_tasks(paths: dict[str, str], plan: Plan) -> dict[str, Any]:
+async def speculative_tasks(paths: dict[str, str], plan: Plan, pids: dict[str, int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tasks = {"grounded": grounded_prompts, "chat": chat_prompts}
     for task, make in tasks.items():
         for c, n in plan.spec_requests.items():
             # per path its own prompts (no path profits from the other's prefix cache), the same ones in
             # both worker configs, so spec on and off can be compared text for text
-            batches = await both(paths, lambda p, n=n, make=make: make(n, f"spec-{p}"), c, plan, "direct")
+            batches = await both(paths, lambda p, n=n, make=make: make(n, f"spec-{p}"), c, plan, "direct", pids)
             out[f"{task}/{c}"] = {p: asdict(b) for p, b in batches.items()}
     return out
 
 
 async def with_worker(speculative: dict[str, Any] | None, eager: bool, dtype: str, sections: Any) -> Any:
     async with managed_worker(speculative, eager, dtype) as worker_url:
-        with gateway_process(worker_url) as gateway_url:
+        with gateway_process(worker_url) as (gateway_url, gateway_pid):
             paths = {"direct": worker_url, "gateway": gateway_url}
             await run_batch(worker_url, chat_prompts(2, "warm" + uuid.uuid4().hex), 2, 16)  # warm-up
             await run_batch(gateway_url, chat_prompts(2, "warm" + uuid.uuid4().hex), 2, 16)
-            return await sections(paths)
+            return await sections(paths, {"gateway": gateway_pid})
 
 
 # -- the report ---------------------------------------------------------------------------------------
@@ -271,10 +275,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"{'eager' if meta['enforce_eager'] else 'compiled'}), max_tokens {meta['max_tokens']} with ignore_eos, "
         f"temperature 0, streamed. Load average at start {meta['load_start']}, end {meta['load_end']} "
         f"(shared machine). {'Quick run.' if meta['quick'] else ''}",
+        "Gateway CPU: CPU seconds the gateway process used per second of the run; on this 2-core host it is "
+        "taken from the worker.",
         "",
         "| concurrency | direct tok/s | gateway tok/s | gateway/direct | TTFT p50/p99 ms direct | gateway "
-        "| TPOT p50/p99 ms direct | gateway |",
-        "|---|---|---|---|---|---|---|---|",
+        "| TPOT p50/p99 ms direct | gateway | gateway CPU (cores) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c, row in tp.items():
         d, g = row["direct"], row["gateway"]
@@ -282,7 +288,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {c} | {d['tokens_per_s']} | {g['tokens_per_s']} | {g['tokens_per_s'] / d['tokens_per_s']:.1%} "
             f"| {d['ttft_ms']['p50']:.0f} / {d['ttft_ms']['p99']:.0f} "
             f"| {g['ttft_ms']['p50']:.0f} / {g['ttft_ms']['p99']:.0f} "
-            f"| {d['tpot_ms']['p50']} / {d['tpot_ms']['p99']} | {g['tpot_ms']['p50']} / {g['tpot_ms']['p99']} |"
+            f"| {d['tpot_ms']['p50']} / {d['tpot_ms']['p99']} | {g['tpot_ms']['p50']} / {g['tpot_ms']['p99']} "
+            f"| {g['proxy_cpu_share']} |"
         )
     lines += ["", "| ngram speculation | path | tok/s off | tok/s on | speedup | TPOT p50 ms off / on "
               "| TTFT p50 ms off / on | identical text | same before first difference |",
@@ -314,17 +321,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }}  # fmt: skip
     began = time.perf_counter()
 
-    async def spec_off(paths: dict[str, str]) -> None:
+    async def spec_off(paths: dict[str, str], pids: dict[str, int]) -> None:
         print("  continuous batching", flush=True)
-        report["throughput"] = await throughput(paths, plan)
+        report["throughput"] = await throughput(paths, plan, pids)
         print("  prefix caching", flush=True)
         report["prefix"] = await prefix(paths, plan.prefix_pairs)
         print("  speculative decoding baseline (off)", flush=True)
-        report["spec_off"] = await speculative_tasks(paths, plan)
+        report["spec_off"] = await speculative_tasks(paths, plan, pids)
 
-    async def spec_on(paths: dict[str, str]) -> None:
+    async def spec_on(paths: dict[str, str], pids: dict[str, int]) -> None:
         print("  speculative decoding (ngram on)", flush=True)
-        report["spec_on"] = await speculative_tasks(paths, plan)
+        report["spec_on"] = await speculative_tasks(paths, plan, pids)
 
     print(f"worker 1/2: speculation off (load {load()})", flush=True)
     await with_worker(None, eager, args.dtype, spec_off)

@@ -9,6 +9,7 @@ also when speculative decoding puts several tokens in one delta.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +130,14 @@ class Batch:
     texts: list[str] = field(repr=False)
     ttfts: list[float] = field(repr=False)
     tpots: list[float] = field(repr=False)
+    #: CPU time the watched process (the gateway) used during the batch, per second of wall time.
+    proxy_cpu_share: float | None = None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a running process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summarise(
@@ -144,15 +153,24 @@ def summarise(
 
 def merge(batches: list[Batch]) -> Batch:
     """Repetitions of one point: tokens over total wall time, percentiles over every request."""
-    return summarise(
+    shares = [b.proxy_cpu_share for b in batches]
+    merged = summarise(
         batches[0].concurrency, sum(b.wall_s for b in batches), sum(b.tokens for b in batches),
         [x for b in batches for x in b.ttfts], [x for b in batches for x in b.tpots],
         " | ".join(b.load for b in batches), [t for b in batches for t in b.texts],
     )  # fmt: skip
+    if all(share is not None for share in shares):
+        merged.proxy_cpu_share = round(
+            sum(s * b.wall_s for s, b in zip(shares, batches, strict=True) if s) / merged.wall_s, 3
+        )
+    return merged
 
 
-async def run_batch(base: str, prompts: list[Any], concurrency: int, max_tokens: int) -> Batch:
-    """Closed loop: ``concurrency`` clients take the prompts in order until none is left."""
+async def run_batch(
+    base: str, prompts: list[Any], concurrency: int, max_tokens: int, watch_pid: int | None = None
+) -> Batch:
+    """Closed loop: ``concurrency`` clients take the prompts in order until none is left. With
+    ``watch_pid``, the CPU share that process (the gateway) used meanwhile is recorded too."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     for item in enumerate(prompts):
         queue.put_nowait(item)
@@ -166,10 +184,14 @@ async def run_batch(base: str, prompts: list[Any], concurrency: int, max_tokens:
                 samples[index] = await stream_one(client, base, messages, max_tokens)
 
         started_load, start = load(), time.perf_counter()
+        cpu_start = cpu_seconds(watch_pid) if watch_pid else 0.0
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         wall = time.perf_counter() - start
+        cpu_used = cpu_seconds(watch_pid) - cpu_start if watch_pid else None
     ordered = [samples[i] for i in range(len(prompts))]
-    return summarise(
+    batch = summarise(
         concurrency, wall, sum(s.tokens for s in ordered), [s.ttft * 1000 for s in ordered],
         [s.tpot * 1000 for s in ordered if s.tpot is not None], started_load, [s.text for s in ordered],
     )  # fmt: skip
+    batch.proxy_cpu_share = None if cpu_used is None else round(cpu_used / wall, 3)
+    return batch
