@@ -12,6 +12,7 @@ tenancy follows its configured ``redis_down`` policy (fail_open: served; fail_cl
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -25,7 +26,7 @@ from plugins.cache import CachePlugin
 from tests.conftest import GatewayFactory, base_config
 from tests.fakes import FakeUpstream
 from tests.test_cache_support import ThrowawayRedis
-from tests.test_faults_support import SwitchableProxy, check_openai_error
+from tests.test_faults_support import SwitchableProxy, check_openai_error, wait_for
 
 FAULT_S = 3.0
 # The longest a request may take while Redis misbehaves: tenancy's and the cache's bounds per call, a
@@ -179,3 +180,40 @@ def test_redis_fault_under_load(
         for o in refused:
             assert o.status == 503
             assert check_openai_error(o.body)["code"] == "tenancy_unavailable"
+
+
+def test_a_lock_whose_store_failed_is_released_once_redis_answers_again(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    redis_path: tuple[ThrowawayRedis, SwitchableProxy],
+) -> None:
+    """A leader's answer could not be stored (Redis went silent meanwhile): its single-flight lock must
+    not outlive the outage, or every identical request after it waits out ``coalesce_wait_s``."""
+    server, proxy = redis_path
+    upstream.behavior.delay_s = 0.5  # the leader is at the engine when Redis goes silent
+    cache = {"namespace": "f" + uuid.uuid4().hex[:12], "timeout_ms": 100, "breaker_cooldown_s": 0.3}
+    config = base_config([upstream_url], plugins=[{"name": "cache", "config": cache}, {"name": "routing"}])
+    body = {"model": "m1", "messages": [{"role": "user", "content": "lock me"}], "temperature": 0}
+    with (
+        server.client() as direct,
+        gateway_factory(config, plugins={"cache": CachePlugin}, redis_url=f"redis://127.0.0.1:{proxy.port}/0") as (
+            _,
+            gateway,
+        ),
+        httpx.Client(base_url=gateway.url, timeout=30) as client,
+    ):
+        threading.Timer(0.2, proxy.blackholed.set).start()
+        leader = client.post("/v1/chat/completions", json=body)
+        assert leader.status_code == 200  # the answer is delivered; only storing it failed
+        time.sleep(0.5)
+        locks = [name for name in direct.scan_iter(match=f"*{cache['namespace']}*") if b":l:" in name]
+        assert locks, "the leader's lock should still be in Redis while it is unreachable"
+        proxy.blackholed.clear()
+        wait_for(
+            lambda: not any(True for _ in direct.scan_iter(match=f"*{cache['namespace']}*")),
+            10,
+            "the orphaned single-flight lock to be released",
+        )
+        follower = client.post("/v1/chat/completions", json=body)
+    assert follower.status_code == 200

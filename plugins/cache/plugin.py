@@ -239,7 +239,10 @@ class CachePlugin(Plugin):
         try:
             await self.store.store(pending.key, entry, ttl_ms, pending.lock_token)
         except RedisUnavailable:
-            return  # counted by the store; waiting requests see Redis fail too and go to the engine
+            # Counted by the store. The lock (if any) outlives this failure in Redis; see _release.
+            if pending.lock_token is not None:
+                await self._release(pending.key, pending.lock_token)
+            return
         finally:
             if pending.lock_token is not None:
                 self._shared.leaders.done(pending.key.digest)
@@ -255,12 +258,22 @@ class CachePlugin(Plugin):
         self._spawn(self._release(pending.key, pending.lock_token))
 
     async def _release(self, key: CacheKey, token: bytes) -> None:
-        try:
-            await self.store.release(key, token)
-        except RedisUnavailable:
-            pass  # the lock expires by itself (lock_ttl_s)
-        finally:
-            self._shared.leaders.done(key.digest)
+        """Release this request's single-flight lock, retrying while Redis is unreachable: a lock left
+        behind would make every identical request wait out ``coalesce_wait_s`` for an answer that never
+        comes, until the lock expires (``lock_ttl_s``). Bounded by that expiry; the release is
+        token-checked, so a lock someone else took since is never touched."""
+        self._shared.leaders.done(key.digest)
+        deadline = time.monotonic() + self.config.lock_ttl_s
+        delay = 0.05
+        while True:
+            try:
+                await self.store.release(key, token)
+                return
+            except RedisUnavailable:
+                if time.monotonic() + delay >= deadline:
+                    return  # it expires by itself now
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.config.breaker_cooldown_s)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -303,4 +316,6 @@ class CachePlugin(Plugin):
 
     async def aclose(self) -> None:
         if self._writes:
-            await asyncio.wait(set(self._writes), timeout=max(1.0, self.config.timeout_ms / 1000 * 4))
+            _, pending = await asyncio.wait(set(self._writes), timeout=max(1.0, self.config.timeout_ms / 1000 * 4))
+            for task in pending:  # releases still waiting for Redis: their locks expire by themselves
+                task.cancel()
