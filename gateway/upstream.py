@@ -158,9 +158,12 @@ class UpstreamClient:
         return self._session
 
     def reconfigure(self, config: UpstreamConfig) -> None:
-        """Timeouts and keep-alive apply to new requests at once; pool sizes are fixed at start."""
+        """Timeouts, keep-alive and pool limits apply to new requests at once (a lowered limit lets the
+        connections above it finish and close)."""
         self.config = config
         self._pool.keepalive_s = config.keepalive_s
+        self._pool.limit = config.max_connections
+        self._pool.limit_per_host = config.max_connections_per_worker
 
     def _target(self, base_url: str, path: str) -> tuple[tuple[str, int, bool], bytes]:
         """(host, port, tls) and the request head up to the headers that vary, cached per URL."""
