@@ -27,13 +27,13 @@ from re import _parser as sre_parse  # type: ignore[attr-defined]
 from typing import Any
 
 import orjson
-import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
 
 from gateway.errors import InvalidRequest, ServiceUnavailable
 from plugins.guided_json.config import GuidedJSONConfig
 from plugins.guided_json.forms import Constraint
 from plugins.guided_json.schemas import GENERIC_OBJECT, SchemaProblem, bound_free_form, check_structure, validator
+from plugins.guided_json.states import count_states, start_server
 
 #: Checks one answer's text; returns what is wrong with it, or None when it satisfies the constraint.
 Checker = Callable[[str], str | None]
@@ -72,8 +72,6 @@ class Compiler:
 
     def __init__(self, config: GuidedJSONConfig) -> None:
         self.config = config
-        # Byte tokens 1..255 (0 is the end token): the index then has one state per automaton state.
-        self._alphabet = outlines_core.Vocabulary(0, {bytes([i]): [i] for i in range(1, 256)})
 
     def __call__(self, constraint: Constraint) -> Compiled:
         started = time.perf_counter()
@@ -164,11 +162,14 @@ class Compiler:
             raise SchemaProblem(f"it needs an automaton of about {size} states (the limit is {cfg.max_states})")
 
     def _states(self, regex: str) -> int:
+        # In a child process: an automaton that explodes is ended with it (plugins.guided_json.states).
+        budget_ms = self.config.compile_timeout_ms
         try:
-            index = outlines_core.Index(regex, self._alphabet)
-        except ValueError as exc:
-            raise SchemaProblem(f"outlines cannot compile it: {str(exc)[:300]}") from None
-        states = len(index.get_transitions())
+            states = count_states(regex, budget_ms / 1000)
+        except TimeoutError:
+            raise SchemaProblem(f"it is too complex: compiling it took longer than {budget_ms:g} ms") from None
+        if isinstance(states, str):
+            raise SchemaProblem(f"outlines cannot compile it: {states}")
         if states > self.config.max_states:
             raise SchemaProblem(f"it compiles to {states} automaton states (the limit is {self.config.max_states})")
         return states
@@ -189,6 +190,8 @@ class CompileCache:
         self._compiler: Compiler | None = None
 
     def configure(self, config: GuidedJSONConfig) -> None:
+        if self._config is None:
+            self._executor.submit(start_server)  # in the compile thread: the event loop never waits
         if config != self._config:
             self._config = config
             self._compiler = Compiler(config)
