@@ -80,7 +80,10 @@ BENIGN = [
 
 @pytest.fixture
 def guided(gateway_factory: GatewayFactory, upstream_url: str) -> Iterator[ServerThread]:
-    plugins = [{"name": "guided_json", "config": {"probe": False, "compile_timeout_ms": 1500}}, {"name": "routing"}]
+    plugins: list[dict[str, Any]] = [
+        {"name": "guided_json", "config": {"probe": False, "compile_timeout_ms": 1500}},
+        {"name": "routing"},
+    ]
     with gateway_factory(base_config([upstream_url], plugins=plugins)) as (_, server):
         yield server
 
