@@ -57,16 +57,18 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def _deeper_than(value: object, limit: int) -> bool:
-    """Whether ``value`` nests arrays/objects more than ``limit`` levels (iterative: no recursion)."""
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
+    """Whether ``value`` nests arrays/objects more than ``limit`` levels (level by level: no recursion)."""
+    level: list[Any] = [value]
+    depth = 1
+    while level:
         if depth > limit:
             return True
-        if isinstance(node, dict):
-            stack.extend((child, depth + 1) for child in node.values() if isinstance(child, dict | list))
-        elif isinstance(node, list):
-            stack.extend((child, depth + 1) for child in node if isinstance(child, dict | list))
+        below: list[Any] = []
+        for node in level:
+            children = node.values() if type(node) is dict else node
+            below.extend(child for child in children if type(child) is dict or type(child) is list)
+        level = below
+        depth += 1
     return False
 
 
