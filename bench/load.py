@@ -52,12 +52,19 @@ def percentile(values: list[float], pct: float) -> float:
 
 
 def run_wrk(
-    url: str, connections: int, duration_s: float, *, model: str = "mock", mode: str = "fixed", path: str = CHAT
+    url: str,
+    connections: int,
+    duration_s: float,
+    *,
+    model: str = "mock",
+    mode: str = "fixed",
+    path: str = CHAT,
+    token: str = "",
 ) -> dict[str, Any]:
     """One wrk run (one thread). Returns requests/s, errors and latency percentiles in ms."""
     tag = uuid.uuid4().hex[:12]
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s", "--timeout", "10s", "-s", str(LUA)]
-    cmd += [url, "--", model, mode, path, tag]
+    cmd += [url, "--", model, mode, path, tag, token]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60, check=True).stdout
     line = next((ln for ln in reversed(out.splitlines()) if ln.startswith("{")), None)
     if line is None:
@@ -78,10 +85,11 @@ def run_wrk(
 # -- streams: a raw HTTP/1.1 client -----------------------------------------------------------------
 
 
-def stream_request(host: str, port: int, path: str, body: dict[str, Any]) -> bytes:
+def stream_request(host: str, port: int, path: str, body: dict[str, Any], token: str = "") -> bytes:
     payload = orjson.dumps(body)
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
     head = (
-        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n{auth}"
         f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\n\r\n"
     )
     return head.encode() + payload
@@ -156,6 +164,8 @@ class StreamConnection(asyncio.Protocol):
 
 
 def _stream_body(model: str, tokens: int, unique: str | None, interval_ms: float | None = None) -> dict[str, Any]:
+    """A streaming chat request; ``interval_ms`` adds the mock's own pacing field, which a gateway that
+    refuses unknown fields will reject (run a slower mock instead)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": f"Stream to the benchmark {unique or ''}".strip()}],
@@ -179,6 +189,7 @@ async def run_streams(
     model: str = "mock",
     unique: bool = True,
     stall_factor: float = 3.0,
+    token: str = "",
 ) -> dict[str, Any]:
     """Keep ``concurrency`` streams going for ``duration_s``; return TTFC, gaps and stalls (ms)."""
     parts = urlsplit(url)
@@ -205,7 +216,7 @@ async def run_streams(
             body = _stream_body(model, tokens, f"{tag}-{counter}" if unique else None)
             try:
                 async with asyncio.timeout(stream_len + 30):
-                    await conn.start(stream_request(host, port, CHAT, body))
+                    await conn.start(stream_request(host, port, CHAT, body, token))
             except (OSError, TimeoutError, httptools.HttpParserError):
                 errors += 1
                 if conn.transport is not None:
@@ -241,7 +252,7 @@ async def run_streams(
     }
 
 
-async def hold_streams(url: str, count: int, *, interval_ms: float, tokens: int, model: str = "mock") -> None:
+async def hold_streams(url: str, count: int, *, interval_ms: float | None, tokens: int, model: str = "mock") -> None:
     """Open ``count`` slow streams, report when all have started, hold them until stdin closes."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -277,16 +288,17 @@ def main() -> None:
     st.add_argument("--fixed", action="store_true", help="the same prompt every time (cache hits)")
     hd = sub.add_parser("hold", help="hold N slow streams open until stdin closes")
     hd.add_argument("-n", "--count", type=int, default=1000)
-    hd.add_argument("--interval-ms", type=float, default=500.0)
+    hd.add_argument("--interval-ms", type=float, help="ask the mock for this pace (direct to the mock only)")
     hd.add_argument("--tokens", type=int, default=400)
     for p in (req, st, hd):
         p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
         p.add_argument("--model", default="mock")
     for p in (req, st):
         p.add_argument("-d", "--duration", type=float, default=5.0, help="seconds")
+        p.add_argument("--token", default="", help="bearer token (LiteLLM's master key)")
     args = parser.parse_args()
     if args.command == "requests":
-        result = run_wrk(args.url, args.connections, args.duration, model=args.model, mode=args.mode)
+        result = run_wrk(args.url, args.connections, args.duration, model=args.model, mode=args.mode, token=args.token)
     elif args.command == "streams":
         result = uvloop.run(
             run_streams(
@@ -297,10 +309,13 @@ def main() -> None:
                 tokens=args.tokens,
                 model=args.model,
                 unique=not args.fixed,
+                token=args.token,
             )
         )
     else:
-        uvloop.run(hold_streams(args.url, args.count, interval_ms=args.interval_ms, tokens=args.tokens))
+        uvloop.run(
+            hold_streams(args.url, args.count, interval_ms=args.interval_ms, tokens=args.tokens, model=args.model)
+        )
         return
     print(orjson.dumps(result).decode(), flush=True)
 

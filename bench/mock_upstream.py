@@ -4,8 +4,8 @@
   ``"stream": true``, an SSE stream of ``max_tokens`` content chunks (``--chunks`` by default) paced
   ``--interval-ms`` apart, a usage chunk when ``stream_options.include_usage`` is set, then ``[DONE]``.
   The first event (the role delta) is sent at once, so time-to-first-chunk measures the hop, not the mock.
-  A request may set its own pace with the non-OpenAI field ``mock_interval_ms`` (the memory benchmark
-  holds many slow streams open this way; a gateway passes unknown fields through).
+  A request sent straight to the mock may set its own pace with the non-OpenAI field
+  ``mock_interval_ms`` (a gateway refuses unknown fields, so the memory benchmark runs a slow mock).
 - ``GET /health`` (200) and ``GET /v1/models``, so a gateway's health checks see a healthy worker.
 
 It skips every framework so the mock is never the bottleneck of the hop being measured.

@@ -72,6 +72,7 @@ class Peer:
     proc: subprocess.Popen[bytes] | None
     mode: str = "fixed"
     note: str = ""
+    token: str = ""  # a bearer token the load must send
     log: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -114,13 +115,13 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
     raise RuntimeError(f"{url} was not ready within {timeout_s:g} s:\n{log.read_text()[-3000:]}")
 
 
-def start_mock(tmp: Path, interval_ms: float, tokens: int) -> Peer:
+def start_mock(tmp: Path, interval_ms: float, tokens: int, name: str = "direct") -> Peer:
     port = free_port()
-    log = tmp / "mock.log"
+    log = tmp / f"{name}.log"
     cmd = [sys.executable, str(ROOT / "bench" / "mock_upstream.py"), "--port", str(port)]
     cmd += ["--interval-ms", str(interval_ms), "--chunks", str(tokens)]
     proc = _spawn(cmd, LOAD_CPU, log)
-    peer = Peer("direct", f"http://127.0.0.1:{port}", "mock", proc, log=log)
+    peer = Peer(name, f"http://127.0.0.1:{port}", "mock", proc, log=log)
     wait_ready(peer.url + "/health", proc, log)
     return peer
 
@@ -168,11 +169,18 @@ http {{
     return peer
 
 
-def gateway_config(upstream_url: str, plugins: list[dict[str, Any]]) -> dict[str, Any]:
+#: The gateway serves the mock under the default model's name, so the root config.yaml's plugin sections
+#: (which name that model: routing admission, safety's tokenizer) apply as a user meets them.
+GATEWAY_MODEL = "smollm2"
+
+
+def gateway_config(
+    upstream_url: str, plugins: list[dict[str, Any]], upstream: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
-        "models": [{"name": "mock", "workers": [upstream_url]}],
+        "models": [{"name": GATEWAY_MODEL, "workers": [upstream_url]}],
         "plugins": plugins,
-        "upstream": {"connect_timeout_s": 3, "first_byte_timeout_s": 30, "idle_timeout_s": 30},
+        "upstream": {"connect_timeout_s": 3, "first_byte_timeout_s": 30, "idle_timeout_s": 30, **(upstream or {})},
         "logging": {"level": "INFO", "access_log": True},
     }
 
@@ -186,19 +194,20 @@ def start_gateway(
     mode: str = "fixed",
     note: str = "",
     source: Path | None = None,
+    upstream: dict[str, Any] | None = None,
 ) -> Peer:
     """``source``: run the ``gateway``/``plugins`` packages from another tree (a copy made before a
     change), so a change is measured against its baseline in the same run."""
     port = free_port()
     config = tmp / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(gateway_config(upstream_url, plugins), sort_keys=False))
+    config.write_text(yaml.safe_dump(gateway_config(upstream_url, plugins, upstream), sort_keys=False))
     log = tmp / f"{name}.log"
     cmd = [str(VENV_BIN / "gateway"), "serve", "--config", str(config), "--no-managed-workers"]
     env = {"GATEWAY_PORT": str(port), "GATEWAY_HOST": "127.0.0.1"}
     if source is not None:
         env["PYTHONPATH"] = str(source.resolve())
     proc = _spawn(cmd, PROXY_CPU, log, env=env)
-    peer = Peer(name, f"http://127.0.0.1:{port}", "mock", proc, mode=mode, note=note, log=log)
+    peer = Peer(name, f"http://127.0.0.1:{port}", GATEWAY_MODEL, proc, mode=mode, note=note, log=log)
     wait_ready(peer.url + "/ready", proc, log)
     return peer
 
@@ -236,8 +245,10 @@ def start_litellm(tmp: Path, upstream_url: str) -> Peer | None:
     )
     log = tmp / "litellm.log"
     cmd = [str(LITELLM), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
-    proc = _spawn(cmd, PROXY_CPU, log, env={"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"})
-    peer = Peer("litellm", f"http://127.0.0.1:{port}", "mock", proc, log=log)
+    token = "sk-bench-" + os.urandom(8).hex()  # LiteLLM refuses to start without a master key
+    env = {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    proc = _spawn(cmd, PROXY_CPU, log, env={**env, "LITELLM_MASTER_KEY": token})
+    peer = Peer("litellm", f"http://127.0.0.1:{port}", "mock", proc, token=token, log=log)
     try:
         wait_ready(peer.url + "/health/liveliness", proc, log, timeout_s=180)
     except RuntimeError as exc:

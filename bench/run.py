@@ -41,6 +41,24 @@ import report
 ALL_PEERS = ["direct", "nginx", "python-hop", "gateway", "gateway-full-miss", "gateway-full-hit", "litellm"]
 #: The default plugin set in the order DESIGN.md gives; plugins not installed yet are skipped.
 DEFAULT_PLUGINS = ["safety", "cache", "guided_json", "routing"]
+CACHE_PREFIX = "gwbench"
+CACHE_NAMESPACE = f"run{os.getpid()}"
+
+
+def delete_cache_entries(redis_url: str) -> int:
+    """Remove what the cache plugin stored during the run (its keys carry the bench's prefix)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    try:
+        keys = list(client.scan_iter(match=f"{CACHE_PREFIX}*", count=1000))
+        for i in range(0, len(keys), 1000):
+            client.delete(*keys[i : i + 1000])
+        return len(keys)
+    except redis.RedisError:
+        return 0
+    finally:
+        client.close()
 
 
 def resolve_plugins(names: list[str], overrides: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -59,6 +77,8 @@ def resolve_plugins(names: list[str], overrides: dict[str, dict[str, Any]]) -> t
         entry = {k: v for k, v in from_product.get(name, {"name": name}).items() if k != "enabled"}
         if name in overrides:
             entry["config"] = overrides[name]
+        if name == "cache":  # the bench's entries live under their own prefix and are deleted after
+            entry["config"] = {**(entry.get("config") or {}), "key_prefix": CACHE_PREFIX, "namespace": CACHE_NAMESPACE}
         try:
             cls = registry.get(name)
             cls.Config.model_validate(entry.get("config") or {})
@@ -75,23 +95,27 @@ def measure(peer: peers.Peer, scenario: str, args: argparse.Namespace) -> dict[s
     if scenario.startswith("c"):
         pid = peer.proc.pid if peer.proc is not None else None
         before = peers.cpu_seconds(pid) if pid else 0.0
-        result = load.run_wrk(peer.url, int(scenario[1:]), args.duration, model=peer.model, mode=peer.mode)
+        result = load.run_wrk(
+            peer.url, int(scenario[1:]), args.duration, model=peer.model, mode=peer.mode, token=peer.token
+        )
         if pid and result["requests"]:
             result["cpu_us_per_req"] = (peers.cpu_seconds(pid) - before) / result["requests"] * 1e6
         return result
     cmd = [sys.executable, str(Path(load.__file__)), "streams", "--url", peer.url, "--model", peer.model]
     cmd += ["-n", scenario[1:], "-d", str(args.duration), "--interval-ms", str(args.interval_ms)]
-    cmd += ["--tokens", str(args.tokens)] + (["--fixed"] if peer.mode == "fixed" else [])
+    cmd += ["--tokens", str(args.tokens), "--token", peer.token] + (["--fixed"] if peer.mode == "fixed" else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=args.duration + 120).stdout
     return dict(orjson.loads(out.strip().splitlines()[-1]))
 
 
 def warm_up(peer: peers.Peer, args: argparse.Namespace) -> None:
     """Open pools, fill the cache for the hit peer, let the first-request costs pass."""
-    load.run_wrk(peer.url, 16, 1, model=peer.model, mode=peer.mode)
+    load.run_wrk(peer.url, 16, 1, model=peer.model, mode=peer.mode, token=peer.token)
     if any(s.startswith("s") for s in args.scenarios):
         cmd = [sys.executable, str(Path(load.__file__)), "streams", "--url", peer.url, "--model", peer.model]
-        cmd += ["-n", "4", "-d", "1", "--tokens", "4"] + (["--fixed"] if peer.mode == "fixed" else [])
+        cmd += ["-n", "4", "-d", "1", "--tokens", "4", "--token", peer.token] + (
+            ["--fixed"] if peer.mode == "fixed" else []
+        )
         subprocess.run(cmd, capture_output=True, check=True, timeout=60)
 
 
@@ -105,8 +129,13 @@ def requests_until(url: str, total: int, connections: int = 64) -> int:
 
 def measure_memory(tmp: Path, mock: peers.Peer, args: argparse.Namespace) -> dict[str, Any]:
     """RSS of a fresh routing-only gateway: growth over N requests after warm-up, and per 1,000 streams."""
+    # Held streams need a slow worker (a chunk every 500 ms), so the open streams sit mostly idle.
+    slow = peers.start_mock(tmp, 500.0, 400, name="mock-slow")
     gw = peers.start_gateway(tmp, "gateway-memory", mock.url, [{"name": "routing"}])
-    assert gw.proc is not None
+    # More streams than the default 512 connections per worker need a larger pool (a config knob).
+    pool = {"max_connections_per_worker": max(512, args.memory_streams + 64)}
+    stream_gw = peers.start_gateway(tmp, "gateway-memory-streams", slow.url, [{"name": "routing"}], upstream=pool)
+    assert gw.proc is not None and stream_gw.proc is not None
     pid = gw.proc.pid
     try:
         started_kib = peers.rss_kib(pid)
@@ -116,26 +145,32 @@ def measure_memory(tmp: Path, mock: peers.Peer, args: argparse.Namespace) -> dic
         sent = requests_until(gw.url, args.memory_requests)
         time.sleep(1)
         after_kib = peers.rss_kib(pid)
-        idle_kib = peers.rss_kib(pid)
-        cmd = [sys.executable, str(Path(load.__file__)), "hold", "--url", gw.url, "-n", str(args.memory_streams)]
+        load.run_wrk(stream_gw.url, 16, 1, model=stream_gw.model)  # warm the stream gateway up
+        time.sleep(1)
+        idle_kib = peers.rss_kib(stream_gw.proc.pid)
+        cmd = [sys.executable, str(Path(load.__file__)), "hold", "--url", stream_gw.url]
+        cmd += ["-n", str(args.memory_streams), "--model", stream_gw.model]
         holder = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert holder.stdout is not None and holder.stdin is not None
         line = holder.stdout.readline()
         opened = orjson.loads(line)["open"] if line.startswith("{") else 0
         time.sleep(1)
-        streams_kib = peers.rss_kib(pid)
+        streams_kib = peers.rss_kib(stream_gw.proc.pid)
         holder.stdin.close()
         holder.wait(timeout=60)
     finally:
         gw.stop()
+        stream_gw.stop()
+        slow.stop()
     return {
         "rss_at_start_mib": started_kib / 1024,
         "rss_after_warmup_mib": warm_kib / 1024,
         f"rss_after_{sent}_requests_mib": after_kib / 1024,
         "rss_growth_pct": 100 * (after_kib - warm_kib) / warm_kib,
         "open_streams": opened,
+        "rss_streams_gateway_idle_mib": idle_kib / 1024,
         f"rss_with_{opened}_streams_mib": streams_kib / 1024,
-        "rss_per_1000_streams_mib": (streams_kib - idle_kib) / 1024 * 1000 / max(opened, 1),
+        "rss_per_1000_streams_mib": (streams_kib - idle_kib) / 1024 * 1000 / opened if opened else None,
     }
 
 
@@ -236,6 +271,9 @@ def main() -> None:
                     results.setdefault(peer.name, {}).setdefault(scenario, []).append(result)
                     print(f"rep {rep + 1} {scenario:>5} {peer.name:<18} {orjson.dumps(result).decode()}", flush=True)
         memory = {} if args.no_memory else measure_memory(tmp, mock, args)
+    if any(p.startswith("gateway-full") for p in args.peers):
+        deleted = delete_cache_entries(os.environ.get("GATEWAY_REDIS_URL", "redis://127.0.0.1:6379/0"))
+        notes.append(f"deleted {deleted} cache entries the run stored in Redis")
     medians = {peer: {s: report.median_of(runs) for s, runs in scen.items()} for peer, scen in results.items()}
     print()
     print(report.main_table(medians, args.concurrency, args.stream_counts))

@@ -1,7 +1,7 @@
 -- wrk script: POST an OpenAI chat request; print one JSON line of results when done.
 -- Arguments (after `--`): model, body mode ("fixed": the same body every time, a cache hit after the
 -- first; "unique": a different prompt per request, a cache miss), path, and a tag that makes
--- "unique" prompts differ between runs.
+-- "unique" prompts differ between runs, and an optional bearer token.
 -- Latency percentiles are wrk's own (microseconds).
 
 local model = "mock"
@@ -21,6 +21,9 @@ function init(args)
   mode = args[2] or mode
   path = args[3] or path
   tag = args[4] or tag
+  if args[5] and args[5] ~= "" then
+    wrk.headers["Authorization"] = "Bearer " .. args[5]
+  end
   wrk.method = "POST"
   wrk.headers["Content-Type"] = "application/json"
   fixed_request = wrk.format("POST", path, nil, body_for("Say hello to the benchmark."))
