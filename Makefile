@@ -42,5 +42,9 @@ test: $(STAMP) model lint typecheck
 unit: $(STAMP)
 	$(PY) -m pytest -q -m "not engine and not slow"
 
+bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/run.py
+
 clean:
 	rm -rf $(VENV) models .mypy_cache .ruff_cache .pytest_cache
