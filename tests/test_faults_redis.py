@@ -32,6 +32,9 @@ FAULT_S = 3.0
 # The longest a request may take while Redis misbehaves: tenancy's and the cache's bounds per call, a
 # few calls each, with generous slack for a loaded CI machine. A hang would reach the client timeout.
 BOUND_S = 5.0
+# How soon after Redis answers again every request must succeed: the breaker's cooldown and pooled
+# connections to the old server being replaced, with slack for a loaded machine.
+RECOVERY_S = 5.0
 
 
 @dataclass
@@ -96,20 +99,28 @@ async def run_with_fault(
     out: list[Outcome] = []
     stop = asyncio.Event()
     task = asyncio.create_task(load(url, stop, out))
-    await asyncio.sleep(1.0)
+    for _ in range(200):  # bounded: until a few dozen requests were served with Redis healthy
+        await asyncio.sleep(0.05)
+        if len(out) >= 32:
+            break
+    await asyncio.sleep(0.2)
     fault_at = time.monotonic()
     await inject()
     await asyncio.sleep(FAULT_S)
     await heal()
-    healed_at = time.monotonic() + 0.5  # the cache's breaker cooldown
-    await asyncio.sleep(2.5)
+    healed_at = time.monotonic()
+    await asyncio.sleep(RECOVERY_S + 1.5)
     stop.set()
     await asyncio.wait_for(task, timeout=60)
+    # Recovered: from some moment within RECOVERY_S of Redis answering again, every request succeeds.
+    post = [o for o in out if o.started > healed_at]
+    last_failure = max((o.started for o in post if o.status != 200), default=healed_at)
+    assert last_failure < healed_at + RECOVERY_S, f"requests still failed {last_failure - healed_at:.2f} s after"
     return {
         "all": out,
         "before": [o for o in out if o.ended < fault_at],
         "fault": [o for o in out if o.started > fault_at + 0.3 and o.ended < fault_at + FAULT_S - 0.3],
-        "after": [o for o in out if o.started > healed_at],
+        "after": [o for o in out if o.started > last_failure],
     }
 
 
@@ -117,14 +128,7 @@ async def run_with_fault(
 @pytest.mark.parametrize(
     "fault",
     [
-        pytest.param(
-            "stop",
-            marks=pytest.mark.xfail(
-                reason="known: after Redis is killed and restarted, requests coalesced behind one leader sometimes"
-                " wait up to the cache's coalesce_wait_s (30 s) instead of failing open; passes with coalesce off",
-                strict=False,
-            ),
-        ),
+        "stop",
         "pause",
         "blackhole",
     ],
@@ -136,8 +140,17 @@ def test_redis_fault_under_load(
     redis_path: tuple[ThrowawayRedis, SwitchableProxy],
     fault: str,
     policy: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     server, proxy = redis_path
+    if fault == "stop" and policy == "fail_closed":
+        request.applymarker(
+            pytest.mark.xfail(
+                reason="open finding: about one run in five, one request waits out the client timeout after Redis"
+                " is killed and restarted (fail_closed tenancy + cache); not yet diagnosed",
+                strict=False,
+            )
+        )
 
     async def inject() -> None:
         if fault == "stop":
