@@ -101,3 +101,40 @@ async def test_a_follower_waits_only_as_long_as_configured(
         assert coalesced(app, "timeout") == 2
     assert len(upstream.requests) == 3
     assert all(r.status_code == 200 for r in replies)
+
+
+async def test_a_lookup_that_timed_out_after_taking_the_lock_does_not_strand_followers(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, namespace: str
+) -> None:
+    """Redis ran the lookup script (and took the lock) but its reply came too late for the client: the
+    request bypasses the cache, and the lock it may hold is dropped so later identical requests do not
+    wait out ``coalesce_wait_s`` for a leader that does not know it leads."""
+    from plugins.cache.store import RedisUnavailable
+
+    with gateway_factory(cache_gateway_config(upstream_url, namespace), plugins=PLUGINS) as (app, server):
+        plugin = next(b.plugin for b in app.state.holder.current.pipeline.plugins if b.name == "cache")
+        store = plugin.store  # type: ignore[attr-defined]
+        original = store.lookup
+        calls = 0
+
+        async def late_reply(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            result = await original(*args, **kwargs)
+            if calls == 1:
+                raise RedisUnavailable("reply arrived after the timeout")
+            return result
+
+        store.lookup = late_reply
+        first = await burst([server.url], 1)
+        assert first[0].headers["x-cache"] == "bypass"
+        # Once the stray lock is gone, the next identical request leads instead of waiting ~30 s.
+        async with httpx.AsyncClient(timeout=10) as client:
+            body = {"model": "m1", "messages": MESSAGES, "temperature": 0}
+            for _ in range(50):
+                second = await client.post(server.url + "/v1/chat/completions", json=body)
+                if second.headers["x-cache"] in {"miss", "hit"}:
+                    break
+                await asyncio.sleep(0.05)
+        assert second.status_code == 200
+        assert coalesced(app, "timeout") == 0

@@ -128,6 +128,11 @@ class CachePlugin(Plugin):
             try:
                 found = await self._lookup(key, token)
             except RedisUnavailable:
+                if token is not None:
+                    # A timed-out lookup may still have taken the lock in Redis (the script ran, the
+                    # reply came late): drop it, or identical requests would wait for a leader that
+                    # does not know it leads.
+                    self._spawn(self._release(key, token, local_leader=False))
                 return self._bypass(ctx, model, "redis")
             if self._shared.reported_open:
                 self._shared.reported_open = False
@@ -257,12 +262,13 @@ class CachePlugin(Plugin):
         pending.done = True
         self._spawn(self._release(pending.key, pending.lock_token))
 
-    async def _release(self, key: CacheKey, token: bytes) -> None:
+    async def _release(self, key: CacheKey, token: bytes, *, local_leader: bool = True) -> None:
         """Release this request's single-flight lock, retrying while Redis is unreachable: a lock left
         behind would make every identical request wait out ``coalesce_wait_s`` for an answer that never
         comes, until the lock expires (``lock_ttl_s``). Bounded by that expiry; the release is
         token-checked, so a lock someone else took since is never touched."""
-        self._shared.leaders.done(key.digest)
+        if local_leader:
+            self._shared.leaders.done(key.digest)
         deadline = time.monotonic() + self.config.lock_ttl_s
         delay = 0.05
         while True:
