@@ -37,7 +37,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: $(STAMP) model lint typecheck
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rfEsxX
 
 unit: $(STAMP)
 	$(PY) -m pytest -q -m "not engine and not slow"

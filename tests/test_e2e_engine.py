@@ -189,7 +189,15 @@ def test_gateway_shutdown_leaves_no_worker_process(tmp_path: Path) -> None:
 
 
 def _worker_pids(port: int) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
-    return [
-        int(line.split()[0]) for line in out.splitlines()[1:] if "vllm.entrypoints" in line and f"--port {port}" in line
-    ]
+    """vLLM server processes listening on ``port``, from /proc (ps truncates long command lines)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"vllm.entrypoints" in a for a in args) and str(port).encode() in args:
+            pids.append(int(entry.name))
+    return pids
