@@ -13,6 +13,7 @@ import errno
 import gc
 import logging
 import socket
+import sys
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -160,6 +161,8 @@ def create_app(
             gc.collect()
             gc.freeze()  # start-up objects never need collecting; keeps GC pauses short under load
             restore_sigterm = install_sigterm_drain(state, settings.drain_delay_s)
+            if state.engine is not None:  # a person ran `make run`: tell them where to point a client
+                sys.stderr.write(ready_banner(settings, initial) + "\n")
             yield
         finally:
             state.draining = True
@@ -287,3 +290,21 @@ async def _probe(services: Services, url: str) -> str | None:
 
 
 __all__ = ["ConfigError", "GatewayApp", "create_app"]
+
+
+def ready_banner(settings: Settings, config: GatewayConfig) -> str:
+    """What a person who just ran `make run` needs: where to point a client, and how."""
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    base_url = f"http://{host}:{settings.port}/v1"
+    model = config.models[0].name
+    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hello"}}]}}'
+    sdk = (
+        f"from openai import OpenAI; c = OpenAI(base_url='{base_url}', api_key='unused'); "
+        f"print(c.chat.completions.create(model='{model}', "
+        "messages=[{'role': 'user', 'content': 'Say hello'}]).choices[0].message.content)"
+    )
+    return (
+        f"ready: OpenAI-compatible API at {base_url}\n"
+        f"  curl -s {base_url}/chat/completions -H 'content-type: application/json' -d '{body}'\n"
+        f'  python -c "{sdk}"'
+    )

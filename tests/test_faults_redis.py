@@ -143,14 +143,6 @@ def test_redis_fault_under_load(
     request: pytest.FixtureRequest,
 ) -> None:
     server, proxy = redis_path
-    if fault == "stop" and policy == "fail_closed":
-        request.applymarker(
-            pytest.mark.xfail(
-                reason="open finding: about one run in five, one request waits out the client timeout after Redis"
-                " is killed and restarted (fail_closed tenancy + cache); not yet diagnosed",
-                strict=False,
-            )
-        )
 
     async def inject() -> None:
         if fault == "stop":
