@@ -9,11 +9,12 @@ a failing worker for a growing interval.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+
+from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("gateway.workers")
 
@@ -165,8 +166,5 @@ class WorkerTable:
         self._task = asyncio.create_task(loop(), name="worker-health")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -9,13 +9,13 @@ known addresses (a DNS hiccup must not empty a pool). The resolver is injectable
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import urlsplit
 
+from gateway.tasks import cancel_and_wait
 from gateway.workers import WorkerTable
 
 log = logging.getLogger("gateway.routing.discovery")
@@ -94,8 +94,5 @@ class DnsDiscovery:
                 log.exception("DNS discovery round failed")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -10,12 +10,12 @@ traffic away from a worker. Scrapes never sit on the request path.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway.tasks import cancel_and_wait
 from gateway.upstream import UpstreamClient
 from gateway.workers import Worker, WorkerTable
 from plugins.routing.config import LoadMetricsConfig
@@ -111,8 +111,5 @@ class WorkerLoadScraper:
             await asyncio.sleep(self.config.interval_s)
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
