@@ -3,36 +3,22 @@ and its reset time, reset at the UTC day and month boundaries, and reported by t
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-import pytest
-import redis
 
 from plugins.tenancy import TenancyPlugin
 from plugins.tenancy.budgets import format_duration, window
 from plugins.tenancy.keys import hash_key
 from tests.conftest import GatewayFactory, base_config
 from tests.fakes import FakeUpstream, ServerThread
+from tests.tenancy_support import PEPPER, prefix
 
-PEPPER = "pepper-for-tests"
+__all__ = ["prefix"]  # the fixture, used by name
+
 KEY = "sk-gw-budget-test-key"
 BODY = {"model": "m1", "messages": [{"role": "user", "content": "abcd"}], "max_tokens": 3}  # 8 tokens, see limits
-
-
-@pytest.fixture
-def prefix(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setenv("GATEWAY_TENANCY_PEPPER", PEPPER)
-    name = f"test:tenancy:{uuid.uuid4().hex}"
-    yield name
-    client = redis.Redis()
-    keys = list(client.scan_iter(match=f"{name}*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 def clocked(start: datetime) -> tuple[type[TenancyPlugin], list[float]]:

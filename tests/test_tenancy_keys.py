@@ -6,35 +6,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import redis
 
 from gateway.logs import JSONFormatter
 from plugins.tenancy.keys import hash_key
 from tests.conftest import GatewayFactory, base_config
 from tests.fakes import FakeUpstream, ServerThread
+from tests.tenancy_support import PEPPER, prefix
+
+__all__ = ["prefix"]  # the fixture, used by name
 
 ADMIN = "admin-secret-token"
-PEPPER = "pepper-for-tests"
-
-
-@pytest.fixture
-def prefix(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A unique Redis namespace per test, deleted afterwards."""
-    monkeypatch.setenv("GATEWAY_TENANCY_PEPPER", PEPPER)
-    name = f"test:tenancy:{uuid.uuid4().hex}"
-    yield name
-    client = redis.Redis()
-    keys = list(client.scan_iter(match=f"{name}*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 def tenancy(prefix: str, upstream_url: str, **config: Any) -> dict[str, Any]:

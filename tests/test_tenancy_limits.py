@@ -5,38 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import redis
 
 from plugins.tenancy.keys import hash_key
 from tests.conftest import GatewayFactory, base_config
 from tests.fakes import FakeUpstream, ServerThread
+from tests.tenancy_support import PEPPER, prefix
 
-PEPPER = "pepper-for-tests"
+__all__ = ["prefix"]  # the fixture, used by name
+
 KEY = "sk-gw-limits-test-key"
 HEADERS = {"authorization": f"Bearer {KEY}"}
 UNREACHABLE = "redis://127.0.0.1:1/0"
 OPENAI_NAMES = [
     f"x-ratelimit-{part}-{kind}" for kind in ("requests", "tokens") for part in ("limit", "remaining", "reset")
 ]
-
-
-@pytest.fixture
-def prefix(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setenv("GATEWAY_TENANCY_PEPPER", PEPPER)
-    name = f"test:tenancy:{uuid.uuid4().hex}"
-    yield name
-    client = redis.Redis()
-    keys = list(client.scan_iter(match=f"{name}*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 def tenancy(prefix: str, upstream_url: str, key_limits: dict[str, int], **config: Any) -> dict[str, Any]:
