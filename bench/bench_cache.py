@@ -33,6 +33,7 @@ import redis
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import load
 import peers
 
 LUA = """
@@ -81,15 +82,7 @@ def wrk(
     cmd = ["taskset", "-c", peers.LOAD_CPU, "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s"]
     cmd += ["--timeout", "30s", "-s", str(script), url]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 120, check=True).stdout
-    raw = orjson.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{")))
-    seconds = raw["duration_us"] / 1e6
-    return {
-        "rps": raw["requests"] / seconds if seconds else 0.0,
-        "errors": raw["errors"] + raw["non_2xx"],
-        "p50_ms": raw["p50_us"] / 1000,
-        "p99_ms": raw["p99_us"] / 1000,
-        "max_ms": raw["max_us"] / 1000,
-    }
+    return load.parse_wrk(out)
 
 
 def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], int]:

@@ -29,6 +29,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import load
 import peers
 
 from gateway.config import ModelConfig, UpstreamConfig
@@ -223,14 +224,7 @@ def wrk(tmp: Path, url: str, text: str, connections: int, duration_s: float) -> 
     cmd = ["taskset", "-c", peers.LOAD_CPU, "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s"]
     cmd += ["--timeout", "10s", "-s", str(script), url]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60, check=True).stdout
-    raw = orjson.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{")))
-    seconds = raw["duration_us"] / 1e6
-    return {
-        "rps": raw["requests"] / seconds if seconds else 0.0,
-        "errors": raw["errors"] + raw["non_2xx"],
-        "p50_ms": raw["p50_us"] / 1000,
-        "p99_ms": raw["p99_us"] / 1000,
-    }
+    return load.parse_wrk(out)
 
 
 def through_gateway(duration_s: float, connections: list[int]) -> None:

@@ -21,10 +21,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import orjson
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import load
 import peers
 
 from plugins.tenancy.keys import hash_key
@@ -42,14 +42,7 @@ def wrk(url: str, connections: int, duration_s: float, headers: list[str]) -> di
         cmd += ["-H", header]
     cmd += [url, "--", "mock", "unique", "/v1/chat/completions", uuid.uuid4().hex[:8]]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60, check=True).stdout
-    raw = orjson.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{")))
-    seconds = raw["duration_us"] / 1e6
-    return {
-        "rps": raw["requests"] / seconds if seconds else 0.0,
-        "errors": raw["errors"] + raw["non_2xx"],
-        "p50_ms": raw["p50_us"] / 1000,
-        "p99_ms": raw["p99_us"] / 1000,
-    }
+    return load.parse_wrk(out)
 
 
 def peer_plugins(prefix: str) -> dict[str, list[dict[str, Any]]]:

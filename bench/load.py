@@ -66,20 +66,26 @@ def run_wrk(
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s", "--timeout", "10s", "-s", str(LUA)]
     cmd += [url, "--", model, mode, path, tag, token]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60, check=True).stdout
+    return parse_wrk(out)
+
+
+def parse_wrk(out: str) -> dict[str, Any]:
+    """The JSON line our wrk Lua scripts print at the end: requests/s, errors and the percentiles they
+    report (p50/p99 always; p90 and max when the script prints them), in ms."""
     line = next((ln for ln in reversed(out.splitlines()) if ln.startswith("{")), None)
     if line is None:
         raise RuntimeError(f"wrk printed no result:\n{out}")
     raw = orjson.loads(line)
     seconds = raw["duration_us"] / 1e6
-    return {
+    result = {
         "requests": raw["requests"],
         "rps": raw["requests"] / seconds if seconds else 0.0,
         "errors": raw["errors"] + raw["non_2xx"],
-        "p50_ms": raw["p50_us"] / 1000,
-        "p90_ms": raw["p90_us"] / 1000,
-        "p99_ms": raw["p99_us"] / 1000,
-        "max_ms": raw["max_us"] / 1000,
     }
+    for name in ("p50", "p90", "p99", "max"):
+        if f"{name}_us" in raw:
+            result[f"{name}_ms"] = raw[f"{name}_us"] / 1000
+    return result
 
 
 # -- streams: a raw HTTP/1.1 client -----------------------------------------------------------------
