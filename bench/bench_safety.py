@@ -218,7 +218,9 @@ end
 
 
 def wrk(tmp: Path, url: str, text: str, connections: int, duration_s: float) -> dict[str, Any]:
-    body = orjson.dumps({"model": "mock", "messages": [{"role": "user", "content": text}], "max_tokens": 16}).decode()
+    body = orjson.dumps(
+        {"model": peers.GATEWAY_MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 16}
+    ).decode()
     script = tmp / f"safety-{uuid.uuid4().hex[:8]}.lua"
     script.write_text(LUA.format(body=body))
     cmd = ["taskset", "-c", peers.LOAD_CPU, "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s"]

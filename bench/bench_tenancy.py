@@ -40,7 +40,7 @@ def wrk(url: str, connections: int, duration_s: float, headers: list[str]) -> di
     cmd += ["--timeout", "10s", "-s", str(LUA)]
     for header in headers:
         cmd += ["-H", header]
-    cmd += [url, "--", "mock", "unique", "/v1/chat/completions", uuid.uuid4().hex[:8]]
+    cmd += [url, "--", peers.GATEWAY_MODEL, "unique", "/v1/chat/completions", uuid.uuid4().hex[:8]]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60, check=True).stdout
     return load.parse_wrk(out)
 
