@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio as aioredis
 
 from gateway.metrics import Metrics
+from gateway.redis_autopipe import AutoPipeline
 from gateway.settings import Settings
 from gateway.upstream import UpstreamClient
 from gateway.workers import WorkerTable
@@ -31,6 +32,7 @@ class Services:
     #: OpenTelemetry tracing, or None when no OTLP endpoint is configured (the default: no cost).
     tracing: Tracing | None = None
     _redis: dict[tuple[float, float], aioredis.Redis] = field(default_factory=dict)
+    _pipelines: dict[tuple[float, float], AutoPipeline] = field(default_factory=dict)
 
     def redis(self, *, socket_timeout_s: float = 0.25, connect_timeout_s: float = 0.25) -> aioredis.Redis:
         """A pooled Redis client for ``settings.redis_url`` with these timeouts (one pool per pair).
@@ -51,7 +53,19 @@ class Services:
             self._redis[key] = client
         return client
 
+    def redis_pipeline(self, *, socket_timeout_s: float = 0.25, connect_timeout_s: float = 0.25) -> AutoPipeline:
+        """Commands on ``redis(...)`` with these timeouts, batched per event-loop turn (one per pair)."""
+        key = (socket_timeout_s, connect_timeout_s)
+        pipeline = self._pipelines.get(key)
+        if pipeline is None:
+            client = self.redis(socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
+            pipeline = self._pipelines[key] = AutoPipeline(client)
+        return pipeline
+
     async def aclose(self) -> None:
+        for pipeline in self._pipelines.values():
+            await pipeline.aclose()
+        self._pipelines.clear()
         for client in self._redis.values():
             await client.aclose()
         self._redis.clear()

@@ -58,7 +58,9 @@ async def test_streaming_followers_get_the_answer_replayed(
 async def test_coalescing_spans_gateway_replicas(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, namespace: str
 ) -> None:
-    upstream.behavior.delay_s = 0.5
+    # Long enough that every request of the burst arrives while the leader computes, on a loaded machine
+    # too (with 0.5 s a replica's requests sometimes came after the answer was stored: plain hits).
+    upstream.behavior.delay_s = 2.0
     config = cache_gateway_config(upstream_url, namespace)
     with (
         gateway_factory(config, plugins=PLUGINS) as (app_a, a),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gateway.metrics import CachedLabels
+
 HIT_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
@@ -46,6 +48,10 @@ class CacheMetrics:
             ["model", "outcome"],
             registry=r,
         )
+        # The labelled ones are on the request path: their children are looked up once per label set.
+        labelled = ("hits", "misses", "bypasses", "stores", "not_stored", "errors", "bytes", "hit_latency", "coalesced")
+        for name in labelled:
+            setattr(self, name, CachedLabels(getattr(self, name)))
         self.breaker_open = Gauge(
             "gateway_cache_breaker_open",
             "1 while the Redis circuit breaker is open",

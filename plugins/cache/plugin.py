@@ -16,6 +16,7 @@ breaker shared across reloads, and the request goes to the engine with ``x-cache
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -50,6 +51,13 @@ class CacheShared:
     breaker: CircuitBreaker
     leaders: LocalLeaders = field(default_factory=LocalLeaders)
     reported_open: bool = False
+    # Lock tokens only need to be unique among every process sharing the Redis (they never leave the
+    # gateway): a random prefix per process and a counter, instead of the OS random source per miss.
+    _token_prefix: bytes = field(default_factory=lambda: secrets.token_bytes(12))
+    _token_counter: itertools.count[int] = field(default_factory=itertools.count)
+
+    def lock_token(self) -> bytes:
+        return self._token_prefix + next(self._token_counter).to_bytes(8, "big")
 
 
 def shared_state(services: Services, config: CacheConfig) -> CacheShared:
@@ -89,12 +97,14 @@ class CachePlugin(Plugin):
         timeout_s = config.timeout_ms / 1000
         self.store = CacheStore(
             services.redis(socket_timeout_s=timeout_s, connect_timeout_s=timeout_s),
+            services.redis_pipeline(socket_timeout_s=timeout_s, connect_timeout_s=timeout_s),
             services.redis(socket_timeout_s=5.0, connect_timeout_s=1.0),
             self._shared.breaker,
             timeout_s,
             on_error=self._redis_failed,
         )
         self._writes: set[asyncio.Task[None]] = set()
+        self._storing = 0  # background stores sent as callbacks (``_store_soon``), not yet answered
 
     async def start(self) -> None:
         try:
@@ -124,7 +134,7 @@ class CachePlugin(Plugin):
         )
         pending = _Pending(key)
         if decision.lookup:
-            token = secrets.token_bytes(12) if cfg.coalesce and decision.store else None
+            token = self._shared.lock_token() if cfg.coalesce and decision.store else None
             try:
                 found = await self._lookup(key, token)
             except RedisUnavailable:
@@ -160,11 +170,14 @@ class CachePlugin(Plugin):
             ctx.response_headers["x-cache"] = "miss"
             self.metrics.misses.labels(model).inc()
         else:
-            self._bypass(ctx, model, "cache_control")  # no-cache: not looked up, the fresh answer is stored
+            # no-cache: not looked up; the fresh answer is stored unless no-store came with it
+            self._bypass(ctx, model, "cache_control", store=decision.store)
         if decision.store:
             ctx.state[SHARED_KEY] = pending
             if ctx.stream:
                 self._ask_for_usage(ctx, pending)
+        else:
+            ctx.step_aside(self)
         return None
 
     async def _lookup(self, key: CacheKey, token: bytes | None) -> Lookup:
@@ -192,9 +205,13 @@ class CachePlugin(Plugin):
         # The stored bytes go to the client as they are; only a streaming hit parses them (to replay).
         return ModelResponse(body=body)
 
-    def _bypass(self, ctx: RequestContext, model: str, reason: str) -> ModelResponse | None:
+    def _bypass(self, ctx: RequestContext, model: str, reason: str, *, store: bool = False) -> ModelResponse | None:
+        """Not answered from the cache. Unless the fresh answer is still to be stored, the cache has
+        nothing more to do for this request: it steps aside, so a stream passes through as bytes."""
         ctx.response_headers["x-cache"] = "bypass"
         self.metrics.bypasses.labels(model, reason).inc()
+        if not store:
+            ctx.step_aside(self)
         return None
 
     @staticmethod
@@ -232,13 +249,35 @@ class CachePlugin(Plugin):
         if len(body) > self.config.max_value_bytes:
             self.metrics.not_stored.labels(model, "too_large").inc()
             return None
-        if len(self._writes) >= self.config.max_pending_writes:
+        if len(self._writes) + self._storing >= self.config.max_pending_writes:
             self.metrics.not_stored.labels(model, "backlog").inc()
             return None
         pending.done = True
         ttl_ms = self.config.ttl_for(model) * 1000
-        self._spawn(self._write(pending, model, encode_entry(body, time.time()), ttl_ms))
+        self._store_soon(pending, model, encode_entry(body, time.time()), ttl_ms)
         return None
+
+    def _store_soon(self, pending: _Pending, model: str, entry: bytes, ttl_ms: int) -> None:
+        """The background write, as a callback on the batched command (no task per miss); the same
+        outcomes as ``_write``, which it falls back to when the script must be loaded first."""
+
+        def done(ok: bool | None) -> None:
+            self._storing -= 1
+            if ok is None:
+                self._spawn(self._write(pending, model, entry, ttl_ms))
+                return
+            if ok:
+                if pending.lock_token is not None:
+                    self._shared.leaders.done(pending.key.digest)
+                self.metrics.stores.labels(model).inc()
+                self.metrics.bytes.labels("stored").inc(len(entry))
+            elif pending.lock_token is not None:  # the lock outlives this failure in Redis; see _release
+                self._spawn(self._release(pending.key, pending.lock_token))
+
+        if self.store.store_soon(pending.key, entry, ttl_ms, pending.lock_token, done):
+            self._storing += 1
+        elif pending.lock_token is not None:  # the breaker is open: nothing was sent
+            self._spawn(self._release(pending.key, pending.lock_token))
 
     async def _write(self, pending: _Pending, model: str, entry: bytes, ttl_ms: int) -> None:
         try:

@@ -1,8 +1,9 @@
-"""Redis access for the cache: one round trip per operation, every call bounded, a breaker in front.
+"""Redis access for the cache: one command per operation, every call bounded, a breaker in front.
 
 Each request-path operation is a single command (a Lua script where several keys must change
-together), wrapped in ``asyncio.timeout`` so a slow or paused Redis costs at most ``timeout_s`` per
-call (the socket timeouts of the pooled client are the same value; the outer bound also covers
+together), sent through the process's ``AutoPipeline`` (the commands of concurrent requests share
+one pipeline per event-loop turn) and wrapped in ``asyncio.timeout`` so a slow or paused Redis costs
+at most ``timeout_s`` per call (the socket timeouts of the pooled client are the same value; the outer bound also covers
 connecting and the client library's own retries). Any failure is reported to the circuit breaker and
 raised as ``RedisUnavailable``: the plugin then steps aside and the request goes to the engine.
 """
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
+from gateway.redis_autopipe import AutoPipeline
 from plugins.cache.breaker import CircuitBreaker
 from plugins.cache.keys import CacheKey
 
@@ -83,12 +85,14 @@ class CacheStore:
     def __init__(
         self,
         client: aioredis.Redis,
+        pipeline: AutoPipeline,
         admin_client: aioredis.Redis,
         breaker: CircuitBreaker,
         timeout_s: float,
         on_error: Callable[[str], None],
     ) -> None:
         self._client = client
+        self._pipeline = pipeline  # the request path's commands, batched with other requests'
         self._admin = admin_client
         self.breaker = breaker
         self.timeout_s = timeout_s
@@ -102,6 +106,10 @@ class CacheStore:
         """False while the breaker is open (a cheap check before doing any work for Redis)."""
         return self.breaker.state != "open"
 
+    def _failed(self, op: str) -> None:
+        self.breaker.failure()
+        self._on_error(op)
+
     async def _call(self, op: str, make: Callable[[], Awaitable[T]]) -> T:
         if not self.breaker.allow():
             raise RedisUnavailable(f"{op}: circuit breaker open")
@@ -109,8 +117,7 @@ class CacheStore:
             async with asyncio.timeout(self.timeout_s):
                 result = await make()
         except (RedisError, OSError, TimeoutError) as exc:
-            self.breaker.failure()
-            self._on_error(op)
+            self._failed(op)
             raise RedisUnavailable(f"{op}: {type(exc).__name__}") from exc
         self.breaker.success()
         return result
@@ -128,12 +135,13 @@ class CacheStore:
     async def lookup(self, key: CacheKey, *, lock_token: bytes | None, lock_ttl_ms: int) -> Lookup:
         mode = b"lock" if lock_token else b"peek"
         args: list[bytes | int] = [lock_token or b"", lock_ttl_ms, mode]
-        reply: Any = await self._call("lookup", lambda: self._lookup(keys=[key.entry, key.lock], args=args))
+        keys = [key.entry, key.lock]
+        reply: Any = await self._call("lookup", lambda: self._pipeline.evalsha(self._lookup, keys, args))
         status = _STATUS[int(reply[0])]
         return Lookup(status, reply[1] if status == "hit" else None)
 
     async def get(self, key: CacheKey) -> bytes | None:
-        value = await self._call("lookup", lambda: self._client.get(key.entry))
+        value = await self._call("lookup", lambda: self._pipeline.execute("GET", key.entry))
         return value if isinstance(value, bytes) else None
 
     async def poll(self, key: CacheKey) -> tuple[bytes | None, bool]:
@@ -150,10 +158,36 @@ class CacheStore:
 
     async def store(self, key: CacheKey, entry: bytes, ttl_ms: int, lock_token: bytes | None) -> None:
         args: list[bytes | int] = [entry, ttl_ms, lock_token or b""]
-        await self._call("store", lambda: self._store(keys=[key.entry, key.lock], args=args))
+        await self._call("store", lambda: self._pipeline.evalsha(self._store, [key.entry, key.lock], args))
+
+    def store_soon(
+        self, key: CacheKey, entry: bytes, ttl_ms: int, lock_token: bytes | None, done: Callable[[bool | None], None]
+    ) -> bool:
+        """``store`` without a task, for the background write after a reply: queued in this turn's
+        batch, and ``done(True)`` on success, ``done(False)`` on a failure (counted like any other),
+        ``done(None)`` when Redis does not know the script (call ``store``, which loads it). False
+        (and no callback) when the breaker is open. Bounded by the client's socket timeout."""
+        if not self.breaker.allow():
+            return False
+        args = (entry, ttl_ms, lock_token or b"")
+        future = self._pipeline.submit("EVALSHA", self._store.sha, 2, key.entry, key.lock, *args)
+
+        def settle(result: asyncio.Future[Any]) -> None:
+            error: BaseException | None = asyncio.CancelledError() if result.cancelled() else result.exception()
+            if error is None:
+                self.breaker.success()
+                done(True)
+            elif isinstance(error, NoScriptError):
+                done(None)
+            else:
+                self._failed("store")
+                done(False)
+
+        future.add_done_callback(settle)
+        return True
 
     async def release(self, key: CacheKey, lock_token: bytes) -> None:
-        await self._call("release", lambda: self._release(keys=[key.lock], args=[lock_token]))
+        await self._call("release", lambda: self._pipeline.evalsha(self._release, [key.lock], [lock_token]))
 
     async def purge(self, pattern: str, *, batch: int = 500) -> int:
         """UNLINK every key matching ``pattern`` (admin only: SCAN with the admin client's longer

@@ -21,6 +21,7 @@ from typing import Literal
 
 import redis.asyncio as aioredis
 
+from gateway.redis_autopipe import AutoPipeline
 from plugins.tenancy.budgets import Budget, format_duration
 
 Kind = Literal["requests", "tokens"]
@@ -160,13 +161,14 @@ def _admit_args(plan: Plan, tokens: int) -> tuple[list[str], list[int]]:
 class RedisLimiter:
     """Admission and charging against Redis. Redis errors propagate; the plugin applies its policy."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, pipeline: AutoPipeline) -> None:
         self._admit = redis.register_script(_ADMIT)
         self._charge = redis.register_script(_CHARGE)
+        self._pipeline = pipeline  # concurrent requests' admissions and charges share one round trip
 
     async def admit(self, plan: Plan, tokens: int) -> Decision:
         keys, args = _admit_args(plan, tokens)
-        raw = [int(v) for v in await self._admit(keys=keys, args=args)]
+        raw = [int(v) for v in await self._pipeline.evalsha(self._admit, keys, args)]
         status, which, retry = raw[0], raw[1], raw[2]
         decision = Decision(status, retry_after_ms=retry)
         at = 3
@@ -190,7 +192,7 @@ class RedisLimiter:
             args += [b.limit, PERIOD_MS, delta]
         for g in plan.budgets:
             args += [delta, prompt, completion, g.ttl_s]
-        await self._charge(keys=keys, args=args)
+        await self._pipeline.evalsha(self._charge, keys, args)
 
 
 class LocalLimiter:
