@@ -105,6 +105,15 @@ class RequestContext:
     log: dict[str, Any] = field(default_factory=dict)  # extra fields for the access log line
     body_changed: bool = False
     _finalizers: list[Callable[[], None]] = field(default_factory=list)
+    _aside: set[object] | None = None
+
+    def step_aside(self, plugin: object) -> None:
+        """Called by a plugin's ``on_request`` (``ctx.step_aside(self)``) when it has nothing more to do
+        for this request: its ``on_chunk`` and ``on_response`` are then not called. When every plugin
+        that would look at a stream has stepped aside, the worker's SSE bytes pass through unparsed."""
+        if self._aside is None:
+            self._aside = set()
+        self._aside.add(plugin)
 
     def add_finalizer(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once when the request is over, whatever the outcome (answered, refused,

@@ -24,9 +24,16 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
 - ``async on_chunk(ctx, chunk)``: streams only, reverse order; return the chunk, a changed chunk, or
   None to hold it back. When no enabled plugin overrides ``on_chunk`` or ``on_response``, the worker's
   SSE bytes pass through untouched, with no per-chunk parsing.
+- ``ctx.step_aside(self)``: an ``on_request`` that needs neither ``on_chunk`` nor ``on_response`` for
+  this request (the cache bypassing it, no output rules, no constraint to check) says so; those hooks
+  are then skipped for it, and a stream that no remaining plugin watches passes through as bytes.
   A chunk hook that must end the stream early (e.g. an output check that fired) returns the last chunk
   it wants sent and sets ``ctx.state["close_stream"] = True``: the core stops reading the worker
   (closing the connection makes vLLM abort the generation) and ends the stream with ``[DONE]``.
+- ``async on_models(headers, models)``: optional; sees the model cards ``GET /v1/models`` (and
+  ``/v1/models/{id}``) is about to list, in list order, with the request's lower-cased headers, and
+  returns the cards this caller may see (e.g. tenancy: only the models a key may use), or raises a
+  ``GatewayError`` (e.g. 401 without a key).
 - ``async on_admin(action, body)``: optional operator actions served at
   ``POST /admin/plugins/{name}/{action}`` (e.g. the cache's ``purge``); returns a JSON-able dict or
   raises a ``GatewayError``. Only the live snapshot's instance is called. Never loads code or files
@@ -92,6 +99,9 @@ class Plugin:
     async def on_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
         return chunk
 
+    async def on_models(self, headers: dict[str, str], models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return models
+
     async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
         raise NotFound(f"The '{self.name}' plugin has no admin action '{action}'.", param="action")
 
@@ -103,7 +113,7 @@ class Plugin:
         return getattr(cls, hook) is not getattr(Plugin, hook)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # identity equality: membership tests on the hot path
 class BoundPlugin:
     """A plugin instance with the policy its config entry gave it."""
 
@@ -123,13 +133,15 @@ class Pipeline:
         self.plugins = plugins
         self._observe = observe
         self._request_hooks = [p for p in plugins if type(p.plugin).overrides("on_request")]
+        self._model_hooks = [p for p in plugins if type(p.plugin).overrides("on_models")]
         self.chunk_plugins = [p for p in plugins if type(p.plugin).overrides("on_chunk")]
         self.response_plugins = [p for p in plugins if type(p.plugin).overrides("on_response")]
-        #: True when a stream must be parsed chunk by chunk; False means pure byte pass-through.
-        self.inspects_streams = bool(self.chunk_plugins or self.response_plugins)
+        #: The plugins that make a stream be parsed chunk by chunk (when they ran and did not step aside).
+        self._stream_watchers = frozenset(self.chunk_plugins + self.response_plugins)
 
     async def run_request(self, ctx: RequestContext) -> ModelResponse | None:
-        """``on_request`` in order. Returns an early answer or None. Records who ran in ``ctx``."""
+        """``on_request`` in order. Returns an early answer or None. Records in ``ctx`` who ran and did
+        not step aside: the plugins whose ``on_response`` / ``on_chunk`` this request calls."""
         ran: list[BoundPlugin] = []
         ctx.state["_ran"] = ran
         for bound in self.plugins:
@@ -137,8 +149,21 @@ class Pipeline:
                 early = await self._call(bound, "on_request", bound.plugin.on_request, ctx)
                 if early is not None:
                     return early
+                if ctx._aside is not None and bound.plugin in ctx._aside:
+                    continue
             ran.append(bound)
         return None
+
+    def inspects_stream(self, ctx: RequestContext) -> bool:
+        """Whether this request's stream must be parsed chunk by chunk (False: byte pass-through)."""
+        watchers = self._stream_watchers
+        return any(bound in watchers for bound in ctx.state.get("_ran", ()))
+
+    async def run_models(self, headers: dict[str, str], models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``on_models`` in order: the model cards this caller may see."""
+        for bound in self._model_hooks:
+            models = await self._call(bound, "on_models", bound.plugin.on_models, headers, models, fallback=models)
+        return models
 
     async def run_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse:
         """``on_response`` in reverse order over the plugins whose ``on_request`` ran."""

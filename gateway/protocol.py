@@ -153,20 +153,6 @@ def _check_prompt(prompt: object) -> None:
     )
 
 
-def prompt_text(body: dict[str, Any]) -> str:
-    """All client-written text of a chat or completions request, for checks that read prompts."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        return "\n".join(p for p in prompt if isinstance(p, str))
-    parts: list[str] = []
-    for message in body.get("messages") or ():
-        if not isinstance(message, dict):
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return "\n".join(parts)
+def header_dict(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """An ASGI scope's headers as the dict plugins see (``ctx.headers``): lower-cased names."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}

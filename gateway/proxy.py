@@ -57,7 +57,7 @@ class Proxy:
         upstream = await self._open(ctx)
         if not ctx.stream:
             return await self._reply_json(ctx, upstream)
-        if pipeline.inspects_streams:
+        if pipeline.inspects_stream(ctx):
             return StreamReply(self._relay_inspected(ctx, upstream), ctx.response_headers)
         return StreamReply(self._relay_bytes(ctx, upstream), ctx.response_headers)
 

@@ -23,6 +23,7 @@ class TagConfig(BaseModel):
     tag: str = "x"
     answer_early: bool = False
     refuse: bool = False
+    step_aside: bool = False
 
 
 class Recorder(Plugin):
@@ -35,6 +36,8 @@ class Recorder(Plugin):
         self.calls.append(f"req:{self.config.tag}")
         if self.config.refuse:
             raise InvalidRequest(f"refused by {self.config.tag}", param="messages", code="content_filter")
+        if self.config.step_aside:
+            ctx.step_aside(self)
         if self.config.answer_early:
             return ModelResponse(
                 json={
@@ -227,3 +230,57 @@ def test_unknown_plugin_and_invalid_plugin_config_are_refused_with_field_paths(
         resolve_plugins(config, registry)
     assert info.value.problems[0].startswith("plugins[0].name: unknown plugin 'nope'")
     assert info.value.problems[1].startswith("plugins[1].config.tag:")
+
+
+# -- stepping aside: per-request opt-out of the way back -------------------------------------------
+
+COMMENT = b": from the worker\n\n"  # an SSE comment: kept by a byte pass-through, dropped by parsing
+
+
+def stream_bytes(server_url: str, **extra: Any) -> bytes:
+    body = {**CHAT, "stream": True, **extra}
+    with httpx.stream("POST", server_url + "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        return response.read()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_plugin_that_steps_aside_gets_no_chunk_or_response_hooks(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, stream: bool
+) -> None:
+    plugins = [recorder("a", step_aside=True), recorder("b"), {"name": "routing"}]
+    with gateway_factory(base_config([upstream_url], plugins=plugins), plugins=rec_plugins("a", "b")) as (_, server):
+        if stream:
+            stream_bytes(server.url)
+        else:
+            assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
+    assert [c for c in Recorder.calls if c.endswith(":a")] == ["req:a"]
+    assert "resp:b" in Recorder.calls
+    assert ("chunk:b" in Recorder.calls) is stream
+
+
+def test_a_stream_passes_through_as_bytes_only_when_every_watcher_stepped_aside(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    upstream.behavior.preamble = COMMENT
+    both_aside = [recorder("a", step_aside=True), recorder("b", step_aside=True), {"name": "routing"}]
+    one_watching = [recorder("a", step_aside=True), recorder("b"), {"name": "routing"}]
+    with gateway_factory(base_config([upstream_url], plugins=both_aside), plugins=rec_plugins("a", "b")) as (_, s):
+        passed = stream_bytes(s.url)
+    with gateway_factory(base_config([upstream_url], plugins=one_watching), plugins=rec_plugins("a", "b")) as (_, s):
+        parsed = stream_bytes(s.url)
+    assert passed.startswith(COMMENT) and passed.endswith(b"data: [DONE]\n\n")
+    assert COMMENT not in parsed and parsed.endswith(b"data: [DONE]\n\n")
+    # The same events either way: only the comment (which parsing drops) differs.
+    assert passed.removeprefix(COMMENT) == parsed
+
+
+def test_stepping_aside_does_not_skip_an_early_answer_or_the_hooks_of_plugins_before_it(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    plugins = [recorder("a"), recorder("b", step_aside=True), recorder("c", answer_early=True), {"name": "routing"}]
+    with gateway_factory(base_config([upstream_url], plugins=plugins), plugins=rec_plugins("a", "b", "c")) as (_, s):
+        response = httpx.post(s.url + "/v1/chat/completions", json=CHAT)
+    assert response.json()["choices"][0]["message"]["content"] == "early answer"
+    assert Recorder.calls == ["req:a", "req:b", "req:c", "resp:a"]
+    assert upstream.requests == []

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from gateway.config import ModelConfig
 from gateway.errors import model_not_found
+from gateway.protocol import header_dict
 from gateway.routes import JSON
 from gateway.state import AppState
 
@@ -26,17 +27,23 @@ def _card(name: str, model: ModelConfig, created: int) -> dict[str, Any]:
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSON:
     state: AppState = request.app.state.gateway
-    snapshot = state.holder.current
-    created = int(snapshot.loaded_at)
-    data = [_card(name, model, created) for model in snapshot.models.models for name in (model.name, *model.aliases)]
+    with state.holder.pin() as snapshot:
+        created = int(snapshot.loaded_at)
+        cards = [_card(name, m, created) for m in snapshot.models.models for name in (m.name, *m.aliases)]
+        # Plugins decide what this caller may see (tenancy: the models its key may use).
+        data = await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), cards)
     return JSON({"object": "list", "data": data})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> JSON:
     state: AppState = request.app.state.gateway
-    snapshot = state.holder.current
-    model = snapshot.models.resolve(model_id)
-    if model is None:
+    with state.holder.pin() as snapshot:
+        model = snapshot.models.resolve(model_id)
+        if model is None:
+            raise model_not_found(model_id)
+        card = _card(model_id, model, int(snapshot.loaded_at))
+        visible = await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), [card])
+    if not visible:
         raise model_not_found(model_id)
-    return JSON(_card(model_id, model, int(snapshot.loaded_at)))
+    return JSON(visible[0])

@@ -22,8 +22,7 @@ from gateway.config import LimitsConfig
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, PayloadTooLarge, ServerError, model_not_found
 from gateway.media_urls import check_media_urls
-from gateway.metrics import Metrics
-from gateway.protocol import ENDPOINTS, Endpoint, check_request, parse_body
+from gateway.protocol import ENDPOINTS, Endpoint, check_request, header_dict, parse_body
 from gateway.proxy import JSONReply, Proxy, Reply
 from gateway.runtime import RuntimeHolder
 from gateway.services import Services
@@ -66,35 +65,6 @@ class RequestIds:
         return client_request_id(headers) or f"{self._prefix}{next(self._counter):016x}"
 
 
-class RequestMetrics:
-    """The per-request metrics with their labelled children cached: ``labels()`` validates, builds a
-    tuple and takes a lock on every call. Label values come from the config (model names, routes) and
-    a small set of statuses, so the cache stays small."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self._in_flight: dict[str, Any] = {}
-        self._finished: dict[tuple[str, str, int], tuple[Any, Any]] = {}
-
-    def in_flight(self, model: str) -> Any:
-        child = self._in_flight.get(model)
-        if child is None:
-            child = self._in_flight[model] = self.metrics.in_flight.labels(model)
-        return child
-
-    def finished(self, model: str, route: str, status: int, seconds: float) -> None:
-        key = (model, route, status)
-        children = self._finished.get(key)
-        if children is None:
-            m = self.metrics
-            children = self._finished[key] = (
-                m.requests.labels(model, route, str(status)),
-                m.latency.labels(model, route),
-            )
-        children[0].inc()
-        children[1].observe(seconds)
-
-
 class _ClientGone(Exception):
     pass
 
@@ -107,7 +77,7 @@ class InferenceEndpoints:
         self.services = services
         self.proxy = Proxy(services)
         self.request_ids = RequestIds()
-        self.metrics = RequestMetrics(services.metrics)
+        self.metrics = services.metrics
         self._allow: tuple[LimitsConfig, ParamAllowList] | None = None
 
     def _allow_list(self, limits: LimitsConfig) -> ParamAllowList:
@@ -153,7 +123,7 @@ class InferenceEndpoints:
                 if model is None:
                     raise model_not_found(model_name)
                 state["model"] = model.name
-                in_flight = self.metrics.in_flight(model.name)
+                in_flight = self.metrics.in_flight.labels(model.name)
                 in_flight.inc()
                 try:
                     if model_name != model.upstream_name:
@@ -164,7 +134,7 @@ class InferenceEndpoints:
                         path=endpoint.path,
                         body=payload,
                         raw_body=body,
-                        headers={k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw_headers},
+                        headers=header_dict(raw_headers),
                         model=model,
                         requested_model=model_name,
                         snapshot=snapshot,
@@ -286,7 +256,8 @@ class InferenceEndpoints:
         self, endpoint: Endpoint, request_id: str, state: dict[str, Any], started: float, ctx: RequestContext | None
     ) -> None:
         elapsed = time.perf_counter() - started
-        self.metrics.finished(state["model"], endpoint.name, state["status"], elapsed)
+        self.metrics.requests.labels(state["model"], endpoint.name, str(state["status"])).inc()
+        self.metrics.latency.labels(state["model"], endpoint.name).observe(elapsed)
         if not log.isEnabledFor(logging.INFO):
             return
         fields: dict[str, Any] = {

@@ -76,10 +76,9 @@ class GuidedJSONPlugin(Plugin):
         self.shared = shared
 
     async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
-        if ctx.endpoint not in _GUIDED_ENDPOINTS:
-            return None
-        constraint = normalise(ctx.body)
+        constraint = normalise(ctx.body) if ctx.endpoint in _GUIDED_ENDPOINTS else None
         if constraint is None:
+            ctx.step_aside(self)  # nothing to check on the way back
             return None
         try:
             compiled, cached = await self.shared.compiles.get(constraint)

@@ -143,6 +143,13 @@ class SafetyPlugin(Plugin):
 class OutputSafetyPlugin(SafetyPlugin):
     """SafetyPlugin with output checks (chosen by ``SafetyPlugin.__new__`` when rules apply to output)."""
 
+    async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
+        await super().on_request(ctx)
+        policy = self.policy(ctx.model.name)
+        if not policy.enabled or not policy.output:
+            ctx.step_aside(self)  # this model has no output rules: its streams need no parsing
+        return None
+
     async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
         if response.status != 200 or _STREAM in ctx.state:
             return None  # an error, or a stream already checked chunk by chunk

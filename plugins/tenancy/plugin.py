@@ -73,7 +73,9 @@ class TenancyPlugin(Plugin):
             ttl_s=config.key_cache_ttl_s,
             max_entries=config.key_cache_size,
         )
-        self.limiter = RedisLimiter(self.redis)
+        self.limiter = RedisLimiter(
+            self.redis, services.redis_pipeline(socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
+        )
         self.local = LocalLimiter(config.fail_open_share)
         self.metrics = TenancyMetrics.of(services)
         self.admin = TenancyAdmin(config, self.redis, self.keys, type(self).clock)
@@ -103,7 +105,7 @@ class TenancyPlugin(Plugin):
     async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
         info: KeyInfo | None = None
         if self.config.auth:
-            info = await self._authenticate(ctx)
+            info = await self._authenticate(ctx.headers)
             if not info.allows(ctx.requested_model, ctx.model.name):
                 self.metrics.refusals.labels(info.tenant, "model_not_allowed").inc()
                 raise NotFound(
@@ -127,8 +129,15 @@ class TenancyPlugin(Plugin):
         self.metrics.admitted.labels(tenant, info.id if info else "-").inc()
         return None
 
-    async def _authenticate(self, ctx: RequestContext) -> KeyInfo:
-        scheme, _, token = ctx.headers.get("authorization", "").partition(" ")
+    async def on_models(self, headers: dict[str, str], models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """With auth on, listing models needs a valid key, and lists only what that key may use."""
+        if not self.config.auth:
+            return models
+        info = await self._authenticate(headers)
+        return [card for card in models if info.allows(card["id"], card.get("parent", card["id"]))]
+
+    async def _authenticate(self, headers: dict[str, str]) -> KeyInfo:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             self.metrics.refusals.labels("-", "missing_api_key").inc()
