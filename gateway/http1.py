@@ -51,6 +51,10 @@ class Connection(asyncio.Protocol):
         self.received = False  # any byte of the current response
         self.lost: BaseException | None = None
         self.idle_since = 0.0
+        # The body's idle timeout, without a timer per read: one timer per wait that outlives the
+        # data, re-armed from the time of the last byte (a stream relays thousands of chunks).
+        self.last_data = 0.0
+        self.idle_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -59,6 +63,7 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
+        self.last_data = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -102,6 +107,7 @@ class Connection(asyncio.Protocol):
         self.status, self.headers, self.complete, self.received = 0, [], False, False
         self.chunks.clear()
         self.buffered = 0
+        self._cancel_idle_timer()
         self.head = self.loop.create_future()
         self.transport.write(data)
         return self.head
@@ -121,12 +127,35 @@ class Connection(asyncio.Protocol):
             raise self.lost
         return None
 
-    async def wait_data(self) -> None:
+    async def wait_data(self, idle_s: float | None = None) -> None:
+        """Wait until more body bytes (or the end, or a failure) arrive; with ``idle_s``, raise
+        ``TimeoutError`` once neither a byte nor a new wait has come for that long."""
         self.waiter = self.loop.create_future()
+        # The window starts at the later of the last byte and this wait (a consumer that was slow to
+        # drain the buffer does not count against the worker).
+        self.last_data = self.loop.time()
+        if idle_s is not None and self.idle_timer is None:
+            self.idle_timer = self.loop.call_at(self.last_data + idle_s, self._idle_check, idle_s)
         try:
             await self.waiter
         finally:
             self.waiter = None
+
+    def _idle_check(self, idle_s: float) -> None:
+        self.idle_timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # not waiting now; the next wait arms the timer again
+        due = self.last_data + idle_s
+        if self.loop.time() >= due:
+            waiter.set_exception(TimeoutError())
+        else:
+            self.idle_timer = self.loop.call_at(due, self._idle_check, idle_s)
+
+    def _cancel_idle_timer(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
 
     @property
     def reusable(self) -> bool:
@@ -208,6 +237,7 @@ class ConnectionPool:
         return conn, False
 
     def release(self, conn: Connection) -> None:
+        conn._cancel_idle_timer()
         if not conn.reusable:
             conn.abort()
             self._discard(conn)

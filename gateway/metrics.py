@@ -9,7 +9,9 @@ histograms sum, in-flight/queued gauges sum over live processes, health and conf
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -19,6 +21,28 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+
+
+class CachedLabels:
+    """A labelled metric whose ``labels(*values)`` looks each child up once: prometheus_client's
+    ``labels()`` validates the values, builds a key and takes a lock on every call, which adds up on
+    the request path. Use only where label values come from a small set (model names, reasons,
+    outcomes). Everything else is the wrapped metric's."""
+
+    __slots__ = ("_children", "metric")
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.metric, name)
 
 
 class Metrics:
@@ -31,6 +55,7 @@ class Metrics:
         #: Set when several processes share the metrics (see the module docstring).
         self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
         self._version: str | None = None
+        self._health_exported: set[str] = set()
         r = self.registry
         self.requests = Counter(
             "gateway_requests",
@@ -115,9 +140,23 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        # The metrics touched by every request look each label set's child up once (CachedLabels);
+        # their label values (models, routes, statuses, plugins, hooks) come from small sets.
+        for name in ("requests", "latency", "ttft", "in_flight", "tpot", "tokens", "hook_duration"):
+            setattr(self, name, CachedLabels(getattr(self, name)))
 
     def observe_hook(self, plugin: str, hook: str, outcome: str, seconds: float) -> None:
         self.hook_duration.labels(plugin, hook, outcome).observe(seconds)
+
+    def set_worker_health(self, health: dict[str, bool]) -> None:
+        """Export each worker's health (1/0); a worker no longer in ``health`` stops being exported
+        (in multiprocess mode its last value lingers in that process's file until it exits)."""
+        for url in self._health_exported.difference(health):
+            with contextlib.suppress(KeyError):
+                self.worker_healthy.remove(url)
+        for url, ok in health.items():
+            self.worker_healthy.labels(url).set(1 if ok else 0)
+        self._health_exported = set(health)
 
     def set_config_version(self, version: str) -> None:
         # Zero the old series rather than remove it: in multiprocess mode a removed label set would

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
+from typing import cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -69,12 +70,10 @@ class UpstreamResponse:
         conn = self._conn
         parts: list[bytes] = []
         try:
-            if not conn.complete:
-                async with asyncio.timeout(self._idle_s):
-                    while not conn.complete:
-                        if conn.lost is not None:
-                            raise conn.lost
-                        await conn.wait_data()
+            while not conn.complete:
+                if conn.lost is not None:
+                    raise conn.lost
+                await conn.wait_data(self._idle_s)
             while chunk := conn.chunk_nowait():
                 parts.append(chunk)
         except TimeoutError:
@@ -96,11 +95,9 @@ class UpstreamResponse:
             while True:
                 try:
                     chunk = conn.chunk_nowait()
-                    if chunk is None:
-                        async with asyncio.timeout(self._idle_s):
-                            while chunk is None:
-                                await conn.wait_data()
-                                chunk = conn.chunk_nowait()
+                    while chunk is None:
+                        await conn.wait_data(self._idle_s)
+                        chunk = conn.chunk_nowait()
                 except TimeoutError:
                     raise UpstreamFailure(
                         GatewayTimeout(
@@ -113,6 +110,14 @@ class UpstreamResponse:
                     raise _broke(exc) from None
                 if not chunk:
                     return
+                if conn.chunks:
+                    # More arrived while the last one was relayed (the gateway is behind): pass them on
+                    # in one write, so a busy gateway makes fewer, larger writes instead of falling
+                    # further behind.
+                    pieces = [chunk]
+                    while conn.chunks:
+                        pieces.append(cast(bytes, conn.chunk_nowait()))
+                    chunk = b"".join(pieces)
                 yield chunk
         finally:
             self.close()

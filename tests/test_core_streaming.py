@@ -95,6 +95,25 @@ def test_idle_worker_mid_stream_is_bounded(
     assert events[-1] == "[DONE]"
 
 
+def test_a_steady_stream_longer_than_the_idle_bound_is_not_cut(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    # The idle bound is per gap, not per stream: 10 chunks 0.1 s apart under a 0.3 s bound all arrive.
+    config = base_config([upstream_url])
+    config["upstream"]["idle_timeout_s"] = 0.3
+    upstream.behavior.pace_s = 0.1
+    upstream.behavior.chunks = 8
+    with (
+        gateway_factory(config) as (_, server),
+        httpx.stream("POST", server.url + "/v1/chat/completions", json=CHAT, timeout=10) as response,
+    ):
+        events = sse_events(response.read().decode())
+    assert not [e for e in events if isinstance(e, dict) and "error" in e]
+    assert events[-1] == "[DONE]"
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if isinstance(e, dict))
+    assert text == upstream.behavior.text
+
+
 def test_client_disconnect_cancels_the_upstream_request(stream_gateway: ServerThread, upstream: FakeUpstream) -> None:
     upstream.behavior.pace_s = 0.2
     upstream.behavior.chunks = 50

@@ -40,6 +40,5 @@ async def ready(request: Request) -> JSON:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state: AppState = request.app.state.gateway
-    for worker in state.services.workers.all():
-        state.services.metrics.worker_healthy.labels(worker.url).set(1 if worker.available() else 0)
+    state.services.metrics.set_worker_health({w.url: w.available() for w in state.services.workers.all()})
     return Response(state.services.metrics.render(), media_type=state.services.metrics.content_type)
