@@ -205,7 +205,12 @@ def create_app(
         admin_api.state.gateway = state
         _install_error_handlers(admin_api)
         admin_api.include_router(admin.router)
-        admin_server = AdminServer(RequestIdTagger(admin_api), settings.host, settings.admin_port)
+        admin_server = AdminServer(
+            RequestIdTagger(admin_api),
+            settings.host,
+            settings.admin_port,
+            keepalive_timeout_s=settings.keepalive_timeout_s,
+        )
     return GatewayApp(api, InferenceEndpoints(state.holder, services), state)
 
 
@@ -243,8 +248,9 @@ class AdminServer:
     serves). With several worker processes only the first to bind the port serves it; the others keep
     following the config file (watcher) and, when configured, the Redis config channel."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, *, keepalive_timeout_s: int) -> None:
         self.app, self.host, self.port = app, host, port
+        self.keepalive_timeout_s = keepalive_timeout_s
         self._server: _QuietServer | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -260,7 +266,14 @@ class AdminServer:
                 raise
             log.info("admin port %d is served by another worker process", self.port)
             return
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", http="h11")
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            http="h11",
+            timeout_keep_alive=self.keepalive_timeout_s,
+        )
         self._server = _QuietServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="admin-server")
         for _ in range(1000):  # bounded: 10 s

@@ -65,6 +65,7 @@ def serve(
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=30,
+        timeout_keep_alive=settings.keepalive_timeout_s,
         lifespan="on",
     )
 

@@ -33,6 +33,14 @@ class Settings(BaseSettings):
     )
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP traces endpoint, e.g. http://otel:4318 (unset: off)")
     service_name: str = Field("vllm-gateway", description="service.name on exported traces")
+    keepalive_timeout_s: int = Field(
+        75,
+        ge=1,
+        description=(
+            "how long an idle client connection stays open (uvicorn's timeout_keep_alive); longer than any "
+            "client's or load balancer's idle expiry, so the client always closes first"
+        ),
+    )
     drain_delay_s: float = Field(
         0.0,
         ge=0,

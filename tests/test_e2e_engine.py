@@ -155,6 +155,7 @@ def test_gateway_shutdown_leaves_no_worker_process(tmp_path: Path) -> None:
         "GATEWAY_PORT": str(gateway_port),
         "GATEWAY_MODEL_DIR": str(REPO / "models"),
         "GATEWAY_CONFIG_PATH": str(config_path),
+        "GATEWAY_MANAGED_WORKERS": "true",  # whatever the test process's environment says
     }
     gateway = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve"],

@@ -36,9 +36,11 @@ COPY --from=build /opt/vllm /opt/vllm
 COPY --from=build /models /models
 RUN test -f /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 && test -f /opt/vllm/lib/libiomp5.so
 # The environment gateway/engine/launch.py gives a managed CPU worker (build_env): KV cache size,
-# the preloaded allocator and OpenMP runtime, and no hub access for a local model directory.
+# the preloaded allocator and OpenMP runtime, no hub access for a local model directory, and idle
+# connections kept longer than the gateway's pool keeps them.
 ENV PATH=/opt/vllm/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    VLLM_HTTP_TIMEOUT_KEEP_ALIVE=75 \
     HOME=/home/worker \
     VLLM_CPU_KVCACHE_SPACE=2 \
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:/opt/vllm/lib/libiomp5.so \

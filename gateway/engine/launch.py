@@ -23,6 +23,8 @@ from typing import Any
 from gateway.engine.spec import ManagedWorkerSpec, SpeculativeSpec
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: Longer than the gateway's default ``upstream.keepalive_s`` (30 s), so the gateway closes first.
+WORKER_KEEPALIVE_S = "75"
 
 # Where Debian/Ubuntu (``apt-get install libtcmalloc-minimal4``) and RPM distributions put tcmalloc.
 TCMALLOC_CANDIDATES: tuple[str, ...] = (
@@ -146,9 +148,13 @@ def build_env(
     CPU workers get ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, rounded up, as vLLM parses an int),
     ``VLLM_CPU_OMP_THREADS_BIND`` and ``LD_PRELOAD`` (``preload`` first, then any ``LD_PRELOAD`` found in
     ``inherited``). A local model directory turns the hub off so a start-up never waits on the network.
-    The spec's own ``env`` is applied last and wins.
+    Every worker keeps idle connections ``WORKER_KEEPALIVE_S`` (vLLM's default is 5 s). The spec's own
+    ``env`` is applied last and wins.
     """
-    env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+    # vLLM closes an idle connection after 5 s, while the gateway's pool keeps one up to
+    # upstream.keepalive_s (30 s): whichever side closes first races the other's next request. The
+    # side that reuses connections (the gateway) must give them up first.
+    env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": WORKER_KEEPALIVE_S}
     if spec.device == "cpu":
         if spec.kv_cache_space_gb is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(spec.kv_cache_space_gb)))
