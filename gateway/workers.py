@@ -55,6 +55,8 @@ class WorkerTable:
         self.on_change: list[Callable[[Worker], None]] = []
         self._static: list[str] = []
         self._discovered: dict[str, list[str]] = {}
+        # Workers no longer configured that still had requests in flight: dropped once those finish.
+        self._leaving: set[str] = set()
         #: Bumped whenever the set of workers changes, so callers can cache what they derive from it.
         self.generation = 0
 
@@ -95,12 +97,19 @@ class WorkerTable:
 
     def _rebuild(self) -> None:
         wanted = dict.fromkeys([*self._static, *(u for urls in self._discovered.values() for u in urls)])
-        for url in list(self._workers):
-            if url not in wanted and self._workers[url].in_flight == 0:
-                del self._workers[url]
+        self._leaving = {url for url in self._workers if url not in wanted}
+        self._drop_idle_leavers()
         for url in wanted:
             self._workers.setdefault(url, Worker(url=url))
         self.generation += 1
+
+    def _drop_idle_leavers(self) -> bool:
+        """Forget the unconfigured workers whose requests have finished; True if any went."""
+        gone = [url for url in self._leaving if url not in self._workers or self._workers[url].in_flight == 0]
+        for url in gone:
+            self._workers.pop(url, None)
+            self._leaving.discard(url)
+        return bool(gone)
 
     def get(self, url: str) -> Worker:
         worker = self._workers.get(url)
@@ -109,6 +118,9 @@ class WorkerTable:
         return worker
 
     def all(self) -> list[Worker]:
+        """Every configured worker, and removed ones while they still have requests in flight."""
+        if self._leaving and self._drop_idle_leavers():
+            self.generation += 1
         return list(self._workers.values())
 
     def report_success(self, worker: Worker) -> None:

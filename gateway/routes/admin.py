@@ -33,14 +33,33 @@ from gateway.state import AppState
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
 
 REDACTED = "***"
-# Keys whose values are credentials wherever they appear in a config (plugin sections included).
-_SECRET_KEY = re.compile(r"(pass(word|wd)?|secret|token|api[_-]?keys?|keys|credential|auth|private)", re.I)
+# Keys whose values are credentials wherever they appear in a config (plugin sections included), matched
+# by whole words of the key: "admin_token" and "api_keys" are masked, "max_tokens", "tokenizer" and
+# "key_prefix" are not.
+_SECRET_WORDS = frozenset(
+    {"password", "passwd", "pass", "secret", "secrets", "token", "credential", "credentials", "pepper", "apikey"}
+)
+_SECRET_KEYS = frozenset({"keys", "api_key", "api_keys", "private", "private_key", "authorization"})
+_CAMEL_WORD = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+_WORD_SPLIT = re.compile(r"[^a-z0-9]+")
+
+
+def is_secret_key(key: str, value: Any) -> bool:
+    """Whether the value under ``key`` is a credential to mask (a bool is never one: ``auth: true``)."""
+    if isinstance(value, bool) or value in (None, "", [], {}):
+        return False
+    name = _WORD_SPLIT.sub("_", _CAMEL_WORD.sub("_", key).lower()).strip("_")
+    if name in _SECRET_KEYS or name == "auth" or name.endswith(("_api_key", "_api_keys", "_private_key")):
+        return True
+    return not _SECRET_WORDS.isdisjoint(name.split("_"))
+
+
 _URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@/\s]+@", re.I)
 
 
 def redact(value: Any, key: str = "") -> Any:
     """A copy of ``value`` with credential-like keys masked and passwords cut out of URLs."""
-    if key and _SECRET_KEY.search(key) and value not in (None, "", [], {}):
+    if key and is_secret_key(key, value):
         return REDACTED
     if isinstance(value, dict):
         return {k: redact(v, str(k)) for k, v in value.items()}
