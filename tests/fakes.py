@@ -69,11 +69,17 @@ class Behavior:
     error_body: bytes | None = None
     hang: bool = False  # accept, read the request, never answer
     delay_s: float = 0.0  # before response headers
+    # Held before answering until the test sets it (after delay_s): lets a test keep requests in flight
+    # until all of them have arrived, however slowly a loaded machine sends them.
+    hold: threading.Event | None = None
     chunks: int = 3  # content chunks in a stream
     pace_s: float = 0.0  # between stream chunks
     cut_after: int | None = None  # close the stream after this many chunks, without [DONE]
     text: str = "Hello from the fake worker."
     finish_reason: str = "stop"
+    # Raw bytes sent before a stream's first event (e.g. an SSE comment): a byte pass-through keeps
+    # them, a relay that parses events drops them.
+    preamble: bytes = b""
 
 
 @dataclass
@@ -131,6 +137,8 @@ class FakeUpstream:
                 return
             if b.delay_s:
                 await asyncio.sleep(b.delay_s)
+            if b.hold is not None:
+                await asyncio.to_thread(b.hold.wait, 30)
             if b.status != 200:
                 payload = b.error_body or orjson.dumps(
                     {
@@ -248,6 +256,8 @@ class FakeUpstream:
                 }
             )
         try:
+            if b.preamble:
+                await send({"type": "http.response.body", "body": b.preamble, "more_body": True})
             for i, event in enumerate(events):
                 if b.cut_after is not None and i >= b.cut_after:
                     return  # the connection ends without [DONE]

@@ -37,7 +37,11 @@ def two_workers() -> Iterator[list[str]]:
     ports = [free_port(), free_port()]
     config = engine_config(ports[0])
     spec = config["engine"]["workers"][0]
-    config["engine"]["workers"] = [{**spec, "name": f"cpu-{i}", "port": p} for i, p in enumerate(ports)]
+    # One core each: vLLM's default binding ("auto") would put both workers' OpenMP threads on core 0.
+    cores = os.cpu_count() or 1
+    config["engine"]["workers"] = [
+        {**spec, "name": f"cpu-{i}", "port": p, "omp_threads_bind": str(i % cores)} for i, p in enumerate(ports)
+    ]
     config["models"][0]["workers"] = ["cpu-0", "cpu-1"]
     app = create_app(
         Settings(model_dir=REPO / "models"),

@@ -82,6 +82,25 @@ def test_bounded_loads_spread_a_hot_key() -> None:
     assert len(counts) == 4
 
 
+def test_load_slack_keeps_small_imbalances_home_and_still_bounds_a_hot_key() -> None:
+    p = pool(2)
+    key = stable_hash(b"one system prompt")
+    home = p.hashed(key, 1.25, [], 0.0)
+    assert home is not None
+    home.in_flight = 3  # this request is the 4th in flight: the plain cap ceil(1.25 * 4 / 2) = 3 is reached
+    assert p.hashed(key, 1.25, [], 0.0) is not home
+    assert p.hashed(key, 1.25, [], 0.0, load_slack=4) is home
+    home.in_flight = 0
+    placed = collections.Counter()
+    for _ in range(40):  # a hot key: the home takes requests while under max(1.25 x mean, mean + 4)
+        worker = p.hashed(key, 1.25, [], 0.0, load_slack=4)
+        assert worker is not None
+        worker.in_flight += 1
+        placed[worker] += 1
+    assert placed[home] == 25  # ceil(1.25 * 40 / 2) = 25 > ceil(40 / 2 + 4) = 24
+    assert sum(placed.values()) == 40
+
+
 def test_prompt_prefix_uses_the_system_prompt_or_the_prompt_start() -> None:
     body = {
         "messages": [

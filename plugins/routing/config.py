@@ -36,6 +36,13 @@ class ModelRouting(_Strict):
     load_factor: float = Field(
         1.25, ge=1.0, le=10.0, description="bounded loads: a worker takes at most this times the mean in-flight"
     )
+    load_slack: int = Field(
+        4,
+        ge=0,
+        le=10_000,
+        description="bounded loads: a worker is over its bound only when it is also this many requests over "
+        "the mean in-flight (a few extra requests batch on a vLLM worker; a spilled prefix misses its cache)",
+    )
     session_header: str = Field("x-session-id", min_length=1, description="session_affinity: the header to hash")
     targets: dict[str, float] = Field(
         default_factory=dict,

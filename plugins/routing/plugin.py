@@ -57,7 +57,8 @@ class ModelRoute:
         if policy != "least_outstanding":
             key = self._affinity_key()
             if key is not None:
-                return self._pool.hashed(key, self._routing.load_factor, tried, now)
+                routing = self._routing
+                return self._pool.hashed(key, routing.load_factor, tried, now, routing.load_slack)
         return self._pool.least_outstanding(tried, now, self.bias)
 
     def _affinity_key(self) -> int | None:

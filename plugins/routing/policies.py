@@ -7,8 +7,15 @@ kept by the core), optionally plus a bias from the worker's scraped /metrics (``
 
 Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): a key maps to a point on
 a ring of virtual nodes and walks clockwise to the first worker whose load is below
-``ceil(c * (total + 1) / n)``. A key keeps its worker while that worker is not overloaded, so vLLM's
-prefix cache on it keeps hitting; a hot key spills to the next workers on the ring instead of queueing.
+``max(ceil(c * mean), ceil(mean + slack))``, where ``mean = (total + 1) / n``. A key keeps its worker
+while that worker is not overloaded, so vLLM's prefix cache on it keeps hitting; a hot key spills to the
+next workers on the ring instead of queueing.
+
+The slack is an absolute allowance (like the absolute threshold of SGLang's cache-aware router): with
+few requests in flight, ``c * mean`` is only a request or two above the mean (2 workers, 4 in flight:
+a cap of 3), so a prefix would leave its home as soon as the home held 3 of 4 requests. Such small
+imbalances cost a vLLM worker little (it batches them), while a spilled request misses the prefix
+cache and, when the cache is full, evicts one of the other worker's own prefixes.
 """
 
 from __future__ import annotations
@@ -82,9 +89,12 @@ class WorkerPool:
                 best, best_load = worker, load
         return best
 
-    def hashed(self, key: int, load_factor: float, tried: Sequence[Worker], now: float) -> Worker | None:
+    def hashed(
+        self, key: int, load_factor: float, tried: Sequence[Worker], now: float, load_slack: int = 0
+    ) -> Worker | None:
         """Consistent hashing with bounded loads: the first worker clockwise from ``key`` whose
-        in-flight count is under ``load_factor`` x the mean (counting this request)."""
+        in-flight count is under ``load_factor`` x the mean (counting this request) or under the mean
+        plus ``load_slack``, whichever is higher."""
         workers = self.workers
         if not workers:
             return None
@@ -96,7 +106,8 @@ class WorkerPool:
                 live += 1
         if not live:
             return None
-        cap = math.ceil(load_factor * (total + 1) / live)
+        mean = (total + 1) / live
+        cap = max(math.ceil(load_factor * mean), math.ceil(mean + load_slack))
         points, owners = self._points, self._owners
         size = len(points)
         start = bisect.bisect_left(points, key)
