@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,17 @@ from gateway.pipeline import Plugin
 from gateway.registry import PluginRegistry
 from gateway.settings import Settings
 from tests.fakes import FakeUpstream, ServerThread, free_port
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """No test leaves the process environment changed for the tests after it (``gateway serve`` run
+    in-process writes its options into os.environ for uvicorn's factory, e.g. GATEWAY_MANAGED_WORKERS)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

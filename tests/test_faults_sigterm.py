@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fakes import free_port
 from tests.test_faults_support import REPO, WorkerProcess, error_events, gateway_env, sse_events, wait_for
@@ -43,11 +44,24 @@ def start_gateway(tmp_path: Path, worker_url: str, port: int, **env: str) -> sub
 
 
 def ready_status(url: str) -> int | None:
-    """/ready's status over a new connection, or None when the connection is refused."""
+    """/ready's status over a new connection, or None when the connection is refused. A connection the
+    kernel completed in the listen backlog just before the listener closed is reset instead of refused
+    (a read error, or a disconnect before any response): that, too, is a connection not served."""
     try:
         return httpx.get(url + "/ready", timeout=2).status_code
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
         return None
+
+
+def in_flight(url: str) -> float:
+    """Requests the gateway is answering now, from its own /metrics (every model)."""
+    text = httpx.get(url + "/metrics", timeout=2).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "gateway_in_flight_requests"
+    )
 
 
 def test_sigterm_drains_then_refuses_and_finishes_in_flight_streams(tmp_path: Path) -> None:
@@ -116,7 +130,9 @@ def test_sigterm_without_drain_delay_still_finishes_in_flight_requests(tmp_path:
             ]
             for thread in threads:
                 thread.start()
-            time.sleep(0.5)  # all six are waiting on the worker
+            # Signal only once the gateway has accepted all six (a request still in the listen backlog when
+            # the listener closes is reset: the drain delay is what protects those, and it is 0 here).
+            wait_for(lambda: in_flight(url) + len(replies) == 6, 10, "the gateway to accept all six requests")
             gateway.send_signal(signal.SIGTERM)
             wait_for(lambda: ready_status(url) is None, 3, "new connections to be refused")
             gateway.wait(timeout=30)
