@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_EXTRA   := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: run test lint typecheck unit bench model clean
+.PHONY: run test lint typecheck unit bench audit model clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,15 @@ unit: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/run.py
+
+# Known vulnerabilities in every installed distribution, from PyPI's advisory data (needs pypi.org).
+# --strict fails when a package cannot be looked up, instead of printing "No known vulnerabilities
+# found" over skipped packages. Not looked up: this project (editable), the test-only example plugin,
+# and local version labels (torch 2.13.0+cpu is audited as torch 2.13.0).
+audit: $(STAMP)
+	$(PY) -m pip freeze --all --exclude-editable --exclude gateway-example-plugin \
+		| sed 's/+[A-Za-z0-9.]*$$//' > $(VENV)/audit-requirements.txt
+	$(VENV)/bin/pip-audit --strict --disable-pip --no-deps -r $(VENV)/audit-requirements.txt
 
 clean:
 	rm -rf $(VENV) models .mypy_cache .ruff_cache .pytest_cache

@@ -61,6 +61,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-d", "--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("-c", "--connections", type=int, nargs="+", default=[1, 16])
+    parser.add_argument(
+        "--baseline-src", type=Path, help="a copy of gateway/ + plugins/ from before a change: adds '<peer> @base' rows"
+    )
     args = parser.parse_args()
     os.environ["GATEWAY_TENANCY_PEPPER"] = PEPPER
     prefix = f"bench:tenancy:{uuid.uuid4().hex}"
@@ -70,8 +73,12 @@ def main() -> None:
         tmp = Path(tmp_dir)
         mock = peers.start_mock(tmp, 0.0, 16)
         try:
-            for name, plugins in peer_plugins(prefix).items():
-                gateway = peers.start_gateway(tmp, name.replace(" ", "_").replace(",", ""), mock.url, plugins)
+            runs = [(name, plugins, None) for name, plugins in peer_plugins(prefix).items()]
+            if args.baseline_src is not None:
+                runs += [(f"{name} @base", plugins, args.baseline_src) for name, plugins, _ in runs[1:]]
+            for name, plugins, source in runs:
+                slug = name.replace(" ", "_").replace(",", "").replace("@", "")
+                gateway = peers.start_gateway(tmp, slug, mock.url, plugins, source=source)
                 try:
                     wrk(gateway.url, 8, 1, headers)  # warm-up: pools, script cache
                     for c in args.connections:

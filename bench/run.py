@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import subprocess
 import sys
@@ -42,6 +43,7 @@ ALL_PEERS = ["direct", "nginx", "python-hop", "gateway", "gateway-full-miss", "g
 #: The default plugin set in the order DESIGN.md gives; plugins not installed yet are skipped.
 DEFAULT_PLUGINS = ["safety", "cache", "guided_json", "routing"]
 CACHE_PREFIX = "gwbench"
+ADMISSION_IN_FLIGHT = 100_000
 CACHE_NAMESPACE = f"run{os.getpid()}"
 
 
@@ -77,6 +79,13 @@ def resolve_plugins(names: list[str], overrides: dict[str, dict[str, Any]]) -> t
         entry = {k: v for k, v in from_product.get(name, {"name": name}).items() if k != "enabled"}
         if name in overrides:
             entry["config"] = overrides[name]
+        if name == "routing" and name not in overrides:
+            # The product's admission limits describe the CPU engine's capacity (64 in flight), not the
+            # mock's: keep the gate (its cost is part of the hop) but high enough never to queue or refuse.
+            entry = copy.deepcopy(entry)
+            for model in ((entry.get("config") or {}).get("models") or {}).values():
+                if model.get("admission"):
+                    model["admission"]["max_in_flight"] = ADMISSION_IN_FLIGHT
         if name == "cache":  # the bench's entries live under their own prefix and are deleted after
             entry["config"] = {**(entry.get("config") or {}), "key_prefix": CACHE_PREFIX, "namespace": CACHE_NAMESPACE}
         try:
@@ -183,23 +192,26 @@ def start_peers(tmp: Path, mock: peers.Peer, args: argparse.Namespace) -> tuple[
         notes.append("plugins skipped (not installed or config refused): " + "; ".join(skipped))
     for name in args.peers:
         peer: peers.Peer | None
+        # "<gateway peer>@base": the same peer running the code copied to --baseline-src before a change.
+        base_name, at, _ = name.partition("@")
+        source = args.baseline_src if at else None
+        if at and (source is None or not base_name.startswith("gateway")):
+            raise SystemExit(f"{name}: an @base peer is a gateway peer and needs --baseline-src")
+        code = f", code from {source}" if source is not None else ""
         if name == "direct":
             peer = mock
         elif name == "nginx":
             peer = peers.start_nginx(tmp, mock.url)
         elif name == "python-hop":
             peer = peers.start_minimal_hop(tmp, mock.url)
-        elif name == "gateway":
-            peer = peers.start_gateway(tmp, name, mock.url, [{"name": "routing"}], note="routing")
-        elif name == "gateway-baseline":
-            if args.baseline_src is None:
-                raise SystemExit("the gateway-baseline peer needs --baseline-src")
-            note = f"routing, code from {args.baseline_src}"
-            peer = peers.start_gateway(tmp, name, mock.url, [{"name": "routing"}], note=note, source=args.baseline_src)
-        elif name == "gateway-full-miss":
-            peer = peers.start_gateway(tmp, name, mock.url, full, mode="unique", note=full_names)
-        elif name == "gateway-full-hit":
-            peer = peers.start_gateway(tmp, name, mock.url, full, mode="fixed", note=full_names)
+        elif base_name == "gateway":
+            peer = peers.start_gateway(tmp, name, mock.url, [{"name": "routing"}], note="routing" + code, source=source)
+        elif base_name == "gateway-full-miss":
+            note = full_names + code
+            peer = peers.start_gateway(tmp, name, mock.url, full, mode="unique", note=note, source=source)
+        elif base_name == "gateway-full-hit":
+            note = full_names + code
+            peer = peers.start_gateway(tmp, name, mock.url, full, mode="fixed", note=note, source=source)
         elif name == "litellm":
             peer = peers.start_litellm(tmp, mock.url)
         else:
@@ -222,7 +234,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--baseline-src",
         type=Path,
-        help="a copy of the tree (gateway/, plugins/) taken before a change: adds the gateway-baseline peer",
+        help="a copy of the tree (gateway/, plugins/) taken before a change: adds '<peer>@base' for each gateway peer",
     )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--duration", type=float, help="seconds per measurement (default 5, quick 3)")
@@ -236,8 +248,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=peers.ROOT / "bench" / "results")
     args = parser.parse_args()
     args.peers = (args.peers or ("direct,gateway" if args.quick else ",".join(ALL_PEERS))).split(",")
-    if args.baseline_src is not None and "gateway-baseline" not in args.peers:
-        args.peers.append("gateway-baseline")
+    if args.baseline_src is not None:
+        args.peers += [f"{p}@base" for p in args.peers if p.startswith("gateway") and "@" not in p]
     args.plugins = [p for p in args.plugins.split(",") if p]
     args.plugin_config = {k: orjson.loads(v) for k, v in (item.split("=", 1) for item in args.plugin_config)}
     args.duration = args.duration or (3.0 if args.quick else 5.0)

@@ -12,6 +12,12 @@ RSS growth <= 10% from the end of warm-up to the end; at idle after the load, no
 than at idle after warm-up (small slack for pooled connections); no request answered other than
 expected.
 
+Clients are ``httpx.AsyncClient`` with httpx's default pool settings (as the OpenAI SDK: idle connections
+reused for up to 5 s). Besides the busy clients, ``--idle-clients`` each send a plain request, pause for
+just under that 5 s expiry and send the next one on the connection they kept: the moment at which a
+server whose keep-alive timeout is also 5 s (uvicorn's default) closes it. ``--keepalive-timeout-s`` sets
+the gateway's (``GATEWAY_KEEPALIVE_TIMEOUT_S``), e.g. 5 to see that race.
+
     .venv/bin/python bench/soak.py --minutes 30
     .venv/bin/python bench/soak.py --minutes 30 --engine-url http://127.0.0.1:8100 --engine-model smollm2
 """
@@ -20,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import random
 import secrets
 import statistics
 import subprocess
@@ -44,7 +52,9 @@ from tests.fakes import free_port  # noqa: E402
 from tests.test_faults_support import WorkerProcess, gateway_env, wait_for  # noqa: E402
 
 ANSWER = '{"answer": "ok"}'
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+# A closed set of answers, so that a real model's constrained answer fits in the soak's small max_tokens
+# (an open string gets cut, and cut guided answers are a 400 by design).
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["ok", "yes", "no"]}}, "required": ["answer"]}
 # Idle keep-alive connections (to the worker, to Redis) are bounded by the number of clients, not by
 # time: a leak grows without bound over a run, while this slack only absorbs how full the pools are.
 FD_SLACK_PER_CLIENT = 1
@@ -64,10 +74,19 @@ class Sample:
 @dataclass
 class Tally:
     by_kind: dict[str, int] = field(default_factory=dict)
+    by_model: dict[str, int] = field(default_factory=dict)  # answered as expected, per model (fake, engine)
     errors: list[str] = field(default_factory=list)
+    error_counts: dict[str, int] = field(default_factory=dict)  # "kind: status or exception type" -> n
+    idle_reuses: int = 0  # plain requests sent on a connection idle for just under 5 s
 
-    def ok(self, kind: str) -> None:
+    def ok(self, kind: str, model: str) -> None:
         self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+        self.by_model[model] = self.by_model.get(model, 0) + 1
+
+    def error(self, kind: str, what: str, detail: str) -> None:
+        self.errors.append(f"{kind}: {what} {detail}")
+        key = f"{kind.split()[0]}: {what}"
+        self.error_counts[key] = self.error_counts.get(key, 0) + 1
 
     @property
     def total(self) -> int:
@@ -89,9 +108,14 @@ def gateway_config(models: list[dict[str, Any]], namespace: str) -> dict[str, An
     }
 
 
-async def one_request(client: httpx.AsyncClient, model: str, i: int, tally: Tally, max_tokens: int) -> None:
-    """One request of the mix, chosen by ``i``; anything but the expected answer is an error."""
-    kind = ("plain", "stream", "cached", "refused", "guided", "cached_stream")[i % 6]
+KINDS = ("plain", "stream", "cached", "refused", "guided", "cached_stream")
+IDLE_S = (4.8, 4.99)  # pause of the idle clients: just under httpx's keepalive_expiry (5 s)
+
+
+async def one_request(
+    client: httpx.AsyncClient, model: str, kind: str, tally: Tally, max_tokens: int, note: str = ""
+) -> None:
+    """One request of the mix; anything but the expected answer is an error (``note`` says how it was sent)."""
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens}
     user = f"soak {uuid.uuid4().hex[:8]}: say something short"
     if kind in ("cached", "cached_stream"):
@@ -109,20 +133,20 @@ async def one_request(client: httpx.AsyncClient, model: str, i: int, tally: Tall
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 text = "".join([part async for part in response.aiter_text()])
             if response.status_code != 200 or '"error"' in text or not text.rstrip().endswith("data: [DONE]"):
-                tally.errors.append(f"{kind}: {response.status_code} {text[-300:]}")
+                tally.error(kind + note, str(response.status_code), text[-300:])
                 return
         else:
             response = await client.post("/v1/chat/completions", json=body)
             expected = 400 if kind == "refused" else 200
             if response.status_code != expected:
-                tally.errors.append(f"{kind}: {response.status_code} {response.text[:300]}")
+                tally.error(kind + note, str(response.status_code), response.text[:300])
                 return
             if kind == "guided":
                 json.loads(response.json()["choices"][0]["message"]["content"])
     except (httpx.HTTPError, ValueError, KeyError) as exc:
-        tally.errors.append(f"{kind}: {type(exc).__name__} {exc}")
+        tally.error(kind + note, type(exc).__name__, repr(exc))
         return
-    tally.ok(kind)
+    tally.ok(kind, model)
 
 
 async def drive(url: str, model: str, clients: int, stop: asyncio.Event, tally: Tally, max_tokens: int) -> None:
@@ -131,10 +155,28 @@ async def drive(url: str, model: str, clients: int, stop: asyncio.Event, tally: 
         async def loop(n: int) -> None:
             i = n
             while not stop.is_set():
-                await one_request(client, model, i, tally, max_tokens)
+                await one_request(client, model, KINDS[i % len(KINDS)], tally, max_tokens)
                 i += 1
 
         await asyncio.gather(*(loop(n) for n in range(clients)))
+
+
+async def drive_idle(url: str, model: str, clients: int, stop: asyncio.Event, tally: Tally, max_tokens: int) -> None:
+    """Clients that each keep one connection and reuse it after an idle pause drawn from ``IDLE_S``."""
+
+    async def loop(n: int) -> None:
+        pauses = random.Random(n)
+        async with httpx.AsyncClient(base_url=url, timeout=180) as client:
+            note = ""
+            while not stop.is_set():
+                await one_request(client, model, "plain", tally, max_tokens, note)
+                pause = pauses.uniform(*IDLE_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), pause)
+                tally.idle_reuses += not stop.is_set()
+                note = f" after {pause:.3f} s idle"
+
+    await asyncio.gather(*(loop(n) for n in range(clients)))
 
 
 def sample(proc: psutil.Process, url: str, token: str, started: float, requests: int) -> Sample:
@@ -157,7 +199,7 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process, token: 
     targets = [("m1", args.concurrency, 16)]
     if args.engine_url:
         targets.append(("engine", max(1, args.concurrency // 4), 16))
-    clients = sum(c for _, c, _ in targets)
+    clients = sum(c for _, c, _ in targets) + args.idle_clients
     tally = Tally()
     started = time.monotonic()
     duration = args.minutes * 60
@@ -166,6 +208,7 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process, token: 
     async def phase(seconds: float, samples: list[Sample]) -> None:
         stop = asyncio.Event()
         load = [asyncio.create_task(drive(url, m, c, stop, tally, t)) for m, c, t in targets]
+        load.append(asyncio.create_task(drive_idle(url, "m1", args.idle_clients, stop, tally, 16)))
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             await asyncio.sleep(min(args.sample_s, max(0.0, end - time.monotonic())))
@@ -199,6 +242,9 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process, token: 
         "minutes": args.minutes,
         "requests": tally.total,
         "by_kind": tally.by_kind,
+        "by_model": tally.by_model,
+        "idle_reuses": tally.idle_reuses,
+        "error_counts": tally.error_counts,
         "errors": tally.errors[:20],
         "error_count": len(tally.errors),
         "rss_mb_after_warmup": round(base_rss, 1),
@@ -228,6 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             GATEWAY_MANAGED_WORKERS="false",
             GATEWAY_CONFIG_WATCH_S="0",
             GATEWAY_ADMIN_TOKEN=token,
+            **({"GATEWAY_KEEPALIVE_TIMEOUT_S": str(args.keepalive_timeout_s)} if args.keepalive_timeout_s else {}),
         )
         log = (Path(tmp) / "gateway.log").open("wb")
         gateway = subprocess.Popen([str(REPO / ".venv/bin/gateway"), "serve"], env=env, stdout=log, stderr=log)
@@ -267,6 +314,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=16, help="clients against the fake worker")
+    parser.add_argument("--idle-clients", type=int, default=2, help="clients that reuse a connection idle ~5 s")
+    parser.add_argument("--keepalive-timeout-s", type=int, help="the gateway's GATEWAY_KEEPALIVE_TIMEOUT_S")
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--warmup-share", type=float, default=0.2, help="share of the run that is warm-up")
     parser.add_argument("--pace-s", type=float, default=0.01, help="fake worker: gap between stream chunks")
