@@ -160,6 +160,16 @@ async def engine_status(request: Request) -> JSON:
 
 @router.get("/debug/tasks")
 async def debug_tasks() -> JSON:
-    """Live asyncio tasks of this process, counted by name (numbered names folded), for soak tests."""
-    names = Counter(re.sub(r"\d+", "N", task.get_name()) for task in asyncio.all_tasks())
-    return JSON({"pid": os.getpid(), "tasks": sum(names.values()), "by_name": dict(names.most_common())})
+    """Live asyncio tasks of this process, counted by name (numbered names folded) and by the coroutine
+    each runs (what tells unnamed tasks apart when a leak check fails), for soak tests."""
+    tasks = asyncio.all_tasks()
+    names = Counter(re.sub(r"\d+", "N", task.get_name()) for task in tasks)
+    coroutines = Counter(getattr(task.get_coro(), "__qualname__", "?") for task in tasks)
+    return JSON(
+        {
+            "pid": os.getpid(),
+            "tasks": len(tasks),
+            "by_name": dict(names.most_common()),
+            "by_coroutine": dict(coroutines.most_common()),
+        }
+    )
