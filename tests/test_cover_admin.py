@@ -170,6 +170,8 @@ def test_debug_tasks_counts_this_process_tasks_by_folded_name(admin_gateway: Ser
     assert body["tasks"] == sum(body["by_name"].values()) >= 1
     assert "worker-health" in body["by_name"]  # the health loop the lifespan started
     assert not any(ch.isdigit() for name in body["by_name"] for ch in name)  # numbers folded to N
+    assert sum(body["by_coroutine"].values()) == body["tasks"]
+    assert any("start_health_checks" in name for name in body["by_coroutine"])  # the coroutine behind the name
     assert assert_error_shape(httpx.get(admin_gateway.url + "/admin/debug/tasks"), 401)["code"] == "missing_admin_token"
 
 
