@@ -7,6 +7,10 @@ beyond the response. Chosen by measurement over aiohttp's client session, whose 
 (headers multidicts, payload registry, tracing hooks, timers) was the largest item in the gateway's
 profile (bench/README.md). Backpressure: a connection stops reading when 1 MiB is buffered and the
 consumer has not caught up.
+
+A streamed body can also be relayed (``relay_to``): each read from the worker goes straight to a sink
+from the protocol callback, with no buffering and no task woken per chunk; the sink pushes back by
+returning False, which pauses reading until ``resume_relay``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import cast
 
 import httptools
@@ -55,6 +60,10 @@ class Connection(asyncio.Protocol):
         # data, re-armed from the time of the last byte (a stream relays thousands of chunks).
         self.last_data = 0.0
         self.idle_timer: asyncio.TimerHandle | None = None
+        # Relay mode: body bytes of one read, handed to the sink once the read is parsed.
+        self.sink: Callable[[bytes], bool] | None = None
+        self.relayed: list[bytes] = []
+        self.sink_full = False
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -70,6 +79,8 @@ class Connection(asyncio.Protocol):
             self._fail(ProtocolError(str(exc)))
             if self.transport is not None:
                 self.transport.close()
+        if self.relayed:
+            self._flush_relayed()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -88,6 +99,9 @@ class Connection(asyncio.Protocol):
             self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            self.relayed.append(body)  # one sink call per read, after the parser is done with it
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
@@ -107,6 +121,7 @@ class Connection(asyncio.Protocol):
         self.status, self.headers, self.complete, self.received = 0, [], False, False
         self.chunks.clear()
         self.buffered = 0
+        self.sink, self.sink_full = None, False
         self._cancel_idle_timer()
         self.head = self.loop.create_future()
         self.transport.write(data)
@@ -126,6 +141,51 @@ class Connection(asyncio.Protocol):
         if self.lost is not None:
             raise self.lost
         return None
+
+    def relay_to(self, sink: Callable[[bytes], bool]) -> None:
+        """Hand the rest of the body to ``sink``, one call per read from the worker, instead of buffering
+        it for ``chunk_nowait`` (what is buffered already goes first). ``wait_data`` then wakes only at
+        the end, on a failure, or when ``sink`` returned False (it cannot take more for now): reading is
+        paused until ``resume_relay``."""
+        self.sink = sink
+        if self.chunks:
+            self.relayed.extend(self.chunks)
+            self.chunks.clear()
+            self.buffered = 0
+            self._flush_relayed()
+        if not self.sink_full:
+            self.resume_relay()  # buffered mode may have paused reading at its high-water mark
+
+    def end_relay(self) -> None:
+        """Stop handing bytes to the sink and let go of it (it usually holds the response that holds
+        this connection; a pooled connection must not keep its last consumer alive)."""
+        self.sink = None
+        self.relayed.clear()
+
+    def resume_relay(self) -> None:
+        """The sink has room again: read from the worker again."""
+        self.sink_full = False
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def _flush_relayed(self) -> None:
+        relayed = self.relayed
+        data = relayed[0] if len(relayed) == 1 else b"".join(relayed)
+        relayed.clear()
+        assert self.sink is not None
+        try:
+            room = self.sink(data)
+        except Exception as exc:  # the consumer's failure ends this response, not the event loop's callback
+            self._fail(exc)
+            self.abort()
+            return
+        if not room and not self.sink_full:
+            self.sink_full = True
+            if not self.paused and self.transport is not None:
+                self.paused = True
+                self.transport.pause_reading()
+            self._wake()
 
     async def wait_data(self, idle_s: float | None = None) -> None:
         """Wait until more body bytes (or the end, or a failure) arrive; with ``idle_s``, raise
@@ -159,7 +219,7 @@ class Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return self.complete and self.keep_alive and not self.chunks and self.usable
+        return self.complete and self.keep_alive and not self.chunks and not self.paused and self.usable
 
     @property
     def usable(self) -> bool:

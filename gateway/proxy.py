@@ -18,6 +18,7 @@ import orjson
 
 from gateway.context import ModelResponse, RequestContext
 from gateway.errors import BadGateway, GatewayError, ServiceUnavailable, from_upstream
+from gateway.passthrough import PassThrough, cut_short
 from gateway.services import Services
 from gateway.streaming import DONE, SSEParser, StreamAssembler, encode_event, replay
 from gateway.upstream import UpstreamFailure, UpstreamResponse
@@ -36,8 +37,12 @@ class JSONReply:
 
 @dataclass(slots=True)
 class StreamReply:
+    """SSE bytes to send after the headers. A pass-through stream (``passthrough``) can instead be relayed
+    straight to the client's connection; either way the sender closes it when done."""
+
     chunks: AsyncIterator[bytes]
     headers: dict[str, str] = field(default_factory=dict)
+    passthrough: PassThrough | None = None
 
 
 Reply = JSONReply | StreamReply
@@ -59,7 +64,10 @@ class Proxy:
             return await self._reply_json(ctx, upstream)
         if pipeline.inspects_stream(ctx):
             return StreamReply(self._relay_inspected(ctx, upstream), ctx.response_headers)
-        return StreamReply(self._relay_bytes(ctx, upstream), ctx.response_headers)
+        worker = ctx.worker
+        assert worker is not None
+        stream = PassThrough(ctx, upstream, self.services.metrics, lambda ok: self._finish(ctx, worker, ok=ok))
+        return StreamReply(stream.chunks(), ctx.response_headers, passthrough=stream)
 
     # -- the way in -------------------------------------------------------------------------------
 
@@ -182,39 +190,6 @@ class Proxy:
             ctx.log["completion"] = [c.get("message", c.get("text")) for c in response.json.get("choices", ())]
         return JSONReply(response.status, response.body, {**ctx.response_headers, **response.headers})
 
-    async def _relay_bytes(self, ctx: RequestContext, upstream: UpstreamResponse) -> AsyncIterator[bytes]:
-        """Pass-through: the worker's SSE bytes as they arrive, no parsing. The end is checked by the
-        last bytes only, so a stream the worker cut short still ends with an error event."""
-        worker = ctx.worker
-        assert worker is not None
-        tail = b""
-        first = True
-        ok = False
-        first_at = last_at = 0.0
-        events = 0  # after the first chunk; each SSE event is about one decoding step
-        try:
-            async for chunk in upstream.iter_chunks():
-                last_at = time.perf_counter()
-                if first:
-                    first = False
-                    first_at = last_at
-                    ctx.log["ttft_ms"] = round((last_at - ctx.started) * 1000, 3)
-                    self.services.metrics.ttft.labels(ctx.model.name).observe(last_at - ctx.started)
-                else:
-                    events += chunk.count(b"data:")
-                yield chunk
-                tail = (tail + chunk)[-64:]
-            if b"data: [DONE]" in tail:
-                ok = True
-                self._observe_tpot(ctx, last_at - first_at, events - 1)
-            else:
-                yield _cut_short().to_sse()
-        except UpstreamFailure as failure:
-            yield failure.error.to_sse()
-        finally:
-            upstream.close()
-            self._finish(ctx, worker, ok=ok)
-
     async def _relay_inspected(self, ctx: RequestContext, upstream: UpstreamResponse) -> AsyncIterator[bytes]:
         """Parse each event so plugins can see, change or hold chunks and check the assembled result."""
         worker = ctx.worker
@@ -260,7 +235,7 @@ class Proxy:
                 if done:
                     break
             if not done or not (assembler.complete or ctx.state.get("close_stream")):
-                yield _cut_short().to_sse()
+                yield cut_short().to_sse()
                 return
             ok = True
             self._observe_tpot(ctx, time.perf_counter() - first_at, events)
@@ -293,10 +268,6 @@ class Proxy:
             value = usage.get(f"{kind}_tokens")
             if isinstance(value, int) and value > 0:
                 tokens.labels(ctx.model.name, kind).inc(value)
-
-
-def _cut_short() -> GatewayError:
-    return BadGateway("The model worker ended the stream before it was complete.", code="stream_incomplete")
 
 
 async def _aiter(items: Any) -> AsyncIterator[bytes]:

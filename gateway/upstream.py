@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -28,7 +28,11 @@ from gateway.http1 import Connection, ConnectionPool, ProtocolError
 _ACCEPT = b"Accept: application/json, text/event-stream\r\n"
 
 
-def _broke(exc: BaseException) -> UpstreamFailure:
+def _failure(exc: BaseException, idle_message: str) -> UpstreamFailure:
+    """A transport failure while the body was read, as the error a client can be told: the idle bound
+    ran out (``TimeoutError``), or the connection broke."""
+    if isinstance(exc, TimeoutError):
+        return UpstreamFailure(GatewayTimeout(idle_message, code="upstream_timeout"), retryable=False, kind="timeout")
     return UpstreamFailure(
         BadGateway(f"The connection to the model worker broke ({type(exc).__name__}).", code="upstream_error"),
         retryable=False,
@@ -76,14 +80,8 @@ class UpstreamResponse:
                 await conn.wait_data(self._idle_s)
             while chunk := conn.chunk_nowait():
                 parts.append(chunk)
-        except TimeoutError:
-            raise UpstreamFailure(
-                GatewayTimeout("The model worker stopped sending its response.", code="upstream_timeout"),
-                retryable=False,
-                kind="timeout",
-            ) from None
-        except (OSError, ProtocolError) as exc:
-            raise _broke(exc) from None
+        except (TimeoutError, OSError, ProtocolError) as exc:
+            raise _failure(exc, "The model worker stopped sending its response.") from None
         finally:
             self.close()
         return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -98,16 +96,8 @@ class UpstreamResponse:
                     while chunk is None:
                         await conn.wait_data(self._idle_s)
                         chunk = conn.chunk_nowait()
-                except TimeoutError:
-                    raise UpstreamFailure(
-                        GatewayTimeout(
-                            f"The model worker sent nothing for {self._idle_s:g} s.", code="upstream_timeout"
-                        ),
-                        retryable=False,
-                        kind="timeout",
-                    ) from None
-                except (OSError, ProtocolError) as exc:
-                    raise _broke(exc) from None
+                except (TimeoutError, OSError, ProtocolError) as exc:
+                    raise _failure(exc, f"The model worker sent nothing for {self._idle_s:g} s.") from None
                 if not chunk:
                     return
                 if conn.chunks:
@@ -120,6 +110,28 @@ class UpstreamResponse:
                     chunk = b"".join(pieces)
                 yield chunk
         finally:
+            self.close()
+
+    async def relay(self, sink: Callable[[bytes], bool], drained: Callable[[], Awaitable[None]]) -> None:
+        """Hand the body to ``sink`` as it arrives, from the connection's reads (no task wake-up per
+        chunk), until it ends. ``sink`` returns False when it cannot take more for now; reading from the
+        worker then pauses until ``drained()`` returns. Each gap between two reads is bounded by the idle
+        timeout; failures are raised as ``UpstreamFailure`` like ``iter_chunks``."""
+        conn = self._conn
+        try:
+            conn.relay_to(sink)
+            while not conn.complete:
+                if conn.lost is not None:
+                    raise conn.lost
+                if conn.sink_full:
+                    await drained()
+                    conn.resume_relay()
+                else:
+                    await conn.wait_data(self._idle_s)
+        except (TimeoutError, OSError, ProtocolError) as exc:
+            raise _failure(exc, f"The model worker sent nothing for {self._idle_s:g} s.") from None
+        finally:
+            conn.end_relay()
             self.close()
 
     def close(self) -> None:

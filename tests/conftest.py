@@ -65,11 +65,15 @@ GatewayFactory = Callable[..., contextlib.AbstractContextManager[tuple[GatewayAp
 
 @pytest.fixture
 def gateway_factory() -> GatewayFactory:
-    """``with gateway_factory(config_dict, plugins={name: cls}) as (app, server): ...``"""
+    """``with gateway_factory(config_dict, plugins={name: cls}) as (app, server): ...``; ``http`` picks
+    uvicorn's HTTP implementation (``gateway serve`` runs httptools)."""
 
     @contextlib.contextmanager
     def factory(
-        config: dict[str, Any], plugins: dict[str, type[Plugin]] | None = None, **settings: Any
+        config: dict[str, Any],
+        plugins: dict[str, type[Plugin]] | None = None,
+        http: str = "httptools",
+        **settings: Any,
     ) -> Iterator[tuple[GatewayApp, ServerThread]]:
         registry = PluginRegistry()
         for name, cls in (plugins or {}).items():
@@ -80,7 +84,7 @@ def gateway_factory() -> GatewayFactory:
             config=GatewayConfig.model_validate(config),
             engine_factory=None,
         )
-        with ServerThread(app) as server:
+        with ServerThread(app, http=http) as server:
             yield app, server
 
     return factory

@@ -26,7 +26,15 @@ def free_port() -> int:
 class ServerThread:
     """uvicorn serving ``app`` on 127.0.0.1 in a daemon thread with its own event loop."""
 
-    def __init__(self, app: Any, port: int | None = None, *, lifespan: str = "on", start_timeout_s: float = 30) -> None:
+    def __init__(
+        self,
+        app: Any,
+        port: int | None = None,
+        *,
+        lifespan: str = "on",
+        start_timeout_s: float = 30,
+        http: str = "httptools",
+    ) -> None:
         self.start_timeout_s = start_timeout_s
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -38,7 +46,7 @@ class ServerThread:
             access_log=False,
             lifespan=lifespan,
             loop="asyncio",
-            http="httptools",
+            http=http,
             timeout_graceful_shutdown=5,
         )
         self.server = uvicorn.Server(config)

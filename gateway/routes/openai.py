@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.allowlist import ParamAllowList
+from gateway.chunked_writer import ChunkedWriter
 from gateway.config import LimitsConfig
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, PayloadTooLarge, ServerError, model_not_found
@@ -225,14 +226,21 @@ class InferenceEndpoints:
             return
         state["status"] = 200
         state["sent"] = True
-        await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, rid, *extra]})
-        chunks = reply.chunks
+        chunks, passthrough = reply.chunks, reply.passthrough
         try:
-            async for chunk in chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, rid, *extra]})
+            writer = ChunkedWriter.of(send) if passthrough is not None else None
+            if writer is not None:
+                assert passthrough is not None
+                await passthrough.relay(writer)
+            else:
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
         finally:
             with contextlib.suppress(Exception):
                 await chunks.aclose()  # type: ignore[attr-defined]
+            if passthrough is not None:
+                passthrough.close()  # releases the worker even if neither way of relaying began
         state["finished"] = True
         await send({"type": "http.response.body", "body": b""})
 
