@@ -42,7 +42,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, key: tuple[str, int, bool]) -> None:
         self.key = key
         self.loop = asyncio.get_running_loop()
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.head: asyncio.Future[None] | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -73,6 +73,8 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.received = True
         self.last_data = self.loop.time()
+        if self.parser is None:
+            return  # detached: nothing more is read for anyone
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -93,6 +95,7 @@ class Connection(asyncio.Protocol):
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        assert self.parser is not None
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
         if self.head is not None and not self.head.done():
@@ -225,6 +228,18 @@ class Connection(asyncio.Protocol):
     def usable(self) -> bool:
         return self.transport is not None and not self.transport.is_closing() and self.lost is None
 
+    def detach(self) -> None:
+        """The pool lets go of this connection for good: drop what ties it to the requests it served
+        (the parser holds this protocol's callbacks; a stored failure's traceback holds the frames that
+        read it; futures hold that failure; the relay's sink holds the response), so the connection and
+        those requests are freed by reference counting, not left as cycles for the garbage collector."""
+        self.parser = None
+        self.head = self.waiter = None
+        self.lost = None
+        self.end_relay()
+        self.chunks.clear()
+        self._cancel_idle_timer()
+
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()  # closing an unfinished response is what makes vLLM abort it
@@ -325,6 +340,7 @@ class ConnectionPool:
     def _discard(self, conn: Connection) -> None:
         if conn.transport is not None and not conn.transport.is_closing():
             conn.transport.close()
+        conn.detach()
         self._forget(conn.key)
 
     def _forget(self, key: tuple[str, int, bool]) -> None:

@@ -168,7 +168,10 @@ class InferenceEndpoints:
             state["finished"] = True
             if watcher is not None:
                 watcher.cancel()
-            watch_task = state.get("watcher")
+            # Popped, not just cancelled: the cancelled watcher keeps its CancelledError, whose traceback
+            # holds the watcher's frame and so this dict; with the task still in it, every request would
+            # leave a reference cycle for the garbage collector instead of being freed at once.
+            watch_task = state.pop("watcher", None)
             if watch_task is not None:
                 watch_task.cancel()
             if ctx is not None:
@@ -246,7 +249,8 @@ class InferenceEndpoints:
 
     @staticmethod
     async def _send_error(error: GatewayError, request_id: str, send: Send, state: dict[str, Any]) -> None:
-        state["error"] = error
+        # Its type and code, not the exception: its traceback holds the request's frame, which holds state.
+        state["error"] = (error.type, error.code)
         if state["sent"]:
             # Headers are out: the error becomes one SSE event, then [DONE].
             state["finished"] = True
@@ -286,8 +290,7 @@ class InferenceEndpoints:
             fields.update(ctx.log)
         error = state.get("error")
         if error is not None:
-            fields["error_type"] = error.type
-            fields["error_code"] = error.code
+            fields["error_type"], fields["error_code"] = error
         # log.info() would also walk the stack to find the caller, which the JSON line never shows.
         log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields}))
 
