@@ -160,6 +160,7 @@ def create_app(
                 await admin_server.start()
             gc.collect()
             gc.freeze()  # start-up objects never need collecting; keeps GC pauses short under load
+            gc.set_threshold(*settings.gc_thresholds)
             restore_sigterm = install_sigterm_drain(state, settings.drain_delay_s)
             if state.engine is not None:  # a person ran `make run`: tell them where to point a client
                 sys.stderr.write(ready_banner(settings, initial) + "\n")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, NonNegativeInt, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -45,4 +45,11 @@ class Settings(BaseSettings):
         0.0,
         ge=0,
         description="on SIGTERM, answer /ready with 503 and keep serving this long before the listener closes",
+    )
+    gc_thresholds: tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt] = Field(
+        (10_000, 10, 10),
+        description=(
+            "the garbage collector's thresholds (gc.set_threshold) once start-up objects are frozen, as a JSON "
+            "list; Python's own are [700, 10, 10] (see bench/README.md for why the first is larger here)"
+        ),
     )

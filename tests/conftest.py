@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,10 +22,13 @@ from tests.fakes import FakeUpstream, ServerThread, free_port
 
 @pytest.fixture(autouse=True)
 def _environment_restored() -> Iterator[None]:
-    """No test leaves the process environment changed for the tests after it (``gateway serve`` run
-    in-process writes its options into os.environ for uvicorn's factory, e.g. GATEWAY_MANAGED_WORKERS)."""
+    """No test leaves the process environment or the garbage collector's thresholds changed for the tests
+    after it (``gateway serve`` run in-process writes its options into os.environ for uvicorn's factory,
+    e.g. GATEWAY_MANAGED_WORKERS)."""
     saved = dict(os.environ)
+    thresholds = gc.get_threshold()  # a gateway's start-up sets the collector's (settings.gc_thresholds)
     yield
+    gc.set_threshold(*thresholds)
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
