@@ -30,13 +30,14 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def main_table(results: dict[str, dict[str, dict[str, Any]]], concurrency: list[int], streams: list[int]) -> str:
-    """One row per peer: req/s, p50/p99 (ms) per concurrency; stalls, TTFC p50/p99, gap p99 per stream count."""
+    """One row per peer: req/s, p50/p99 (ms) per concurrency; stalls, TTFC p50/p99, gap p99 and the proxy's
+    CPU per stream, per stream count."""
     head = ["peer"]
     for c in concurrency:
         head += [f"req/s c={c}", f"p50 c={c}", f"p99 c={c}"]
     head.append("CPU µs/req c=16" if 16 in concurrency else "CPU µs/req")
     for n in streams:
-        head += [f"stalled/streams {n}", f"TTFC p50 {n}", f"TTFC p99 {n}", f"gap p99 {n}"]
+        head += [f"stalled/streams {n}", f"TTFC p50 {n}", f"TTFC p99 {n}", f"gap p99 {n}", f"CPU µs/stream {n}"]
     rows = [head]
     for peer, scen in results.items():
         row = [peer]
@@ -49,9 +50,15 @@ def main_table(results: dict[str, dict[str, dict[str, Any]]], concurrency: list[
             s = scen.get(f"s{n}", {})
             stalls = f"{s['stalled']:.0f}/{s['streams']:.0f}" + (f" ({s['errors']:.0f} err)" if s.get("errors") else "")
             row += (
-                [stalls, _fmt(s.get("ttfc_p50_ms")), _fmt(s.get("ttfc_p99_ms")), _fmt(s.get("gap_p99_ms"))]
+                [
+                    stalls,
+                    _fmt(s.get("ttfc_p50_ms")),
+                    _fmt(s.get("ttfc_p99_ms")),
+                    _fmt(s.get("gap_p99_ms")),
+                    _fmt(s.get("cpu_us_per_stream"), 0),
+                ]
                 if s
-                else ["-"] * 4
+                else ["-"] * 5
             )
         rows.append(row)
     return (

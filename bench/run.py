@@ -101,9 +101,11 @@ def resolve_plugins(names: list[str], overrides: dict[str, dict[str, Any]]) -> t
 
 
 def measure(peer: peers.Peer, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One scenario on one peer, with the proxy's own CPU per request (wrk) or per stream: the figure that
+    other load on the machine (or a hypervisor taking the CPU away) disturbs least."""
+    pid = peer.proc.pid if peer.proc is not None else None
+    before = peers.cpu_seconds(pid) if pid else 0.0
     if scenario.startswith("c"):
-        pid = peer.proc.pid if peer.proc is not None else None
-        before = peers.cpu_seconds(pid) if pid else 0.0
         result = load.run_wrk(
             peer.url, int(scenario[1:]), args.duration, model=peer.model, mode=peer.mode, token=peer.token
         )
@@ -114,7 +116,10 @@ def measure(peer: peers.Peer, scenario: str, args: argparse.Namespace) -> dict[s
     cmd += ["-n", scenario[1:], "-d", str(args.duration), "--interval-ms", str(args.interval_ms)]
     cmd += ["--tokens", str(args.tokens), "--token", peer.token] + (["--fixed"] if peer.mode == "fixed" else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=args.duration + 120).stdout
-    return dict(orjson.loads(out.strip().splitlines()[-1]))
+    result = dict(orjson.loads(out.strip().splitlines()[-1]))
+    if pid and result.get("streams"):
+        result["cpu_us_per_stream"] = (peers.cpu_seconds(pid) - before) / result["streams"] * 1e6
+    return result
 
 
 def warm_up(peer: peers.Peer, args: argparse.Namespace) -> None:
