@@ -82,8 +82,8 @@ class StreamAssembler:
             acc = self.choices.setdefault(index, {"index": index})
             if "delta" in choice:
                 _merge_delta(acc, choice.get("delta") or {})
-            else:
-                acc["text"] = acc.get("text", "") + (choice.get("text") or "")
+            elif choice.get("text"):
+                _pieces(acc, "text").append(choice["text"])
             if choice.get("logprobs"):
                 _merge_logprobs(acc, choice["logprobs"])
             if choice.get("finish_reason") is not None:
@@ -104,14 +104,15 @@ class StreamAssembler:
         for index in sorted(self.choices):
             acc = self.choices[index]
             if is_chat:
-                message: dict[str, Any] = {"role": acc.get("role", "assistant"), "content": acc.get("content")}
+                content = _joined(acc.get("content"))
+                message: dict[str, Any] = {"role": acc.get("role", "assistant"), "content": content}
                 if acc.get("reasoning_content"):
-                    message["reasoning_content"] = acc["reasoning_content"]
+                    message["reasoning_content"] = _joined(acc["reasoning_content"])
                 if acc.get("tool_calls"):
-                    message["tool_calls"] = [acc["tool_calls"][i] for i in sorted(acc["tool_calls"])]
+                    message["tool_calls"] = [_tool_call(acc["tool_calls"][i]) for i in sorted(acc["tool_calls"])]
                 choice: dict[str, Any] = {"index": index, "message": message}
             else:
-                choice = {"index": index, "text": acc.get("text", "")}
+                choice = {"index": index, "text": _joined(acc.get("text")) or ""}
             choice["logprobs"] = acc.get("logprobs")
             choice["finish_reason"] = acc.get("finish_reason")
             if "stop_reason" in acc:
@@ -123,18 +124,37 @@ class StreamAssembler:
         return out
 
 
+# Text arrives in pieces and is kept as a list of them, joined once by ``result``: adding each piece to
+# a string held in a dict copies all of it every time (quadratic in the length of the answer).
+
+
+def _pieces(acc: dict[str, Any], key: str) -> list[str]:
+    parts = acc.get(key)
+    if not isinstance(parts, list):
+        parts = acc[key] = [parts] if parts else []
+    return parts
+
+
+def _joined(value: Any) -> Any:
+    return "".join(value) if isinstance(value, list) else value
+
+
+def _tool_call(slot: dict[str, Any]) -> dict[str, Any]:
+    return {**slot, "function": {**slot["function"], "arguments": _joined(slot["function"]["arguments"])}}
+
+
 def _merge_delta(acc: dict[str, Any], delta: dict[str, Any]) -> None:
     if delta.get("role"):
         acc["role"] = delta["role"]
     for key in ("content", "reasoning_content"):
         piece = delta.get(key)
         if piece:
-            acc[key] = (acc.get(key) or "") + piece
+            _pieces(acc, key).append(piece)
         elif key == "content" and key in delta and key not in acc:
             acc[key] = piece if piece is not None else None
     for call in delta.get("tool_calls") or ():
         calls = acc.setdefault("tool_calls", {})
-        slot = calls.setdefault(call.get("index", len(calls)), {"type": "function", "function": {"arguments": ""}})
+        slot = calls.setdefault(call.get("index", len(calls)), {"type": "function", "function": {"arguments": []}})
         if call.get("id"):
             slot["id"] = call["id"]
         if call.get("type"):
@@ -143,7 +163,7 @@ def _merge_delta(acc: dict[str, Any], delta: dict[str, Any]) -> None:
         if fn.get("name"):
             slot["function"]["name"] = fn["name"]
         if fn.get("arguments"):
-            slot["function"]["arguments"] += fn["arguments"]
+            slot["function"]["arguments"].append(fn["arguments"])
 
 
 def _merge_logprobs(acc: dict[str, Any], logprobs: dict[str, Any]) -> None:
