@@ -205,6 +205,9 @@ class Proxy:
         events = 0
         try:
             async for raw in upstream.iter_chunks():
+                # What one read of the worker produced goes out as one piece: a gateway that fell behind
+                # catches up with fewer, larger writes.
+                out: list[bytes] = []
                 for payload in parser.feed(raw):
                     if payload == b"[DONE]":
                         done = True
@@ -213,7 +216,8 @@ class Proxy:
                     if "error" in chunk and "choices" not in chunk:
                         err = chunk["error"]
                         status = err.get("code") if isinstance(err, dict) else None
-                        yield from_upstream(status if isinstance(status, int) else 500, payload).to_sse()
+                        out.append(from_upstream(status if isinstance(status, int) else 500, payload).to_sse())
+                        yield b"".join(out)
                         return
                     assembler.add(chunk)
                     if first:
@@ -224,14 +228,16 @@ class Proxy:
                     else:
                         events += 1
                     if has_chunk_hooks:
-                        out = await pipeline.run_chunk(ctx, chunk)
-                        if out is not None:
-                            yield encode_event(out)
+                        changed = await pipeline.run_chunk(ctx, chunk)
+                        if changed is not None:
+                            out.append(encode_event(changed))
                         if ctx.state.get("close_stream"):
                             done = True
                             break
                     else:
-                        yield b"data: " + payload + b"\n\n"
+                        out.append(b"data: " + payload + b"\n\n")
+                if out:
+                    yield out[0] if len(out) == 1 else b"".join(out)
                 if done:
                     break
             if not done or not (assembler.complete or ctx.state.get("close_stream")):

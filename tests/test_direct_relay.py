@@ -15,10 +15,13 @@ from typing import Any
 
 import httptools
 import httpx
+import orjson
 import pytest
 
 from gateway.chunked_writer import ChunkedWriter
+from gateway.context import RequestContext
 from gateway.passthrough import PassThrough
+from gateway.pipeline import Plugin
 from tests.conftest import GatewayFactory, base_config
 from tests.fakes import FakeUpstream, ServerThread
 from tests.test_cover_upstream import client, raw_worker
@@ -114,13 +117,22 @@ def test_the_writer_is_offered_only_mid_way_through_a_chunked_uvicorn_response()
 
 # -- backpressure: a client that stops reading stops the worker ------------------------------------
 
-PIECE = b"data: " + b"x" * (32 * 1024 - 8) + b"\n\n"
-PIECES = 2048  # 64 MiB in all, far beyond every buffer on the way
+RAW_PIECE = b"data: " + b"x" * (32 * 1024 - 8) + b"\n\n"  # passed through as bytes
+JSON_PIECE = b'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n' % (b"x" * 32_000)
+LAST = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+PIECES = 2048  # about 64 MiB in all, far beyond every buffer on the way
+
+
+class Inspect(Plugin):
+    """Makes the gateway parse the stream (a plugin that looks at every chunk)."""
+
+    async def on_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        return chunk
 
 
 @contextlib.contextmanager
-def fast_worker(progress: dict[str, int]) -> Iterator[str]:
-    """A worker that writes a 64 MiB stream as fast as the gateway takes it, counting what it wrote."""
+def fast_worker(progress: dict[str, int], piece: bytes) -> Iterator[str]:
+    """A worker that writes a ~64 MiB stream as fast as the gateway takes it, counting what it wrote."""
 
     def answer(conn: socket.socket, head: bytes) -> bool:
         if head.startswith(b"GET"):  # health checks
@@ -128,21 +140,26 @@ def fast_worker(progress: dict[str, int]) -> Iterator[str]:
             return True
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         for _ in range(PIECES):
-            conn.sendall(b"%x\r\n%s\r\n" % (len(PIECE), PIECE))
-            progress["sent"] += len(PIECE)
-        done = b"data: [DONE]\n\n"
-        conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+            conn.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            progress["sent"] += len(piece)
+        conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(LAST), LAST))
         return True
 
     with raw_worker(answer) as worker:
         yield worker.url
 
 
+@pytest.mark.parametrize("relay", ["bytes", "parsed"])
 def test_a_client_that_stops_reading_holds_the_worker_back(
-    gateway_factory: GatewayFactory, ways: dict[str, int]
+    gateway_factory: GatewayFactory, ways: dict[str, int], relay: str
 ) -> None:
     progress = {"sent": 0}
-    with fast_worker(progress) as worker_url, gateway_factory(base_config([worker_url])) as (_, server):
+    piece = RAW_PIECE if relay == "bytes" else JSON_PIECE
+    plugins = [{"name": "routing"}] if relay == "bytes" else [{"name": "inspect"}, {"name": "routing"}]
+    with (
+        fast_worker(progress, piece) as worker_url,
+        gateway_factory(base_config([worker_url], plugins=plugins), plugins={"inspect": Inspect}) as (_, server),
+    ):
         body = b'{"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
@@ -159,12 +176,58 @@ def test_a_client_that_stops_reading_holds_the_worker_back(
         reader = threading.Thread(target=_read_all, args=(sock, received), daemon=True)
         reader.start()
         reader.join(timeout=60)
-    assert ways["direct"] == 1
+    assert ways["direct"] == (1 if relay == "bytes" else 0)
     # Without backpressure the gateway would have taken all 64 MiB into its memory by now; what the
     # worker got rid of is bounded by the socket buffers between the two ends.
     assert 0 < held_at < 24 * 1024 * 1024
-    assert progress["sent"] == PIECES * len(PIECE)  # and it all flowed once the client read again
-    assert _body_of(bytes(received)) == PIECE * PIECES + b"data: [DONE]\n\n"
+    assert progress["sent"] == PIECES * len(piece)  # and it all flowed once the client read again
+    relayed = _body_of(bytes(received))
+    if relay == "bytes":
+        assert relayed == RAW_PIECE * PIECES + LAST
+    else:
+        events = [e for e in relayed.split(b"\n\n") if e]
+        assert len(events) == PIECES + 2 and events[-1] == b"data: [DONE]"
+        assert all(orjson.loads(e[6:])["choices"][0]["delta"]["content"] == "x" * 32_000 for e in events[:PIECES])
+
+
+def test_a_parsed_stream_writes_what_one_read_brought_as_one_piece(
+    gateway_factory: GatewayFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"%d"},"finish_reason":null}]}\n\n'
+    burst = b"".join(event % i for i in range(1, 6))
+
+    def first_then_burst(conn: socket.socket, head: bytes) -> bool:
+        if head.startswith(b"GET"):
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            return True
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        first = event % 0
+        conn.sendall(b"%x\r\n%s\r\n" % (len(first), first))
+        time.sleep(0.2)
+        rest = burst + LAST
+        conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest), rest))
+        return True
+
+    written: list[bytes] = []
+    write = ChunkedWriter.write
+
+    def recorded(self: ChunkedWriter, data: bytes) -> bool:
+        written.append(data)
+        return write(self, data)
+
+    monkeypatch.setattr(ChunkedWriter, "write", recorded)
+    plugins = [{"name": "inspect"}, {"name": "routing"}]
+    with (
+        raw_worker(first_then_burst) as worker,
+        gateway_factory(base_config([worker.url], plugins=plugins), plugins={"inspect": Inspect}) as (_, server),
+    ):
+        body = stream_body(server.url)
+    assert body.endswith(b"data: [DONE]\n\n")
+    contents = [
+        [orjson.loads(e[6:])["choices"][0]["delta"].get("content") for e in w.split(b"\n\n") if e[6:7] == b"{"]
+        for w in written
+    ]
+    assert ["0"] in contents and ["1", "2", "3", "4", "5", None] in contents  # the burst: one write
 
 
 def _body_of(response: bytes) -> bytes:

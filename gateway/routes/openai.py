@@ -232,10 +232,13 @@ class InferenceEndpoints:
         chunks, passthrough = reply.chunks, reply.passthrough
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, rid, *extra]})
-            writer = ChunkedWriter.of(send) if passthrough is not None else None
-            if writer is not None:
-                assert passthrough is not None
+            writer = ChunkedWriter.of(send)
+            if writer is not None and passthrough is not None:
                 await passthrough.relay(writer)
+            elif writer is not None:
+                async for chunk in chunks:
+                    if not writer.write(chunk):
+                        await writer.drained()
             else:
                 async for chunk in chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
