@@ -98,10 +98,11 @@ def test_idle_worker_mid_stream_is_bounded(
 def test_a_steady_stream_longer_than_the_idle_bound_is_not_cut(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
 ) -> None:
-    # The idle bound is per gap, not per stream: 10 chunks 0.1 s apart under a 0.3 s bound all arrive.
+    # The idle bound is per gap, not per stream: 8 chunks 0.25 s apart (2 s in all) under a 1 s bound all
+    # arrive (a gap 4x under the bound, so a briefly held-up machine does not cut the stream either).
     config = base_config([upstream_url])
-    config["upstream"]["idle_timeout_s"] = 0.3
-    upstream.behavior.pace_s = 0.1
+    config["upstream"]["idle_timeout_s"] = 1.0
+    upstream.behavior.pace_s = 0.25
     upstream.behavior.chunks = 8
     with (
         gateway_factory(config) as (_, server),
