@@ -124,7 +124,6 @@ class Connection(asyncio.Protocol):
         self.status, self.headers, self.complete, self.received = 0, [], False, False
         self.chunks.clear()
         self.buffered = 0
-        self.sink, self.sink_full = None, False
         self._cancel_idle_timer()
         self.head = self.loop.create_future()
         self.transport.write(data)
@@ -162,7 +161,7 @@ class Connection(asyncio.Protocol):
     def end_relay(self) -> None:
         """Stop handing bytes to the sink and let go of it (it usually holds the response that holds
         this connection; a pooled connection must not keep its last consumer alive)."""
-        self.sink = None
+        self.sink, self.sink_full = None, False
         self.relayed.clear()
 
     def resume_relay(self) -> None:

@@ -104,9 +104,7 @@ class PassThrough:
         now = time.perf_counter()
         if not self._first_at:
             self._first_at = now
-            ctx = self._ctx
-            ctx.log["ttft_ms"] = round((now - ctx.started) * 1000, 3)
-            self._metrics.ttft.labels(ctx.model.name).observe(now - ctx.started)
+            observe_first_token(self._metrics, self._ctx, now)
         else:
             self._events += chunk.count(b"data:")
         self._last_at = now
@@ -118,11 +116,24 @@ class PassThrough:
         if _DONE_MARK not in self._tail:
             return cut_short().to_sse()
         self.ok = True
-        steps = self._events - 1  # the [DONE] event is not a decoding step
-        if steps > 0:
-            self._metrics.tpot.labels(self._ctx.model.name).observe((self._last_at - self._first_at) / steps)
+        # The [DONE] event is not a decoding step.
+        observe_decoding(self._metrics, self._ctx, self._last_at - self._first_at, self._events - 1)
         return b""
 
 
 def cut_short() -> GatewayError:
     return BadGateway("The model worker ended the stream before it was complete.", code="stream_incomplete")
+
+
+def observe_first_token(metrics: Metrics, ctx: RequestContext, at: float) -> None:
+    """A stream's first event arrived at ``at`` (perf_counter): time to first token, in the access line
+    and the histogram."""
+    ctx.log["ttft_ms"] = round((at - ctx.started) * 1000, 3)
+    metrics.ttft.labels(ctx.model.name).observe(at - ctx.started)
+
+
+def observe_decoding(metrics: Metrics, ctx: RequestContext, seconds: float, steps: int) -> None:
+    """Time per output token of a completed stream: the decode time after the first event over the
+    events that followed (ignores prefill, which TTFT measures). Not observed for one-event streams."""
+    if steps > 0:
+        metrics.tpot.labels(ctx.model.name).observe(seconds / steps)

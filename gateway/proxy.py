@@ -18,7 +18,7 @@ import orjson
 
 from gateway.context import ModelResponse, RequestContext
 from gateway.errors import BadGateway, GatewayError, ServiceUnavailable, from_upstream
-from gateway.passthrough import PassThrough, cut_short
+from gateway.passthrough import PassThrough, cut_short, observe_decoding, observe_first_token
 from gateway.services import Services
 from gateway.streaming import DONE, SSEParser, StreamAssembler, encode_event, replay
 from gateway.upstream import UpstreamFailure, UpstreamResponse
@@ -37,10 +37,10 @@ class JSONReply:
 
 @dataclass(slots=True)
 class StreamReply:
-    """SSE bytes to send after the headers. A pass-through stream (``passthrough``) can instead be relayed
-    straight to the client's connection; either way the sender closes it when done."""
+    """SSE bytes to send after the headers: ``chunks``, or a pass-through stream, which the sender relays
+    straight to the client's connection where it can (else as ``passthrough.chunks()``) and closes."""
 
-    chunks: AsyncIterator[bytes]
+    chunks: AsyncIterator[bytes] | None
     headers: dict[str, str] = field(default_factory=dict)
     passthrough: PassThrough | None = None
 
@@ -67,7 +67,7 @@ class Proxy:
         worker = ctx.worker
         assert worker is not None
         stream = PassThrough(ctx, upstream, self.services.metrics, lambda ok: self._finish(ctx, worker, ok=ok))
-        return StreamReply(stream.chunks(), ctx.response_headers, passthrough=stream)
+        return StreamReply(None, ctx.response_headers, passthrough=stream)
 
     # -- the way in -------------------------------------------------------------------------------
 
@@ -223,8 +223,7 @@ class Proxy:
                     if first:
                         first = False
                         first_at = time.perf_counter()
-                        ctx.log["ttft_ms"] = round((first_at - ctx.started) * 1000, 3)
-                        self.services.metrics.ttft.labels(ctx.model.name).observe(first_at - ctx.started)
+                        observe_first_token(self.services.metrics, ctx, first_at)
                     else:
                         events += 1
                     if has_chunk_hooks:
@@ -244,7 +243,7 @@ class Proxy:
                 yield cut_short().to_sse()
                 return
             ok = True
-            self._observe_tpot(ctx, time.perf_counter() - first_at, events)
+            observe_decoding(self.services.metrics, ctx, time.perf_counter() - first_at, events)
             result = assembler.result()
             self._count_usage(ctx, result.get("usage"))
             await pipeline.run_response(ctx, ModelResponse(json=result))
@@ -258,12 +257,6 @@ class Proxy:
         finally:
             upstream.close()
             self._finish(ctx, worker, ok=ok)
-
-    def _observe_tpot(self, ctx: RequestContext, seconds: float, steps: int) -> None:
-        """Time per output token of a completed stream: the decode time after the first event over the
-        events that followed (ignores prefill, which TTFT measures). Not observed for one-event streams."""
-        if steps > 0:
-            self.services.metrics.tpot.labels(ctx.model.name).observe(seconds / steps)
 
     def _count_usage(self, ctx: RequestContext, usage: Any) -> None:
         if not isinstance(usage, dict):

@@ -21,10 +21,10 @@ import pytest
 from gateway.chunked_writer import ChunkedWriter
 from gateway.context import RequestContext
 from gateway.passthrough import PassThrough
-from gateway.pipeline import Plugin
 from tests.conftest import GatewayFactory, base_config
 from tests.fakes import FakeUpstream, ServerThread
-from tests.test_cover_upstream import client, raw_worker
+from tests.test_core_streaming import Inspect
+from tests.test_cover_upstream import client, raw_worker, serving_health
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 COMMENT = b": from the worker\n\n"
@@ -66,8 +66,7 @@ def test_a_pass_through_stream_arrives_byte_for_byte_either_way(
         direct = stream_body(upstream_url)
     assert body == direct  # the worker's own bytes, its SSE comment included
     assert body.startswith(COMMENT) and body.endswith(b"data: [DONE]\n\n")
-    # gateway.passthrough.PassThrough.chunks is created for every pass-through reply (the fallback);
-    # only the way that ran reads the worker.
+    # The fallback (PassThrough.chunks) is made only when the direct relay cannot be used.
     if http == "httptools":
         assert ways["direct"] == 1
     else:
@@ -123,21 +122,11 @@ LAST = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\nda
 PIECES = 2048  # about 64 MiB in all, far beyond every buffer on the way
 
 
-class Inspect(Plugin):
-    """Makes the gateway parse the stream (a plugin that looks at every chunk)."""
-
-    async def on_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
-        return chunk
-
-
 @contextlib.contextmanager
 def fast_worker(progress: dict[str, int], piece: bytes) -> Iterator[str]:
     """A worker that writes a ~64 MiB stream as fast as the gateway takes it, counting what it wrote."""
 
     def answer(conn: socket.socket, head: bytes) -> bool:
-        if head.startswith(b"GET"):  # health checks
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-            return True
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         for _ in range(PIECES):
             conn.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -145,7 +134,7 @@ def fast_worker(progress: dict[str, int], piece: bytes) -> Iterator[str]:
         conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(LAST), LAST))
         return True
 
-    with raw_worker(answer) as worker:
+    with raw_worker(serving_health(answer)) as worker:
         yield worker.url
 
 
@@ -197,9 +186,6 @@ def test_a_parsed_stream_writes_what_one_read_brought_as_one_piece(
     burst = b"".join(event % i for i in range(1, 6))
 
     def first_then_burst(conn: socket.socket, head: bytes) -> bool:
-        if head.startswith(b"GET"):
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-            return True
         conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         first = event % 0
         conn.sendall(b"%x\r\n%s\r\n" % (len(first), first))
@@ -218,7 +204,7 @@ def test_a_parsed_stream_writes_what_one_read_brought_as_one_piece(
     monkeypatch.setattr(ChunkedWriter, "write", recorded)
     plugins = [{"name": "inspect"}, {"name": "routing"}]
     with (
-        raw_worker(first_then_burst) as worker,
+        raw_worker(serving_health(first_then_burst)) as worker,
         gateway_factory(base_config([worker.url], plugins=plugins), plugins={"inspect": Inspect}) as (_, server),
     ):
         body = stream_body(server.url)
@@ -328,7 +314,6 @@ async def test_what_was_buffered_before_the_relay_began_goes_first() -> None:
 
 
 async def test_closing_a_stream_that_was_never_relayed_releases_the_worker_once() -> None:
-    from gateway.context import RequestContext
     from gateway.metrics import Metrics
 
     upstream = client()

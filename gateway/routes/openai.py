@@ -232,19 +232,22 @@ class InferenceEndpoints:
         chunks, passthrough = reply.chunks, reply.passthrough
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, rid, *extra]})
-            writer = ChunkedWriter.of(send)
+            writer = ChunkedWriter.of(send)  # None unless the server lets chunks go straight to the client
             if writer is not None and passthrough is not None:
                 await passthrough.relay(writer)
-            elif writer is not None:
-                async for chunk in chunks:
-                    if not writer.write(chunk):
-                        await writer.drained()
             else:
+                if chunks is None:
+                    assert passthrough is not None
+                    chunks = passthrough.chunks()
                 async for chunk in chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if writer is None:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    elif not writer.write(chunk):
+                        await writer.drained()
         finally:
-            with contextlib.suppress(Exception):
-                await chunks.aclose()  # type: ignore[attr-defined]
+            if chunks is not None:
+                with contextlib.suppress(Exception):
+                    await chunks.aclose()  # type: ignore[attr-defined]
             if passthrough is not None:
                 passthrough.close()  # releases the worker even if neither way of relaying began
         state["finished"] = True
