@@ -223,7 +223,8 @@ class InferenceEndpoints:
         if isinstance(reply, JSONReply):
             state["status"] = reply.status
             state["sent"] = True
-            await send({"type": "http.response.start", "status": reply.status, "headers": [_JSON, rid, *extra]})
+            headers = [_JSON, _length(reply.body), rid, *extra]
+            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
             state["finished"] = True
             await send({"type": "http.response.body", "body": reply.body})
             return
@@ -264,11 +265,12 @@ class InferenceEndpoints:
             return
         state["status"] = error.status_code
         state["sent"] = True
-        headers = [_JSON, (b"x-request-id", request_id.encode("ascii"))]
+        body = error.to_json()
+        headers = [_JSON, _length(body), (b"x-request-id", request_id.encode("ascii"))]
         headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
         await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
         state["finished"] = True
-        await send({"type": "http.response.body", "body": error.to_json()})
+        await send({"type": "http.response.body", "body": body})
 
     def _record(
         self, endpoint: Endpoint, request_id: str, state: dict[str, Any], started: float, ctx: RequestContext | None
@@ -299,6 +301,11 @@ class InferenceEndpoints:
             fields["error_type"], fields["error_code"] = error
         # log.info() would also walk the stack to find the caller, which the JSON line never shows.
         log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields}))
+
+
+def _length(body: bytes) -> tuple[bytes, bytes]:
+    # A known length instead of chunked framing: what clients and proxies expect of a JSON reply.
+    return (b"content-length", b"%d" % len(body))
 
 
 def _too_large(limit: int) -> PayloadTooLarge:
