@@ -25,6 +25,9 @@ from gateway.engine.spec import ManagedWorkerSpec, SpeculativeSpec
 from gateway.registry import PluginRegistry
 from gateway.validate import resolve_plugins
 from tests.fakes import FakeUpstream, free_port
+from tests.tenancy_support import prefix
+
+__all__ = ["prefix"]  # the fixture, used by name
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -237,11 +240,17 @@ BLOCKER = textwrap.dedent(
 )
 
 
-def test_gateway_serves_without_engine_packages(tmp_path: Path, upstream: FakeUpstream, upstream_url: str) -> None:
+def test_gateway_serves_without_engine_packages(
+    tmp_path: Path, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
     """``gateway serve`` as the image runs it (env settings, the compose config with every plugin on),
     in a process where importing torch, vLLM or transformers fails."""
     text = (DEPLOY / "compose" / "gateway.yaml").read_text().replace("http://worker-cpu:8000", upstream_url)
-    text = text.replace("default_ttl_s: 3600", "default_ttl_s: 0")  # no cache entries left in Redis
+    # Nothing left in Redis: no cache entries, and tenancy's counters under a prefix deleted afterwards.
+    text = text.replace("default_ttl_s: 3600", "default_ttl_s: 0")
+    tenancy = "      anonymous_tenant: local\n"
+    assert tenancy in text
+    text = text.replace(tenancy, f"{tenancy}      redis_prefix: {prefix}\n")
     # The fake worker enforces no constraint: skip the capability probe so the request is compiled.
     text = text.replace("  - name: guided_json\n", "  - name: guided_json\n    config: {probe: false}\n")
     parse_config(text)
