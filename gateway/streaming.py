@@ -130,8 +130,8 @@ class StreamAssembler:
 
 def _pieces(acc: dict[str, Any], key: str) -> list[str]:
     parts = acc.get(key)
-    if not isinstance(parts, list):
-        parts = acc[key] = [parts] if parts else []
+    if not isinstance(parts, list):  # absent, or the "" / None of a delta that carried no text yet
+        parts = acc[key] = []
     return parts
 
 
@@ -151,7 +151,7 @@ def _merge_delta(acc: dict[str, Any], delta: dict[str, Any]) -> None:
         if piece:
             _pieces(acc, key).append(piece)
         elif key == "content" and key in delta and key not in acc:
-            acc[key] = piece if piece is not None else None
+            acc[key] = piece
     for call in delta.get("tool_calls") or ():
         calls = acc.setdefault("tool_calls", {})
         slot = calls.setdefault(call.get("index", len(calls)), {"type": "function", "function": {"arguments": []}})

@@ -218,16 +218,11 @@ class InferenceEndpoints:
                 return
 
     async def _send_reply(self, reply: Reply, request_id: str, send: Send, state: dict[str, Any]) -> None:
-        extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
-        rid = (b"x-request-id", request_id.encode("ascii"))
         if isinstance(reply, JSONReply):
-            state["status"] = reply.status
-            state["sent"] = True
-            headers = [_JSON, _length(reply.body), rid, *extra]
-            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-            state["finished"] = True
-            await send({"type": "http.response.body", "body": reply.body})
+            await _send_json(send, state, reply.status, reply.body, request_id, reply.headers)
             return
+        extra = _encoded(reply.headers)
+        rid = (b"x-request-id", request_id.encode("ascii"))
         state["status"] = 200
         state["sent"] = True
         chunks, passthrough = reply.chunks, reply.passthrough
@@ -263,14 +258,7 @@ class InferenceEndpoints:
             state["finished"] = True
             await send({"type": "http.response.body", "body": error.to_sse(), "more_body": False})
             return
-        state["status"] = error.status_code
-        state["sent"] = True
-        body = error.to_json()
-        headers = [_JSON, _length(body), (b"x-request-id", request_id.encode("ascii"))]
-        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
-        await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
-        state["finished"] = True
-        await send({"type": "http.response.body", "body": body})
+        await _send_json(send, state, error.status_code, error.to_json(), request_id, error.headers)
 
     def _record(
         self, endpoint: Endpoint, request_id: str, state: dict[str, Any], started: float, ctx: RequestContext | None
@@ -303,9 +291,22 @@ class InferenceEndpoints:
         log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields}))
 
 
-def _length(body: bytes) -> tuple[bytes, bytes]:
-    # A known length instead of chunked framing: what clients and proxies expect of a JSON reply.
-    return (b"content-length", b"%d" % len(body))
+async def _send_json(
+    send: Send, state: dict[str, Any], status: int, body: bytes, request_id: str, headers: dict[str, str]
+) -> None:
+    """A whole JSON reply (an answer or an error), with its length: what clients and proxies expect of
+    one, rather than chunked framing."""
+    state["status"] = status
+    state["sent"] = True
+    length = (b"content-length", b"%d" % len(body))
+    head = [_JSON, length, (b"x-request-id", request_id.encode("ascii")), *_encoded(headers)]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    state["finished"] = True
+    await send({"type": "http.response.body", "body": body})
+
+
+def _encoded(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
 def _too_large(limit: int) -> PayloadTooLarge:
