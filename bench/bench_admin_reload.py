@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from gateway.registry import PluginRegistry
-from gateway.settings import Settings
-from gateway.tracing import Tracing
-from tests.fakes import FakeUpstream, ServerThread
+from gateway.ops.settings import Settings
+from gateway.ops.tracing import Tracing
+from gateway.pipeline.config import GatewayConfig
+from gateway.pipeline.registry import PluginRegistry
+from gateway.server.app import create_app
+from tests.support.fakes import FakeUpstream, ServerThread
 
 TOKEN = "bench-admin-token"
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}

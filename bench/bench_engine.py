@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from gateway.engine.spec import ManagedWorkerSpec  # noqa: E402
 from gateway.engine.supervisor import EngineManager  # noqa: E402
-from tests.fakes import free_port  # noqa: E402
+from tests.support.fakes import free_port  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_workload import (  # noqa: E402

@@ -1,7 +1,7 @@
 """What guided_json costs: at the gateway (compile cache) and on the engine (constrained decoding).
 
 Gateway part (always): one in-process gateway (guided_json + routing, probe off) in front of the fake
-worker from tests/fakes.py, which answers a valid JSON object instantly. Sequential requests on one
+worker from tests/support/fakes.py, which answers a valid JSON object instantly. Sequential requests on one
 keep-alive connection, median and p90 latency for: no constraint, a repeated schema (compile cache
 hit), and a new schema every request (outlines compile). "added" is the median over "no constraint".
 
@@ -26,13 +26,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from gateway.registry import PluginRegistry
-from gateway.settings import Settings
+from gateway.ops.settings import Settings
+from gateway.pipeline.config import GatewayConfig
+from gateway.pipeline.registry import PluginRegistry
+from gateway.server.app import create_app
 from plugins.guided_json import GuidedJSONPlugin
 from plugins.routing import RoutingPlugin
-from tests.fakes import FakeUpstream, ServerThread
+from tests.support.fakes import FakeUpstream, ServerThread
 
 PERSON: dict[str, Any] = {
     "type": "object",

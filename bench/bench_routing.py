@@ -73,22 +73,22 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig, UpstreamConfig
-from gateway.context import RequestContext
 from gateway.engine.model_prep import prepare_model
 from gateway.engine.spec import ManagedWorkerSpec
 from gateway.engine.supervisor import EngineManager
-from gateway.metrics import Metrics
-from gateway.registry import PluginRegistry
-from gateway.runtime import build_snapshot
-from gateway.services import Services
-from gateway.settings import Settings
-from gateway.upstream import UpstreamClient
-from gateway.workers import Worker, WorkerTable
+from gateway.ops.metrics import Metrics
+from gateway.ops.settings import Settings
+from gateway.pipeline.config import GatewayConfig
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.registry import PluginRegistry
+from gateway.pipeline.runtime import build_snapshot
+from gateway.pipeline.services import Services
+from gateway.server.app import create_app
+from gateway.upstream.client import UpstreamClient, UpstreamConfig
+from gateway.upstream.workers import Worker, WorkerTable
 from plugins.routing import RoutingPlugin
 from plugins.routing.policies import WorkerPool, prompt_prefix, stable_hash
-from tests.fakes import ServerThread, free_port
+from tests.support.fakes import ServerThread, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ["round_robin", "least_outstanding", "prefix_affinity"]

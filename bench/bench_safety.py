@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import load
 import peers
 
-from gateway.config import ModelConfig, UpstreamConfig
-from gateway.context import RequestContext
-from gateway.metrics import Metrics
-from gateway.services import Services
-from gateway.settings import Settings
-from gateway.upstream import UpstreamClient
-from gateway.workers import WorkerTable
+from gateway.ops.metrics import Metrics
+from gateway.ops.settings import Settings
+from gateway.pipeline.config import ModelConfig
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.services import Services
+from gateway.upstream.client import UpstreamClient, UpstreamConfig
+from gateway.upstream.workers import WorkerTable
 from plugins.safety import SafetyConfig, SafetyPlugin
 
 DEFAULT_RULES: dict[str, Any] = {

@@ -68,7 +68,7 @@ def resolve_plugins(names: list[str], overrides: dict[str, dict[str, Any]]) -> t
 
     A plugin's config comes from ``--plugin-config``, else from the root config.yaml, else ``{}``.
     """
-    from gateway.registry import PluginRegistry
+    from gateway.pipeline.registry import PluginRegistry
 
     product = yaml.safe_load((peers.ROOT / "config.yaml").read_text()) or {}
     from_product = {p["name"]: p for p in product.get("plugins") or [] if p.get("enabled", True)}

@@ -3,7 +3,7 @@
 Traffic (a steady mix from ``--concurrency`` clients): plain chat requests, streams with usage, repeated
 deterministic prompts (cache hits), prompts the safety plugin refuses (400), and guided JSON requests
 (``response_format: json_schema``, answers validated by the guided_json plugin). Against the fake worker
-(``tests.fakes.FakeUpstream`` in its own process, answering valid JSON) by default; with ``--engine-url``
+(``tests.support.fakes.FakeUpstream`` in its own process, answering valid JSON) by default; with ``--engine-url``
 against a real vLLM worker as well (same mix, fewer clients).
 
 Sampled every ``--sample-s`` from outside the process: RSS (psutil), open file descriptors
@@ -48,8 +48,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.fakes import free_port  # noqa: E402
-from tests.test_faults_support import WorkerProcess, gateway_env, wait_for  # noqa: E402
+from tests.support.fakes import free_port  # noqa: E402
+from tests.support.faults import WorkerProcess, gateway_env, wait_for  # noqa: E402
 
 ANSWER = '{"answer": "ok"}'
 # A closed set of answers, so that a real model's constrained answer fits in the soak's small max_tokens

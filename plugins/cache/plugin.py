@@ -26,10 +26,10 @@ from typing import Any
 import orjson
 from redis.exceptions import RedisError
 
-from gateway.context import ModelResponse, RequestContext
-from gateway.errors import GatewayTimeout, InvalidRequest, ServiceUnavailable
-from gateway.pipeline import Plugin
-from gateway.services import Services
+from gateway.pipeline.context import ModelResponse, RequestContext
+from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.services import Services
+from gateway.wire.errors import GatewayTimeout, InvalidRequest, ServiceUnavailable
 from plugins.cache.breaker import CircuitBreaker
 from plugins.cache.config import CacheConfig
 from plugins.cache.flight import LocalLeaders, wait_for_leader

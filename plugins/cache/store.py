@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
-from gateway.redis_autopipe import AutoPipeline
+from gateway.infra.redis_autopipe import AutoPipeline
 from plugins.cache.breaker import CircuitBreaker
 from plugins.cache.keys import CacheKey
 

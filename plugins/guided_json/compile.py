@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 from outlines_core.json_schema import build_regex_from_schema
 
-from gateway.errors import InvalidRequest, ServiceUnavailable
+from gateway.wire.errors import InvalidRequest, ServiceUnavailable
 from plugins.guided_json.config import GuidedJSONConfig
 from plugins.guided_json.forms import Constraint
 from plugins.guided_json.schemas import GENERIC_OBJECT, SchemaProblem, bound_free_form, check_structure, validator

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.errors import InvalidRequest
+from gateway.wire.errors import InvalidRequest
 
 Kind = Literal["json", "regex", "choice", "grammar"]
 

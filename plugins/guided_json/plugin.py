@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import orjson
 from prometheus_client import Counter
 
-from gateway.context import ModelResponse, RequestContext
-from gateway.errors import GatewayError, ServiceUnavailable, from_upstream
-from gateway.pipeline import Plugin
-from gateway.services import Services
-from gateway.upstream import UpstreamFailure
+from gateway.pipeline.context import ModelResponse, RequestContext
+from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.services import Services
+from gateway.upstream.client import UpstreamFailure
+from gateway.wire.errors import GatewayError, ServiceUnavailable, from_upstream
 from plugins.guided_json.compile import CompileCache, Compiled
 from plugins.guided_json.config import GuidedJSONConfig
 from plugins.guided_json.forms import normalise, rewrite

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.upstream import UpstreamClient, UpstreamFailure
+from gateway.upstream.client import UpstreamClient, UpstreamFailure
 
 PROBE_CHOICES = ["gw-probe-Qx7v", "gw-probe-Zk2m"]
 

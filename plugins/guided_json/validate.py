@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import BadGateway, GatewayError, InvalidRequest
+from gateway.wire.errors import BadGateway, GatewayError, InvalidRequest
 from plugins.guided_json.compile import Compiled
 
 

@@ -15,7 +15,7 @@ import heapq
 import itertools
 from collections.abc import Callable
 
-from gateway.errors import RateLimited
+from gateway.wire.errors import RateLimited
 from plugins.routing.config import AdmissionConfig
 
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from plugins.routing.config import RoutingConfig
 
 if TYPE_CHECKING:
-    from gateway.config import ModelConfig
-    from gateway.context import RequestContext
+    from gateway.pipeline.config import ModelConfig
+    from gateway.pipeline.context import RequestContext
 
 
 class WeightedTargets:

@@ -15,8 +15,8 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import urlsplit
 
-from gateway.tasks import cancel_and_wait
-from gateway.workers import WorkerTable
+from gateway.ops.tasks import cancel_and_wait
+from gateway.upstream.workers import WorkerTable
 
 log = logging.getLogger("gateway.routing.discovery")
 

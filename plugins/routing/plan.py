@@ -12,15 +12,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from gateway.context import RequestContext
-from gateway.errors import GatewayError
-from gateway.workers import Worker
+from gateway.pipeline.context import RequestContext
+from gateway.upstream.workers import Worker
+from gateway.wire.errors import GatewayError
 from plugins.routing.admission import ModelGate
 from plugins.routing.canary import retarget
 from plugins.routing.config import RetryBudgetConfig
 
 if TYPE_CHECKING:
-    from gateway.config import ModelConfig
+    from gateway.pipeline.config import ModelConfig
 
 
 class RetryBudget:

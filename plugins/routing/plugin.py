@@ -13,12 +13,12 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from gateway.config import GatewayConfig, ModelConfig
-from gateway.context import ModelResponse, RequestContext
-from gateway.errors import ServiceUnavailable
-from gateway.pipeline import Plugin
-from gateway.services import Services
-from gateway.workers import Worker
+from gateway.pipeline.config import GatewayConfig, ModelConfig
+from gateway.pipeline.context import ModelResponse, RequestContext
+from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.services import Services
+from gateway.upstream.workers import Worker
+from gateway.wire.errors import ServiceUnavailable
 from plugins.routing.canary import WeightedTargets, fallback_chain, retarget, unknown_references
 from plugins.routing.config import ModelRouting, RoutingConfig
 from plugins.routing.discovery import DnsDiscovery, Resolver, system_resolver
@@ -28,7 +28,7 @@ from plugins.routing.telemetry import RoutingShared
 from plugins.routing.workerload import WorkerLoadScraper
 
 if TYPE_CHECKING:
-    from gateway.workers import WorkerTable
+    from gateway.upstream.workers import WorkerTable
 
 
 class ModelRoute:

@@ -25,7 +25,7 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 
-from gateway.workers import Worker
+from gateway.upstream.workers import Worker
 
 #: Extra load per worker from outside the gateway (e.g. the worker's own queue); 0.0 when unknown.
 LoadBias = Callable[[Worker], float]

@@ -12,9 +12,9 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.metrics import LATENCY_BUCKETS
-from gateway.services import Services
-from gateway.workers import WorkerTable
+from gateway.ops.metrics import LATENCY_BUCKETS
+from gateway.pipeline.services import Services
+from gateway.upstream.workers import WorkerTable
 from plugins.routing.admission import ModelGate
 from plugins.routing.config import AdmissionConfig, RetryBudgetConfig
 from plugins.routing.plan import RetryBudget

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.tasks import cancel_and_wait
-from gateway.upstream import UpstreamClient
-from gateway.workers import Worker, WorkerTable
+from gateway.ops.tasks import cancel_and_wait
+from gateway.upstream.client import UpstreamClient
+from gateway.upstream.workers import Worker, WorkerTable
 from plugins.routing.config import LoadMetricsConfig
 
 log = logging.getLogger("gateway.routing.load")

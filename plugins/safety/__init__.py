@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gateway.context import ModelResponse, RequestContext
-from gateway.pipeline import Plugin
-from gateway.services import Services
+from gateway.pipeline.context import ModelResponse, RequestContext
+from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.services import Services
 from plugins.safety.classifier import Classifier
 from plugins.safety.config import SafetyConfig
 from plugins.safety.limits import TokenCounter, check_chars, check_shape, check_tokens, may_exceed_tokens

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.errors import ServiceUnavailable
-from gateway.upstream import UpstreamClient, UpstreamFailure
+from gateway.upstream.client import UpstreamClient, UpstreamFailure
+from gateway.wire.errors import ServiceUnavailable
 from plugins.safety.config import ClassifierConfig
 from plugins.safety.detectors import compile_re2
 

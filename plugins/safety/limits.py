@@ -15,8 +15,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from gateway.context import RequestContext
-from gateway.errors import InvalidRequest, ServiceUnavailable
+from gateway.pipeline.context import RequestContext
+from gateway.wire.errors import InvalidRequest, ServiceUnavailable
 from plugins.safety.config import LimitsConfig
 
 

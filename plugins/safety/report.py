@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from gateway.context import RequestContext
-from gateway.errors import InvalidRequest
-from gateway.services import Services
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.services import Services
+from gateway.wire.errors import InvalidRequest
 
 audit_log = logging.getLogger("gateway.safety")
 _SHARED_KEY = "safety"

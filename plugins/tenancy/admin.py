@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.exceptions import RedisError
 
-from gateway.config import format_validation_error
-from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
+from gateway.pipeline.config import format_validation_error
+from gateway.wire.errors import InvalidRequest, NotFound, ServiceUnavailable
 from plugins.tenancy.budgets import usage_report
 from plugins.tenancy.config import NAME_PATTERN, Limits, TenancyConfig
 from plugins.tenancy.keys import KeyExists, KeyStore

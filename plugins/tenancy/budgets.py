@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 
-from gateway.errors import RateLimited
+from gateway.wire.errors import RateLimited
 from plugins.tenancy.config import Limits
 
 Period = Literal["day", "month"]

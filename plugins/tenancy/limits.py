@@ -21,7 +21,7 @@ from typing import Literal
 
 import redis.asyncio as aioredis
 
-from gateway.redis_autopipe import AutoPipeline
+from gateway.infra.redis_autopipe import AutoPipeline
 from plugins.tenancy.budgets import Budget, format_duration
 
 Kind = Literal["requests", "tokens"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-from gateway.services import Services
+from gateway.pipeline.services import Services
 
 _SHARED = "tenancy.metrics"
 

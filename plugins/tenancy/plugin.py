@@ -21,10 +21,10 @@ from typing import Any, ClassVar
 
 from redis.exceptions import RedisError
 
-from gateway.context import ModelResponse, RequestContext
-from gateway.errors import AuthenticationFailed, GatewayError, NotFound, RateLimited, ServiceUnavailable
-from gateway.pipeline import Plugin
-from gateway.services import Services
+from gateway.pipeline.context import ModelResponse, RequestContext
+from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.services import Services
+from gateway.wire.errors import AuthenticationFailed, GatewayError, NotFound, RateLimited, ServiceUnavailable
 from plugins.tenancy import estimate
 from plugins.tenancy.admin import TenancyAdmin
 from plugins.tenancy.budgets import budgets_for, exhausted, format_duration, scope_prefix

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from gateway.context import ModelResponse, RequestContext
-from gateway.pipeline import Plugin
+from gateway.pipeline.context import ModelResponse, RequestContext
+from gateway.pipeline.plugin import Plugin
 
 
 class HeaderConfig(BaseModel):

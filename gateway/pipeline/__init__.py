@@ -1,0 +1,13 @@
+"""The plugin machinery. A plugin author reads ``plugin`` first: the contract, in its docstring.
+
+- ``plugin``: the ``Plugin`` base class and the hook contract.
+- ``context``: ``RequestContext`` (what a hook sees of a request) and ``ModelResponse``.
+- ``chain``: the loop that runs hooks in order, with time budgets and ``on_error`` policies.
+- ``registry`` and ``validate``: plugins found through entry points, their config sections checked.
+- ``config`` and ``models``: the reloadable ``config.yaml`` models and the model table of one config.
+- ``services``: process-wide clients (upstream pool, Redis, worker table, metrics) shared by snapshots.
+- ``runtime`` and ``reload``: the immutable config snapshot, prepare-then-swap, and its triggers.
+
+May import upstream, wire, ops, infra and engine; never server or proxy (the context sees the running
+snapshot only through the ``PinnedSnapshot`` protocol, so the types a plugin sees sit below the runtime).
+"""

@@ -1,0 +1,177 @@
+"""The reloadable configuration (``config.yaml``): pydantic models, loading and readable errors.
+
+A config is validated whole before it can go live. Errors name the field path (``models[0].workers``)
+and the reason. Plugin sections are validated later against each plugin's own ``Config`` model, when
+the runtime is prepared (``gateway.pipeline.runtime``), with the same error format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gateway.engine.spec import ManagedWorkerSpec
+from gateway.ops.logs import LoggingConfig
+from gateway.upstream.client import UpstreamConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot go live. ``str()`` is one readable line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LimitsConfig(StrictModel):
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_n: int = Field(128, ge=1, description="largest 'n' (choices per request) a client may ask for, as OpenAI")
+    extra_params: list[str] = Field(
+        default_factory=list,
+        description="request fields to pass through beside the built-in allow-list (gateway.wire.allowlist)",
+    )
+
+
+class ModelConfig(StrictModel):
+    """A model clients may name, and the workers that serve it.
+
+    ``workers`` holds URLs of vLLM OpenAI servers (``http://host:port``) or names of managed workers
+    declared under ``engine.workers``.
+    """
+
+    name: str = Field(min_length=1)
+    aliases: list[str] = Field(default_factory=list)
+    served_name: str | None = Field(None, description="the name the workers know (default: name)")
+    workers: list[str] = Field(min_length=1)
+    owned_by: str = "vllm-gateway"
+    max_model_len: int | None = Field(None, ge=1)
+
+    @property
+    def upstream_name(self) -> str:
+        return self.served_name or self.name
+
+
+class PluginEntry(StrictModel):
+    """One enabled plugin. Order in the list is the order of ``on_request`` hooks."""
+
+    name: str = Field(min_length=1)
+    enabled: bool = True
+    on_error: Literal["fail_closed", "fail_open"] | None = Field(
+        None, description="what a hook failure does (default: the plugin's own choice)"
+    )
+    timeout_ms: float | None = Field(None, gt=0, description="time budget per hook call")
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class EngineConfig(StrictModel):
+    workers: list[ManagedWorkerSpec] = Field(default_factory=list)
+    ready_timeout_s: float = Field(600.0, gt=0)
+
+    @field_validator("workers")
+    @classmethod
+    def _unique(cls, workers: list[ManagedWorkerSpec]) -> list[ManagedWorkerSpec]:
+        names = [w.name for w in workers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"managed worker names must be unique; repeated: {', '.join(dupes)}")
+        ports = [w.port for w in workers]
+        clash = sorted({p for p in ports if ports.count(p) > 1})
+        if clash:
+            raise ValueError(f"managed workers share a port: {', '.join(map(str, clash))}")
+        return workers
+
+
+class GatewayConfig(StrictModel):
+    models: list[ModelConfig] = Field(min_length=1)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    plugins: list[PluginEntry] = Field(default_factory=list)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _check_references(self) -> GatewayConfig:
+        seen: dict[str, str] = {}
+        for model in self.models:
+            for name in (model.name, *model.aliases):
+                if name in seen:
+                    raise ValueError(f"model name or alias '{name}' is used twice ({seen[name]}, {model.name})")
+                seen[name] = model.name
+        managed = {w.name for w in self.engine.workers}
+        for model in self.models:
+            for ref in model.workers:
+                if not is_url(ref) and ref not in managed:
+                    raise ValueError(
+                        f"model '{model.name}': worker '{ref}' is neither a URL (http://host:port, dns://name:port)"
+                        f" nor a managed worker under engine.workers ({', '.join(sorted(managed)) or 'none'})"
+                    )
+        plugin_names = [p.name for p in self.plugins if p.enabled]
+        dupes = sorted({n for n in plugin_names if plugin_names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"plugin listed twice: {', '.join(dupes)}")
+        return self
+
+
+def is_url(ref: str) -> bool:
+    return ref.startswith(("http://", "https://", "dns://"))
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> list[str]:
+    problems = []
+    for err in exc.errors():
+        where = _loc(tuple(err["loc"]))
+        if prefix:
+            where = f"{prefix}.{where}" if where else prefix
+        msg = err["msg"].removeprefix("Value error, ")
+        problems.append(f"{where or '(top level)'}: {msg}")
+    return problems
+
+
+def parse_config(text: str | bytes, source: str = "config") -> GatewayConfig:
+    """Parse YAML (or JSON, a subset) text into a validated config, or raise ConfigError."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([f"{source}: not valid YAML{where}: {problem}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{source}: the top level must be a mapping (models:, plugins:, ...)"])
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def load_config(path: Path) -> GatewayConfig:
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read the config file: {exc.strerror or exc}"]) from None
+    return parse_config(text, source=str(path))
+
+
+def config_version(config: GatewayConfig) -> str:
+    """A content hash of the validated config: comments and key order do not change it."""
+    canonical = orjson.dumps(config.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(canonical).hexdigest()[:16]

@@ -1,0 +1,175 @@
+"""The per-request state plugins see (RequestContext) and the response value they pass around."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
+
+log = logging.getLogger("gateway.context")
+
+if TYPE_CHECKING:
+    from gateway.pipeline.config import GatewayConfig, ModelConfig
+    from gateway.pipeline.models import ModelTable
+    from gateway.upstream.workers import Worker
+    from gateway.wire.errors import GatewayError
+
+
+class HookChain(Protocol):
+    """What the core calls on the pinned snapshot's plugins (``gateway.pipeline.chain.Pipeline``).
+
+    Declared here, structurally, so that the context (which every plugin imports) does not name the
+    runtime that is built from plugins: the types a plugin sees stay below the code that uses them.
+    """
+
+    chunk_plugins: Any
+
+    async def run_request(self, ctx: RequestContext) -> ModelResponse | None: ...
+
+    def inspects_stream(self, ctx: RequestContext) -> bool: ...
+
+    async def run_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse: ...
+
+    async def run_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None: ...
+
+
+class PinnedSnapshot(Protocol):
+    """The config snapshot a request pinned for its whole life (``gateway.pipeline.runtime.RuntimeSnapshot``)."""
+
+    @property
+    def config(self) -> GatewayConfig: ...
+
+    @property
+    def pipeline(self) -> HookChain: ...
+
+    @property
+    def models(self) -> ModelTable: ...
+
+
+class ModelResponse:
+    """A complete (non-streamed, or assembled) OpenAI response.
+
+    Holds the body as bytes, the parsed object, or both, and converts lazily: a response that no
+    plugin looks at is passed to the client as the bytes the worker sent.
+    """
+
+    __slots__ = ("_body", "_json", "headers", "status")
+
+    def __init__(
+        self,
+        *,
+        body: bytes | None = None,
+        json: dict[str, Any] | None = None,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        if body is None and json is None:
+            raise ValueError("a ModelResponse needs a body or a json object")
+        self._body = body
+        self._json = json
+        self.status = status
+        self.headers = headers or {}
+
+    @property
+    def json(self) -> dict[str, Any]:
+        if self._json is None:
+            assert self._body is not None
+            parsed = orjson.loads(self._body)
+            self._json = parsed if isinstance(parsed, dict) else {"value": parsed}
+        return self._json
+
+    @property
+    def body(self) -> bytes:
+        if self._body is None:
+            self._body = orjson.dumps(self._json)
+        return self._body
+
+    def replace_json(self, obj: dict[str, Any]) -> None:
+        """Swap the object (the bytes are re-rendered from it when needed)."""
+        self._json = obj
+        self._body = None
+
+
+class RoutePlan(Protocol):
+    """How a routing plugin hands its choice to the core, including what to do after a failure.
+
+    The core calls ``next_worker(None, None)`` for the first attempt; after a failure that is safe to
+    retry (no byte has reached the client) it calls ``next_worker(failed, error)`` and tries the worker
+    it returns, or gives up with ``error`` when it returns None. ``finished`` is called exactly once
+    per attempt with the outcome, so load counters and outlier detection stay exact.
+    """
+
+    def next_worker(self, failed: Worker | None, error: GatewayError | None) -> Worker | None: ...
+
+    def finished(self, worker: Worker, *, ok: bool, error: GatewayError | None = None) -> None: ...
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Everything known about one request, from parse to last byte.
+
+    ``body`` is the parsed JSON the client sent; a plugin that changes it calls ``mark_body_changed``
+    so the core re-serializes it once before the upstream call (unchanged bodies go upstream as the
+    bytes the client sent). ``state`` is per-plugin scratch space, keyed by plugin name.
+    """
+
+    request_id: str
+    endpoint: str  # "chat/completions" | "completions" | "embeddings"
+    path: str  # upstream path, e.g. "/v1/chat/completions"
+    body: dict[str, Any]
+    raw_body: bytes
+    headers: dict[str, str]  # lower-cased names
+    model: ModelConfig
+    requested_model: str
+    snapshot: PinnedSnapshot
+    stream: bool
+    started: float
+    tenant: str | None = None
+    api_key_id: str | None = None
+    plan: RoutePlan | None = None
+    worker: Worker | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+    log: dict[str, Any] = field(default_factory=dict)  # extra fields for the access log line
+    body_changed: bool = False
+    _finalizers: list[Callable[[], None]] = field(default_factory=list)
+    _aside: set[object] | None = None
+
+    def step_aside(self, plugin: object) -> None:
+        """Called by a plugin's ``on_request`` (``ctx.step_aside(self)``) when it has nothing more to do
+        for this request: its ``on_chunk`` and ``on_response`` are then not called. When every plugin
+        that would look at a stream has stepped aside, the worker's SSE bytes pass through unparsed."""
+        if self._aside is None:
+            self._aside = set()
+        self._aside.add(plugin)
+
+    def add_finalizer(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once when the request is over, whatever the outcome (answered, refused,
+        failed, cut, or the client went away): for a plugin that holds something for the life of a
+        request (e.g. the cache's single-flight lock). It must not block; schedule async work."""
+        self._finalizers.append(callback)
+
+    def finalize(self) -> None:
+        """Called by the core exactly once, after the last byte (or the error) was sent."""
+        callbacks, self._finalizers = self._finalizers, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # one plugin's cleanup must not skip another's
+                log.exception("request %s: a finalizer failed", self.request_id)
+        # A route plan usually holds its context (a fallback retargets it): dropping the link once the
+        # request is over lets both be freed by reference counting. Left to the cycle collector, the
+        # requests of hundreds of streams pile up between its full collections and make each one a
+        # pause of tens of milliseconds.
+        self.plan = None
+
+    def mark_body_changed(self) -> None:
+        self.body_changed = True
+
+    def upstream_body(self) -> bytes:
+        if self.body_changed:
+            return orjson.dumps(self.body)
+        return self.raw_body

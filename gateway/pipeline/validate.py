@@ -1,0 +1,42 @@
+"""Resolves and validates a config's plugin sections: every enabled plugin exists and its ``config:``
+validates against the plugin's own ``Config`` model. Used by reload (before anything is built) and by
+``gateway check-config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ValidationError
+
+from gateway.pipeline.config import ConfigError, GatewayConfig, PluginEntry, format_validation_error
+from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.registry import PluginRegistry
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedPlugin:
+    index: int
+    entry: PluginEntry
+    cls: type[Plugin]
+    config: BaseModel
+
+
+def resolve_plugins(config: GatewayConfig, registry: PluginRegistry) -> list[ResolvedPlugin]:
+    """The enabled plugins with validated configs, or ConfigError listing every problem found."""
+    problems: list[str] = []
+    resolved: list[ResolvedPlugin] = []
+    for index, entry in enumerate(config.plugins):
+        if not entry.enabled:
+            continue
+        try:
+            cls = registry.get(entry.name)
+        except (KeyError, TypeError, ImportError, AttributeError) as exc:
+            problems.append(f"plugins[{index}].name: {exc.args[0] if exc.args else exc}")
+            continue
+        try:
+            resolved.append(ResolvedPlugin(index, entry, cls, cls.Config.model_validate(entry.config)))
+        except ValidationError as exc:
+            problems.extend(format_validation_error(exc, prefix=f"plugins[{index}].config"))
+    if problems:
+        raise ConfigError(problems)
+    return resolved

@@ -1,0 +1,6 @@
+"""One request's trip: run the pinned snapshot's ``on_request`` hooks, call the chosen worker, and carry the
+answer back through ``on_response``/``on_chunk`` (``forward``); streams that no plugin watches are relayed
+as bytes, straight from the worker's connection to the client's (``passthrough``).
+
+May import pipeline, upstream, wire, ops and infra; imported only by ``gateway.server``.
+"""

@@ -1,0 +1,49 @@
+"""GET /v1/models and /v1/models/{id}: every name and alias a client may use, from the live config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from gateway.pipeline.config import ModelConfig
+from gateway.server.routes import JSON
+from gateway.server.state import AppState
+from gateway.wire.errors import model_not_found
+from gateway.wire.protocol import header_dict
+
+router = APIRouter()
+
+
+def _card(name: str, model: ModelConfig, created: int) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": model.owned_by}
+    if name != model.name:
+        card["parent"] = model.name
+    if model.max_model_len:
+        card["max_model_len"] = model.max_model_len
+    return card
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSON:
+    state: AppState = request.app.state.gateway
+    with state.holder.pin() as snapshot:
+        created = int(snapshot.loaded_at)
+        cards = [_card(name, m, created) for m in snapshot.models.models for name in (m.name, *m.aliases)]
+        # Plugins decide what this caller may see (tenancy: the models its key may use).
+        data = await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), cards)
+    return JSON({"object": "list", "data": data})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> JSON:
+    state: AppState = request.app.state.gateway
+    with state.holder.pin() as snapshot:
+        model = snapshot.models.resolve(model_id)
+        if model is None:
+            raise model_not_found(model_id)
+        card = _card(model_id, model, int(snapshot.loaded_at))
+        visible = await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), [card])
+    if not visible:
+        raise model_not_found(model_id)
+    return JSON(visible[0])

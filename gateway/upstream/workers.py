@@ -1,0 +1,182 @@
+"""The workers the gateway knows, their health and load.
+
+Worker state lives outside the config snapshot: a reload that keeps a worker keeps its health and load
+counters. Active health checks (``GET /health``) run in the background; passive signals (connect errors,
+5xx, timeouts) come from the upstream path through ``report_failure`` / ``report_success``, which eject
+a failing worker for a growing interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+from gateway.ops.tasks import cancel_and_wait
+
+log = logging.getLogger("gateway.workers")
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    url: str
+    healthy: bool = True  # optimistic until the first check says otherwise
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    ejected_until: float = 0.0
+    ejections: int = 0
+    last_error: str | None = None
+    checked_at: float = 0.0
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def available(self, now: float | None = None) -> bool:
+        if not self.healthy:
+            return False
+        return self.ejected_until <= (now if now is not None else time.monotonic())
+
+
+class WorkerTable:
+    """All workers by URL, with outlier ejection and a background health loop."""
+
+    def __init__(
+        self,
+        *,
+        eject_after_failures: int = 3,
+        base_ejection_s: float = 2.0,
+        max_ejection_s: float = 60.0,
+    ) -> None:
+        self._workers: dict[str, Worker] = {}
+        self.eject_after_failures = eject_after_failures
+        self.base_ejection_s = base_ejection_s
+        self.max_ejection_s = max_ejection_s
+        self._task: asyncio.Task[None] | None = None
+        self.on_change: list[Callable[[Worker], None]] = []
+        self._static: list[str] = []
+        self._discovered: dict[str, list[str]] = {}
+        # Workers no longer configured that still had requests in flight: dropped once those finish.
+        self._leaving: set[str] = set()
+        #: Bumped whenever the set of workers changes, so callers can cache what they derive from it.
+        self.generation = 0
+
+    def sync(self, urls: Iterable[str]) -> None:
+        """Make the table hold exactly ``urls`` plus the discovered workers (new ones start optimistic;
+        kept ones keep state)."""
+        self._static = list(dict.fromkeys(urls))
+        self._rebuild()
+
+    def set_discovered(self, ref: str, urls: Iterable[str]) -> bool:
+        """A discovery source says ``ref`` (e.g. ``dns://name:port``) now means ``urls``; they join the
+        table and its health checks. Returns True when that changed anything."""
+        new = list(dict.fromkeys(urls))
+        if self._discovered.get(ref) == new:
+            return False
+        self._discovered[ref] = new
+        self._rebuild()
+        return True
+
+    def retain_discovered(self, refs: Iterable[str]) -> None:
+        """Forget discovered refs that are not in ``refs`` (no longer named by any model)."""
+        keep = set(refs)
+        stale = [ref for ref in self._discovered if ref not in keep]
+        for ref in stale:
+            del self._discovered[ref]
+        if stale:
+            self._rebuild()
+
+    def expand(self, refs: Iterable[str]) -> list[str]:
+        """Worker refs as URLs: a discovered ref becomes its current addresses (none until resolved)."""
+        out: list[str] = []
+        for ref in refs:
+            if ref.startswith("dns://"):
+                out.extend(self._discovered.get(ref, ()))
+            else:
+                out.append(ref)
+        return out
+
+    def _rebuild(self) -> None:
+        wanted = dict.fromkeys([*self._static, *(u for urls in self._discovered.values() for u in urls)])
+        self._leaving = {url for url in self._workers if url not in wanted}
+        self._drop_idle_leavers()
+        for url in wanted:
+            self._workers.setdefault(url, Worker(url=url))
+        self.generation += 1
+
+    def _drop_idle_leavers(self) -> bool:
+        """Forget the unconfigured workers whose requests have finished; True if any went."""
+        gone = [url for url in self._leaving if url not in self._workers or self._workers[url].in_flight == 0]
+        for url in gone:
+            self._workers.pop(url, None)
+            self._leaving.discard(url)
+        return bool(gone)
+
+    def get(self, url: str) -> Worker:
+        worker = self._workers.get(url)
+        if worker is None:
+            worker = self._workers[url] = Worker(url=url)
+        return worker
+
+    def all(self) -> list[Worker]:
+        """Every configured worker, and removed ones while they still have requests in flight."""
+        if self._leaving and self._drop_idle_leavers():
+            self.generation += 1
+        return list(self._workers.values())
+
+    def report_success(self, worker: Worker) -> None:
+        if worker.consecutive_failures or worker.ejected_until:
+            worker.consecutive_failures = 0
+            worker.ejected_until = 0.0
+            worker.ejections = 0
+            self._changed(worker)
+
+    def report_failure(self, worker: Worker, reason: str) -> None:
+        """A connect error, 5xx or timeout. After a few in a row the worker is ejected for a while,
+        longer each time it is ejected again without a success in between."""
+        worker.consecutive_failures += 1
+        worker.last_error = reason
+        if worker.consecutive_failures >= self.eject_after_failures:
+            worker.ejections += 1
+            hold = min(self.base_ejection_s * (2 ** (worker.ejections - 1)), self.max_ejection_s)
+            worker.ejected_until = time.monotonic() + hold
+            worker.consecutive_failures = 0
+            log.warning("worker %s ejected for %.1fs after repeated failures (%s)", worker.url, hold, reason)
+            self._changed(worker)
+
+    def set_health(self, worker: Worker, healthy: bool, reason: str | None = None) -> None:
+        worker.checked_at = time.monotonic()
+        if healthy != worker.healthy:
+            worker.healthy = healthy
+            worker.last_error = None if healthy else reason
+            log.log(
+                logging.INFO if healthy else logging.WARNING,
+                "worker %s is %s%s",
+                worker.url,
+                "healthy" if healthy else "unhealthy",
+                f" ({reason})" if reason else "",
+            )
+            self._changed(worker)
+
+    def _changed(self, worker: Worker) -> None:
+        for callback in self.on_change:
+            callback(worker)
+
+    def start_health_checks(self, probe: Callable[[str], Awaitable[str | None]], interval_s: float) -> None:
+        """Run ``probe(url) -> None (healthy) | reason`` for every worker each ``interval_s``."""
+
+        async def loop() -> None:
+            while True:
+                workers = self.all()
+                results = await asyncio.gather(*(probe(w.url) for w in workers), return_exceptions=True)
+                for worker, result in zip(workers, results, strict=True):
+                    if isinstance(result, BaseException):
+                        self.set_health(worker, False, f"{type(result).__name__}")
+                    else:
+                        self.set_health(worker, result is None, result)
+                await asyncio.sleep(interval_s)
+
+        self._task = asyncio.create_task(loop(), name="worker-health")
+
+    async def aclose(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None

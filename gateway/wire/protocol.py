@@ -1,0 +1,158 @@
+"""The OpenAI request shapes the gateway itself must understand, checked once and cheaply.
+
+The gateway parses a request body once (orjson) and checks only what it needs to route and to give a
+clear error early: the model, the stream flags, and the shape of the fields every worker requires. The
+rest of the body is passed to the worker untouched, and the worker's own validation errors are
+translated into OpenAI's vocabulary (``gateway.wire.errors.from_upstream``). Which top-level fields a
+client may send at all is ``gateway.wire.allowlist``'s decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.wire.errors import InvalidRequest
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+#: Deepest nesting accepted. orjson parses up to 1024 levels but serialises only up to 254, and the
+#: gateway re-serialises a body a plugin changed (or an alias rewrote): deeper bodies would fail there.
+#: vLLM's own parser stops at 200 levels; no OpenAI request needs more than a few dozen.
+MAX_DEPTH = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    name: str  # "chat/completions"
+    path: str  # upstream path
+    streams: bool  # whether "stream": true is meaningful
+
+
+ENDPOINTS = {
+    "/v1/chat/completions": Endpoint("chat/completions", "/v1/chat/completions", True),
+    "/v1/completions": Endpoint("completions", "/v1/completions", True),
+    "/v1/embeddings": Endpoint("embeddings", "/v1/embeddings", False),
+}
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """JSON object or a 400 saying what is wrong with it (NaN and Infinity are not JSON)."""
+    if not raw:
+        raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc.args[0]}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise InvalidRequest(
+            f"The request body must be a JSON object, not {type(payload).__name__}.", code="invalid_json"
+        )
+    # Nesting deeper than MAX_DEPTH needs that many brackets: two C-speed counts spare the walk for
+    # nearly every body.
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _deeper_than(payload, MAX_DEPTH):
+        raise InvalidRequest(f"The request body is nested more than {MAX_DEPTH} levels deep.", code="invalid_json")
+    return payload
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether ``value`` nests arrays/objects more than ``limit`` levels (level by level: no recursion)."""
+    level: list[Any] = [value]
+    depth = 1
+    while level:
+        if depth > limit:
+            return True
+        below: list[Any] = []
+        for node in level:
+            children = node.values() if type(node) is dict else node
+            below.extend(child for child in children if type(child) is dict or type(child) is list)
+        level = below
+        depth += 1
+    return False
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_request(endpoint: Endpoint, body: dict[str, Any]) -> tuple[str, bool]:
+    """Check the fields the gateway relies on. Returns (model name, stream)."""
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequest("You must provide a model parameter.", param="model", code="missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string.", param="model")
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean.", param="stream")
+    if stream and not endpoint.streams:
+        raise InvalidRequest(f"'stream' is not supported on /v1/{endpoint.name}.", param="stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
+        if not stream:
+            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+
+    if endpoint.name == "chat/completions":
+        _check_messages(body.get("messages"))
+    elif endpoint.name == "completions":
+        _check_prompt(body.get("prompt"))
+    elif body.get("input") is None:
+        raise InvalidRequest("You must provide an 'input' parameter.", param="input", code="missing_required_parameter")
+
+    for name in ("n", "max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise InvalidRequest(f"'{name}' must be a positive integer (got {value!r}).", param=name)
+    return model, stream
+
+
+def _check_messages(messages: object) -> None:
+    if messages is None:
+        raise InvalidRequest(
+            "You must provide a 'messages' parameter.", param="messages", code="missing_required_parameter"
+        )
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array of message objects.", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"'messages[{i}]' must be an object.", param=f"messages[{i}]")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"'messages[{i}].role' must be one of {', '.join(sorted(CHAT_ROLES))} (got {role!r}).",
+                param=f"messages[{i}].role",
+            )
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise InvalidRequest(
+                f"'messages[{i}].content' must be a string or an array of content parts.",
+                param=f"messages[{i}].content",
+            )
+
+
+def _check_prompt(prompt: object) -> None:
+    if prompt is None:
+        raise InvalidRequest(
+            "You must provide a 'prompt' parameter.", param="prompt", code="missing_required_parameter"
+        )
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt) or all(_is_int(p) for p in prompt):
+            return
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return
+    raise InvalidRequest(
+        "'prompt' must be a string, an array of strings, or an array (of arrays) of token ids.", param="prompt"
+    )
+
+
+def header_dict(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """An ASGI scope's headers as the dict plugins see (``ctx.headers``): lower-cased names."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
