@@ -74,7 +74,7 @@ class StreamOptions(_Open):
 class _Sampling(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
-        json_schema_extra={"description": "Other accepted fields: see gateway/wire/allowlist.py and limits.extra_params."},
+        json_schema_extra={"description": "Other accepted fields: see gateway/wire/allowlist.py, limits.extra_params."},
     )
 
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
