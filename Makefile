@@ -12,7 +12,8 @@ PIP_EXTRA   := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
 .PHONY: run test lint typecheck unit bench audit model clean
 
-$(STAMP): pyproject.toml
+# The example plugin is installed as a package (not editable): a change to it must reinstall it.
+$(STAMP): pyproject.toml tests/example_plugin/pyproject.toml $(wildcard tests/example_plugin/gateway_example_plugin/*.py)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip wheel
 	$(PY) -m pip install $(PIP_EXTRA) -e '.[engine,dev]'

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from gateway.pipeline.context import ModelResponse, RequestContext
-from gateway.pipeline.plugin import Plugin
+from gateway.pipeline import ModelResponse, Plugin, RequestContext
 
 
 class HeaderConfig(BaseModel):
