@@ -1,6 +1,14 @@
 """Protocol code this project owns, each behind a small interface and measured against the library it
-replaces: an HTTP/1.1 client on httptools (``http1``), Redis auto-pipelining on hiredis
-(``redis_autopipe``), and the chunked writer onto uvicorn's transport (``chunked_writer``).
+replaces:
+
+- HTTP/1.1 to workers: the interface ``http_api.HttpClient``; ``http1`` (asyncio + httptools, the default)
+  and ``http_aiohttp`` (aiohttp's client session, the library it replaces; ``GATEWAY_UPSTREAM_CLIENT``).
+- Redis pipelining for plugins: the interface ``redis_api.RedisPipeline``; ``redis_autopipe`` (hiredis,
+  the default) and ``redis_py`` (redis-py's pipeline; ``GATEWAY_REDIS_CLIENT``).
+- ``chunked_writer``: the chunked writer onto uvicorn's transport.
+
+``tests/infra/conformance/`` runs the same cases against both implementations of each interface;
+``bench/bench_clients.py`` measures them side by side.
 
 Imports nothing from the rest of the gateway.
 """
