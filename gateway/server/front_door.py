@@ -1,0 +1,429 @@
+"""The front door: uvicorn's httptools protocol with the bounds a public HTTP server needs.
+
+``gateway serve`` (and the test servers) run ``GatewayHttpProtocol`` instead of uvicorn's own
+``HttpToolsProtocol``. It keeps uvicorn's request/response cycle and adds, per process:
+
+- **Head bounds.** The request line (``max_request_line_bytes``, 414), the whole head
+  (``max_header_bytes``, 431) and the number of header fields (``max_headers``, 431). A head that
+  spans several reads is collected in one buffer and handed to the parser whole, once: httptools
+  joins a header that arrives in pieces by re-concatenating it on every read (quadratic in its length),
+  and uvicorn does the same for the URL. The search for the end of the head only looks at the new
+  bytes, so a client sending a head pays, and makes the event loop pay, linearly in what it sends,
+  and never beyond the bound.
+- **Time bounds.** Idle before the first request (``first_request_timeout_s``: closed without a
+  reply), a head that is not complete in ``header_timeout_s`` from its first byte (408), a body not
+  complete in ``body_timeout_s`` from the end of its head (408), idle between requests (uvicorn's
+  keep-alive timeout). No timer is armed for a request whose head (and body) arrive in one read.
+- **Connections.** Beyond ``max_connections`` open connections a new one is answered 503 at once,
+  without reading or parsing anything, and closed; established connections are served as before.
+- **Answers in OpenAI's error shape** for everything refused before the app sees it (400 for a
+  request the parser rejects: smuggling forms such as Content-Length with Transfer-Encoding, two
+  Content-Lengths, obfuscated Transfer-Encoding, bare LF; 414, 431, 408, 503). After such an answer
+  the connection is half-closed and what the client still sends is read and dropped for a short
+  while (a lingering close), so the client reads the answer rather than a connection reset.
+
+Each bound is a process setting (``GATEWAY_*``, see ``gateway.ops.settings``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import http
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httptools
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.ops.settings import Settings
+
+log = logging.getLogger("gateway.front_door")
+
+#: How long a refused connection is still read (and the bytes dropped) after its answer.
+LINGER_S = 2.0
+_CRLF2 = b"\r\n\r\n"
+
+
+@dataclass(frozen=True, slots=True)
+class FrontDoorLimits:
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 100
+    max_request_line_bytes: int = 8 * 1024
+    first_request_timeout_s: float = 15.0
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 4096
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> FrontDoorLimits:
+        return cls(
+            max_header_bytes=settings.max_header_bytes,
+            max_headers=settings.max_headers,
+            max_request_line_bytes=settings.max_request_line_bytes,
+            first_request_timeout_s=settings.first_request_timeout_s,
+            header_timeout_s=settings.header_timeout_s,
+            body_timeout_s=settings.body_timeout_s,
+            max_connections=settings.max_connections,
+        )
+
+
+def error_response(status: int, message: str, code: str, *, extra: bytes = b"") -> bytes:
+    """A complete HTTP/1.1 answer in OpenAI's error shape that closes the connection."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    phrase = http.HTTPStatus(status).phrase.encode()
+    return (
+        b"HTTP/1.1 %d %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n%b\r\n%b"
+        % (status, phrase, len(body), extra, body)
+    )
+
+
+class HeadRefused(Exception):
+    """A request head outside the bounds; ``answer`` is what the client gets."""
+
+    def __init__(self, answer: bytes) -> None:
+        super().__init__()
+        self.answer = answer
+
+
+class _Answers:
+    """The canned answers for one set of limits (built once per process)."""
+
+    def __init__(self, limits: FrontDoorLimits) -> None:
+        self.line_too_long = error_response(
+            414,
+            f"The request line is longer than this gateway accepts ({limits.max_request_line_bytes} bytes).",
+            "uri_too_long",
+        )
+        self.head_too_large = error_response(
+            431,
+            f"The request headers are larger than this gateway accepts ({limits.max_header_bytes} bytes in all).",
+            "request_header_fields_too_large",
+        )
+        self.too_many_headers = error_response(
+            431,
+            f"The request has more header fields than this gateway accepts ({limits.max_headers}).",
+            "request_header_fields_too_large",
+        )
+        self.header_timeout = error_response(
+            408,
+            f"The request headers did not arrive within {limits.header_timeout_s:g} s.",
+            "request_timeout",
+        )
+        self.body_timeout = error_response(
+            408,
+            f"The request body did not arrive within {limits.body_timeout_s:g} s.",
+            "request_timeout",
+        )
+        self.bad_version = error_response(
+            400, "Only HTTP/1.0 and HTTP/1.1 requests are served here.", "invalid_http_request"
+        )
+        self.too_many_connections = error_response(
+            503,
+            "The gateway has too many open connections; try again shortly.",
+            "too_many_connections",
+            extra=b"retry-after: 1\r\n",
+        )
+
+
+def _nothing() -> None:
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _answers(limits: FrontDoorLimits) -> _Answers:
+    return _Answers(limits)
+
+
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the front door's bounds (see the module docstring)."""
+
+    def __init__(self, *args: Any, limits: FrontDoorLimits | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits = limits or FrontDoorLimits()
+        self.answers = _answers(limits)
+        self._max_head = limits.max_header_bytes
+        self._max_line = limits.max_request_line_bytes
+        self._max_headers = limits.max_headers
+        self._phase = 0  # 0: between requests, 1: in a head (the parser began it), 2: in a body
+        self._head_checked = False  # the head being parsed went through _check_head
+        self._head: bytearray | None = None  # a head that spans reads, until it is complete
+        self._fed = 0  # how much of _head the parser has seen (complete lines only)
+        self._from_start = False  # _head starts at its request line
+        # One deadline at a time (first request, head or body), watched by at most one timer that is
+        # never cancelled on the request path: clearing the deadline is an attribute write, and the
+        # timer, when it fires, re-arms itself for a later deadline or does nothing.
+        self._deadline: float | None = None
+        self._on_deadline: Callable[[], None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._linger: asyncio.TimerHandle | None = None
+        self._refused = False  # answered and half-closed: drop what comes
+
+    # -- connections ------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            # Refused before anything is read: one write, and the connection is not counted.
+            self.transport = transport
+            self._refuse(self.answers.too_many_connections)
+            return
+        super().connection_made(transport)
+        self._set_deadline(self.limits.first_request_timeout_s, self._idle_expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._deadline = self._on_deadline = None  # a bound method of self: no cycle left behind
+        for timer in (self._timer, self._linger):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._linger = None
+        self._head = None
+        if self.flow is None:  # refused in connection_made: uvicorn never saw it
+            self.parser = None
+            return
+        super().connection_lost(exc)
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._unset_keepalive_if_required()
+        if self._head is not None:
+            self._collect(data)
+            return
+        if self._phase != 2:
+            end = data.find(_CRLF2) if self._phase == 0 else -1
+            if end == -1 or end + 4 > self._max_head:
+                self._start_collecting()
+                self._collect(data)
+                return
+            # The usual case: a whole head in one read, checked with a few C-level scans.
+            try:
+                self._check_head(data, end)
+            except HeadRefused as refused:
+                self._refuse(refused.answer)
+                return
+            self._deadline = None  # the first request's idle deadline, if it was still set
+        self._feed(data)
+
+    def _start_collecting(self) -> None:
+        self._head = bytearray()
+        self._fed = 0
+        self._from_start = self._phase == 0
+        self._set_deadline(self.limits.header_timeout_s, self._head_expired)
+
+    def _collect(self, data: bytes) -> None:
+        """Add ``data`` to a head that spans reads. The parser gets its complete lines as they come
+        (so a malformed line is refused at once) and never a part of a line (so it never joins
+        pieces); the end of the head is searched for in the new bytes only."""
+        head = self._head
+        assert head is not None
+        old = len(head)
+        head += data
+        end = head.find(_CRLF2, max(0, old - 3))
+        if end != -1:
+            if end + 4 > self._max_head:
+                self._refuse(self.answers.head_too_large)
+                return
+            if self._from_start:
+                try:
+                    self._check_head(head, end)
+                except HeadRefused as refused:
+                    self._refuse(refused.answer)
+                    return
+            self._finish_collecting()
+            return
+        if len(head) > self._max_head:
+            self._refuse(self.answers.head_too_large)
+            return
+        cut = head.rfind(b"\n", max(old, self._fed)) + 1
+        if cut == 0:
+            if self._from_start and self._fed == 0 and len(head) > self._max_line + 2:
+                self._refuse(self.answers.line_too_long)
+            return
+        if self._from_start and self._fed == 0 and head.find(b"\n") > self._max_line + 1:
+            self._refuse(self.answers.line_too_long)  # the request line ends here, too long
+            return
+        self._feed(bytes(head[self._fed : cut]))
+        self._fed = cut
+        if self._head is not None and self._phase == 2:  # a continued head ended on a line boundary
+            self._finish_collecting()
+
+    def _finish_collecting(self) -> None:
+        head, fed = self._head, self._fed
+        assert head is not None
+        self._head = None
+        self._deadline = None
+        self._feed(bytes(head[fed:]))
+
+    def _check_head(self, data: bytes | bytearray, end: int) -> None:
+        """The bounds of the head ``data[:end + 4]`` (``end``: where its CRLF CRLF starts)."""
+        line_end = data.find(b"\r\n", 0, end + 2)
+        if line_end > self._max_line:
+            raise HeadRefused(self.answers.line_too_long)
+        # "<method> <target> HTTP/1.x": llhttp would also take HTTP/0.9 ("GET /") and other versions.
+        if line_end < 14 or not (data.startswith(b" HTTP/1.", line_end - 9) and data[line_end - 1] in (48, 49)):
+            raise HeadRefused(self.answers.bad_version)
+        if data.count(b"\r\n", line_end + 2, end + 2) > self._max_headers:  # one CRLF per header line
+            raise HeadRefused(self.answers.too_many_headers)
+        self._head_checked = True
+
+    def _feed(self, data: bytes | memoryview) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            refused = exc.__context__
+            if isinstance(refused, HeadRefused):
+                self._refuse(refused.answer)
+            else:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+            return
+        except httptools.HttpParserError as exc:
+            self.send_400_response(f"Invalid HTTP request: {exc}.")
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        # A body still to come: it has body_timeout_s from the end of its head.
+        if self._phase == 2 and self._deadline is None and not self._refused and self.cycle.more_body:
+            self._set_deadline(self.limits.body_timeout_s, self._body_expired)
+
+    # -- parser callbacks -------------------------------------------------------------------------
+
+    def on_headers_complete(self) -> None:
+        if not self._head_checked:
+            # A head the pre-check did not see (it came in the same read as the request before it).
+            size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+            if len(self.url) > self._max_line:
+                raise HeadRefused(self.answers.line_too_long)
+            if len(self.headers) > self._max_headers:
+                raise HeadRefused(self.answers.too_many_headers)
+            if size > self._max_head:
+                raise HeadRefused(self.answers.head_too_large)
+            if self.parser.get_http_version() not in ("1.0", "1.1"):
+                raise HeadRefused(self.answers.bad_version)
+        self._head_checked = False
+        self._phase = 2
+        self._deadline = None
+        super().on_headers_complete()
+
+    def on_message_begin(self) -> None:
+        self._phase = 1
+        super().on_message_begin()
+
+    def on_message_complete(self) -> None:
+        self._phase = 0
+        self._deadline = None
+        super().on_message_complete()
+
+    # -- answers and deadlines --------------------------------------------------------------------
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(error_response(400, msg, "invalid_http_request"))
+
+    def _refuse(self, answer: bytes) -> None:
+        """Answer, stop serving this connection, and drop what the client still sends for a while."""
+        if self._refused:
+            return
+        self._refused = True
+        self._deadline = None
+        self._head = None
+        self.pipeline.clear()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if self._phase != 2 and not cycle.disconnected:
+                # Refusing a pipelined head while the request before it is still being answered:
+                # that answer goes first (a client matches answers to requests by their order).
+                cycle.on_response = functools.partial(self._answer_and_linger, answer)
+                return
+            # The app is waiting for a body that will not come: it sees a disconnect.
+            if cycle.response_started:
+                answer = b""  # the app's answer is on the wire already; it stays cut short
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if cycle is not None:
+            cycle.on_response = _nothing  # no keep-alive timer, no pipelined request after this
+        self._answer_and_linger(answer)
+
+    def _answer_and_linger(self, answer: bytes) -> None:
+        transport = self.transport
+        if transport.is_closing():
+            return
+        if answer:
+            transport.write(answer)
+        with contextlib.suppress(Exception):
+            if transport.can_write_eof():
+                transport.write_eof()
+        self._linger = self.loop.call_later(LINGER_S, transport.close)
+
+    def _set_deadline(self, seconds: float, on_deadline: Callable[[], None]) -> None:
+        deadline = self.loop.time() + seconds
+        self._deadline, self._on_deadline = deadline, on_deadline
+        if self._timer is None or self._timer_at > deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_at(deadline, self._deadline_reached)
+            self._timer_at = deadline
+
+    def _deadline_reached(self) -> None:
+        self._timer = None
+        deadline, on_deadline = self._deadline, self._on_deadline
+        if deadline is None or on_deadline is None:
+            return  # met (or dropped) since the timer was armed
+        if deadline > self.loop.time():  # a later deadline was set since
+            self._timer = self.loop.call_at(deadline, self._deadline_reached)
+            self._timer_at = deadline
+            return
+        self._deadline = None
+        on_deadline()
+
+    def _idle_expired(self) -> None:
+        """No byte in first_request_timeout_s: close without a reply (there is no request to answer)."""
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _head_expired(self) -> None:
+        self._refuse(self.answers.header_timeout)
+
+    def _body_expired(self) -> None:
+        self._refuse(self.answers.body_timeout)
+
+
+def http_protocol(settings: Settings) -> Any:
+    """What to give uvicorn as ``http``: the protocol with this process's limits (picklable, for
+    ``--workers``)."""
+    return functools.partial(GatewayHttpProtocol, limits=FrontDoorLimits.from_settings(settings))
+
+
+def raise_open_files_limit(max_connections: int) -> None:
+    """Each connection is a file descriptor (and a proxied request a second one, to its worker): raise
+    the soft limit towards the hard one when it is too low for ``max_connections``, and say so when
+    even the hard limit is (new connections then fail at accept, before the 503 can be sent)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return
+    needed = 2 * max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        if soft < needed:
+            log.warning(
+                "open files limit %d is below what %d connections need (%d): lower GATEWAY_MAX_CONNECTIONS",
+                soft,
+                max_connections,
+                needed,
+            )

@@ -1,0 +1,77 @@
+"""Pipelined requests are answered in order, one at a time; a client that pipelines thousands of
+requests without reading the answers holds only its own connection."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+
+from tests.server.attacks.raw import CHAT, connect, read_until_closed, responses, served
+from tests.support.fakes import FakeUpstream, ServerThread
+
+BODY = orjson.dumps(CHAT)
+POST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\n\r\n%b" % (len(BODY), BODY)
+)
+HEALTH = b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n"
+
+
+def read_answers(sock: object, count: int, timeout: float = 30) -> list[tuple[int, bytes]]:
+    import socket
+
+    assert isinstance(sock, socket.socket)
+    sock.settimeout(timeout)
+    data = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            found = responses(data)
+        except (ValueError, KeyError, IndexError):  # a response cut in the middle: read on
+            found = []
+        if len(found) >= count:
+            return found
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            break
+        data += chunk
+    return responses(data)
+
+
+def test_pipelined_requests_are_answered_in_order(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    with connect(gateway.port) as sock:
+        sock.sendall(HEALTH + POST + b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        answers = read_answers(sock, 3)
+    assert [status for status, _ in answers] == [200, 200, 200]
+    assert orjson.loads(answers[0][1]) == {"status": "ok"}
+    assert orjson.loads(answers[1][1])["object"] == "chat.completion"
+    assert orjson.loads(answers[2][1])["object"] == "list"
+    assert len(upstream.requests) == 1
+
+
+def test_a_pipelining_flood_holds_only_its_own_connection(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    count = 3000
+    with connect(gateway.port) as sock:
+        sock.sendall((HEALTH + POST) * (count // 2))  # and reads nothing for now
+        served(gateway)
+        answers = read_answers(sock, count, timeout=120)
+    assert len(answers) == count
+    assert all(status == 200 for status, _ in answers)
+    assert len(upstream.requests) == count // 2 + 1
+
+
+def test_a_pipelined_head_beyond_the_bounds_is_refused_after_the_request_before_it(
+    gateway: ServerThread, upstream: FakeUpstream
+) -> None:
+    """A head that arrives in the same read as the request before it is checked as it is parsed."""
+    too_many = (
+        b"GET /health HTTP/1.1\r\nHost: gateway\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(150)) + b"\r\n"
+    )
+    with connect(gateway.port) as sock:
+        sock.sendall(HEALTH + too_many + HEALTH)
+        data = read_until_closed(sock)
+    answers = responses(data)
+    assert [status for status, _ in answers] == [200, 431], data[:600]
+    assert orjson.loads(answers[1][1])["error"]["code"] == "request_header_fields_too_large"
+    served(gateway)

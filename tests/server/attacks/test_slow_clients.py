@@ -1,0 +1,104 @@
+"""Slow and idle clients: slow headers (slowloris), a slow body, connections that never send a request,
+and idle keep-alive connections. Each is cut at its deadline while a normal client is served."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.server.attacks.raw import (
+    closed_by_server,
+    connect,
+    error_of,
+    head,
+    read_response,
+    read_until_closed,
+    served,
+)
+from tests.support.fakes import FakeUpstream, ServerThread
+from tests.support.gateways import GatewayFactory, base_config
+
+# Deadlines short enough for a test; the defaults are 15 s (first request), 30 s (head), 60 s (body).
+TIMEOUTS = {"first_request_timeout_s": 1.0, "header_timeout_s": 1.0, "body_timeout_s": 1.0, "keepalive_timeout_s": 1}
+
+
+@pytest.fixture
+def strict(gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str) -> Iterator[ServerThread]:
+    with gateway_factory(base_config([upstream_url]), **TIMEOUTS) as (_, server):
+        yield server
+
+
+@contextlib.contextmanager
+def sockets(port: int, count: int) -> Iterator[list[socket.socket]]:
+    opened = [connect(port) for _ in range(count)]
+    try:
+        yield opened
+    finally:
+        for sock in opened:
+            sock.close()
+
+
+def test_a_slow_head_is_408_at_its_deadline(strict: ServerThread, upstream: FakeUpstream) -> None:
+    with connect(strict.port) as sock:
+        started = time.monotonic()
+        sock.sendall(head() + b"X-Slow: ")
+        answered = threading.Event()
+
+        def trickle() -> None:  # one byte every 0.2 s: each read is in time, the head never is
+            with contextlib.suppress(OSError):
+                while not answered.is_set():
+                    sock.sendall(b"a")
+                    time.sleep(0.2)
+
+        feeder = threading.Thread(target=trickle, daemon=True)
+        feeder.start()
+        served(strict)  # meanwhile
+        answer = read_until_closed(sock, timeout=10)
+        answered.set()
+        elapsed = time.monotonic() - started
+    error = error_of(answer, 408)
+    assert error["code"] == "request_timeout" and "headers" in str(error["message"])
+    assert 0.9 <= elapsed < 8
+    assert len(upstream.requests) == 1  # only the normal client's
+
+
+def test_a_slowloris_crowd_is_cut_and_others_are_served(strict: ServerThread, upstream: FakeUpstream) -> None:
+    with sockets(strict.port, 200) as crowd:
+        for sock in crowd:
+            sock.sendall(head() + b"X-Slow: a")  # half a head each
+        served(strict)
+        answers = [read_until_closed(sock, timeout=10) for sock in crowd]
+    assert all(error_of(answer, 408)["code"] == "request_timeout" for answer in answers)
+    served(strict)
+    assert len(upstream.requests) == 2  # the two normal chats
+
+
+def test_a_slow_body_is_408_at_its_deadline(strict: ServerThread, upstream: FakeUpstream) -> None:
+    with connect(strict.port) as sock:
+        sock.sendall(head(extra=b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n") + b'{"model":')
+        served(strict)
+        answer = read_until_closed(sock, timeout=10)
+    error = error_of(answer, 408)
+    assert error["code"] == "request_timeout" and "body" in str(error["message"])
+    assert len(upstream.requests) == 1  # only the normal client's
+
+
+def test_connections_that_never_send_are_closed_without_a_reply(strict: ServerThread) -> None:
+    with sockets(strict.port, 300) as idle:
+        served(strict)
+        started = time.monotonic()
+        assert all(closed_by_server(sock, timeout=10) for sock in idle)
+        assert time.monotonic() - started < 8
+    served(strict)
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(strict: ServerThread) -> None:
+    with connect(strict.port) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        assert read_response(sock).startswith(b"HTTP/1.1 200")
+        assert closed_by_server(sock, timeout=10)
