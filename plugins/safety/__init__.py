@@ -1,10 +1,12 @@
 """Safety: screen prompts before they reach cache or engine, and optionally check completions.
 
 On the way in (``on_request``), in this order, all per model: shape limits (body bytes, messages,
-max_tokens, n, tools, JSON depth), prompt characters, the input rules (block, redact or log), prompt
-tokens (counted only when the prompt could be over the limit), then the optional classifier. A block
-is a 400 ``content_filter`` naming the rule, with zero upstream calls; a redaction rewrites the body
-that goes upstream. Every hit is counted per rule and written as an audit line without the text.
+max_tokens, n, tools, JSON depth), prompt characters, the input rules (block, redact or log) over every
+text the model will read (``texts.py``), normalised (``normalize.py``) and joined across messages and
+parts (``scan.py``), prompt tokens (counted only when the prompt could be over the limit), then the
+optional classifier. A block is a 400 ``content_filter`` naming the rule, with zero upstream calls; a
+redaction rewrites the body that goes upstream. Every hit is counted per rule and written as an audit
+line without the text (``report.py``: its length, and a keyed hash only when a key is set).
 
 On the way back, only when some rule applies to ``output``: non-stream completions are checked in
 ``on_response``; streams are checked in ``on_chunk`` with a bounded hold-back (``output.py``). The
@@ -28,13 +30,16 @@ from plugins.safety.limits import TokenCounter, check_chars, check_shape, check_
 from plugins.safety.output import StreamGuard
 from plugins.safety.policy import Policies, Policy
 from plugins.safety.report import SafetyMetrics, audit, content_filter
-from plugins.safety.rules import Hit, redact
-from plugins.safety.texts import completion_slots, content_param, prompt_slots
+from plugins.safety.rules import Hit, Rule
+from plugins.safety.scan import clip, redact_texts, scan_texts
+from plugins.safety.texts import ANSWER_TEXT_FIELDS, TextSlot, completion_slots, content_param, prompt_slots
 
 __all__ = ["OutputSafetyPlugin", "SafetyConfig", "SafetyPlugin"]
 
 log = logging.getLogger("gateway.safety")
 _STREAM = "safety.stream"
+_FIELDS = "safety.fields"  # per choice index: the reasoning/refusal fields held
+_TOOL_CALLS = "safety.tool_calls"  # per choice index: the indices of the tool calls whose arguments are held
 
 
 class SafetyPlugin(Plugin):
@@ -53,6 +58,8 @@ class SafetyPlugin(Plugin):
         self.tokens = TokenCounter()
         self.policies: Policies | None = None
         self.classifier: Classifier | None = None
+        secret = services.settings.audit_hmac_key
+        self.audit_key: bytes | None = secret.get_secret_value().encode() if secret is not None else None
 
     async def start(self) -> None:
         try:
@@ -85,10 +92,9 @@ class SafetyPlugin(Plugin):
             slots = prompt_slots(ctx.endpoint, ctx.body)
             if limits.max_prompt_chars is not None:
                 check_chars(limits, sum(len(s.text) for s in slots), param)
-            encoded = [s.text.encode() for s in slots]
             if policy.input:
-                self._apply_input_rules(ctx, policy, slots, encoded, param)
-            if policy.tokenizer is not None and may_exceed_tokens(limits, sum(len(b) for b in encoded)):
+                self._apply_input_rules(ctx, policy, slots, param)
+            if policy.tokenizer is not None and may_exceed_tokens(limits, sum(len(s.text.encode()) for s in slots)):
                 await check_tokens(limits, self.tokens, policy.tokenizer, [s.text for s in slots], param)
         except Exception as exc:
             param_name = getattr(exc, "param", None)
@@ -99,24 +105,24 @@ class SafetyPlugin(Plugin):
             await self._classify(ctx, "\n".join(s.text for s in slots), param)
         return None
 
-    def _apply_input_rules(
-        self, ctx: RequestContext, policy: Policy, slots: list[Any], encoded: list[bytes], param: str
-    ) -> None:
-        blocked: Hit | None = None
-        for slot, data in zip(slots, encoded, strict=True):
-            hits = policy.input.scan(data)
-            if not hits:
-                continue
-            for hit in hits:
-                self._report(ctx, hit, data[hit.start : hit.end], "input")
-            if blocked is None:
-                blocked = next((h for h in hits if h.rule.action == "block"), None)
-            redactions = [h for h in hits if h.rule.action == "redact"]
-            if redactions and blocked is None:
-                slot.write(redact(data, redactions).decode())
-                ctx.mark_body_changed()
+    def _apply_input_rules(self, ctx: RequestContext, policy: Policy, slots: list[TextSlot], param: str) -> None:
+        """Every input rule over every text the model will read (``texts.prompt_slots``), normalised and
+        joined (``scan.py``): a block refuses the request, redactions rewrite the original texts."""
+        texts = [s.text for s in slots]
+        findings = scan_texts(policy.input, texts, [s.group for s in slots])
+        if not findings:
+            return
+        for finding in findings:
+            self._report(ctx, finding.rule, finding.matched, "input")
+        blocked = next((f for f in findings if f.rule.action == "block"), None)
         if blocked is not None:
             raise content_filter(blocked.rule.id, param)
+        redactions = [f for f in findings if f.rule.action == "redact"]
+        if redactions:
+            # Values before keys: a value's slot names its key, which a key slot may rename.
+            for index, text in sorted(redact_texts(texts, redactions).items(), key=lambda e: slots[e[0]].is_key):
+                slots[index].write(text)
+            ctx.mark_body_changed()
 
     async def _classify(self, ctx: RequestContext, text: str, param: str) -> None:
         assert self.classifier is not None
@@ -130,14 +136,21 @@ class SafetyPlugin(Plugin):
             return
         if verdict == "unsafe":
             self.metrics.rule_hits.labels(cfg.rule_id, cfg.action, "input").inc()
-            audit(ctx, rule=cfg.rule_id, kind="classifier", action=cfg.action, direction="input", span=text.encode())
+            audit(
+                ctx,
+                rule=cfg.rule_id,
+                kind="classifier",
+                action=cfg.action,
+                direction="input",
+                span=text.encode(),
+                key=self.audit_key,
+            )
             if cfg.action == "block":
                 raise content_filter(cfg.rule_id, param)
 
-    def _report(self, ctx: RequestContext, hit: Hit, span: bytes, direction: str) -> None:
-        rule = hit.rule
+    def _report(self, ctx: RequestContext, rule: Rule, span: bytes, direction: str) -> None:
         self.metrics.rule_hits.labels(rule.id, rule.action, direction).inc()
-        audit(ctx, rule=rule.id, kind=rule.kind, action=rule.action, direction=direction, span=span)
+        audit(ctx, rule=rule.id, kind=rule.kind, action=rule.action, direction=direction, span=span, key=self.audit_key)
 
 
 class OutputSafetyPlugin(SafetyPlugin):
@@ -158,22 +171,30 @@ class OutputSafetyPlugin(SafetyPlugin):
             return None
         obj = response.json
         changed = False
+        by_choice: dict[int, tuple[dict[str, Any], list[TextSlot]]] = {}
         for choice, slot in completion_slots(obj):
-            data = slot.text.encode()
-            hits = policy.output.scan(data)
-            if not hits:
+            by_choice.setdefault(id(choice), (choice, []))[1].append(slot)
+        for choice, slots in by_choice.values():
+            texts = [slot.text for slot in slots]
+            # Each field on its own, as the stream hold-back checks them (the client reads them apart).
+            findings = scan_texts(policy.output, texts, range(len(texts)))
+            if not findings:
                 continue
-            for hit in hits:
-                self._report(ctx, hit, data[hit.start : hit.end], "output")
-            blocked = next((h for h in hits if h.rule.action == "block"), None)
-            cut = len(data) if blocked is None else blocked.start
-            redactions = [h for h in hits if h.rule.action == "redact" and h.end <= cut]
-            if blocked is None and not redactions:
-                continue
-            slot.write(redact(data[:cut], redactions).decode())
+            for finding in findings:
+                self._report(ctx, finding.rule, finding.matched, "output")
+            blocked = next((f for f in findings if f.rule.action == "block"), None)
+            redactions = [f for f in findings if f.rule.action == "redact"]
             if blocked is not None:
+                # The text the blocked match touches first is cut where the match starts.
+                slot_index, cut, _ = blocked.pieces[0]
+                texts[slot_index] = texts[slot_index][:cut]
+                redactions = [clip(f, slot_index, cut) for f in redactions]
+                slots[slot_index].write(texts[slot_index])
                 choice["finish_reason"] = "content_filter"
-            changed = True
+                changed = True
+            for index, text in redact_texts(texts, redactions).items():
+                slots[index].write(text)
+                changed = True
         if not changed:
             return None
         response.replace_json(obj)
@@ -191,19 +212,82 @@ class OutputSafetyPlugin(SafetyPlugin):
             delta = choice.get("delta")
             piece = (delta.get("content") if isinstance(delta, dict) else choice.get("text")) or ""
             final = choice.get("finish_reason") is not None
-            release = guard.feed(choice.get("index", 0), piece, final=final)
+            index = choice.get("index", 0)
+            release = guard.feed(index, piece, final=final)
+            blocked = release.blocked
             if isinstance(delta, dict):
                 if "content" in delta or release.text:
                     delta["content"] = release.text
-                keep = keep or bool(release.text) or any(k != "content" for k in delta)
+                if blocked is None:
+                    blocked = self._guard_fields(ctx, guard, index, delta, final=final)
+                if blocked is None:
+                    blocked = self._guard_tool_calls(ctx, guard, index, delta, final=final)
+                keep = (
+                    keep
+                    or any(k not in ANSWER_TEXT_FIELDS for k in delta)
+                    or any(delta.get(name) for name in ANSWER_TEXT_FIELDS)
+                )
             else:
                 choice["text"] = release.text
                 keep = keep or bool(release.text)
-            if release.blocked is not None:
+            if blocked is not None:
                 choice["finish_reason"] = "content_filter"
                 ctx.state["close_stream"] = True
             keep = keep or choice.get("finish_reason") is not None
         return chunk if keep else None
+
+    @staticmethod
+    def _guard_fields(
+        ctx: RequestContext, guard: StreamGuard, index: int, delta: dict[str, Any], *, final: bool
+    ) -> Hit | None:
+        """Hold back and check a delta's reasoning and refusal text like its content (each field held
+        on its own); the chunk that ends the choice releases what each still holds."""
+        seen: set[str] = ctx.state.setdefault(_FIELDS, {}).setdefault(index, set())
+        for name in ANSWER_TEXT_FIELDS[1:]:
+            piece = delta.get(name)
+            if not isinstance(piece, str) and not (final and name in seen):
+                continue
+            seen.add(name)
+            release = guard.feed((index, name), piece if isinstance(piece, str) else "", final=final)
+            if name in delta or release.text:
+                delta[name] = release.text
+            if release.blocked is not None:
+                return release.blocked
+        return None
+
+    @staticmethod
+    def _guard_tool_calls(
+        ctx: RequestContext, guard: StreamGuard, index: int, delta: dict[str, Any], *, final: bool
+    ) -> Hit | None:
+        """Hold back and check each tool call's streamed arguments like text (held per call); the chunk
+        that ends the choice releases what every call of it still holds. Returns a block hit, if any."""
+        seen: set[int] = ctx.state.setdefault(_TOOL_CALLS, {}).setdefault(index, set())
+        calls = delta.get("tool_calls")
+        calls = calls if isinstance(calls, list) else []
+        in_chunk: set[int] = set()
+        for call in calls:
+            if not isinstance(call, dict) or not isinstance(call.get("index"), int):
+                continue
+            function = call.get("function")
+            piece = function.get("arguments") if isinstance(function, dict) else None
+            if not isinstance(piece, str):
+                continue
+            assert isinstance(function, dict)
+            seen.add(call["index"])
+            in_chunk.add(call["index"])
+            release = guard.feed((index, call["index"]), piece, final=final)
+            function["arguments"] = release.text
+            if release.blocked is not None:
+                return release.blocked
+        if final:
+            for tool_index in sorted(seen - in_chunk):
+                release = guard.feed((index, tool_index), "", final=True)
+                if release.text:
+                    calls.append({"index": tool_index, "function": {"arguments": release.text}})
+                    delta["tool_calls"] = calls
+                if release.blocked is not None:
+                    return release.blocked
+        return None
 
     def _stream_guard(self, ctx: RequestContext) -> StreamGuard | None:
         """This stream's hold-back state, made on its first chunk (None: no output rules for the model)."""
@@ -216,7 +300,7 @@ class OutputSafetyPlugin(SafetyPlugin):
             guard = StreamGuard(
                 policy.output,
                 self.config.output.hold_back_chars,
-                lambda hit, span: self._report(ctx, hit, span, "output"),
+                lambda hit, span: self._report(ctx, hit.rule, span, "output"),
             )
         ctx.state[_STREAM] = guard
         return guard

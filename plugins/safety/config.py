@@ -26,32 +26,34 @@ class _Strict(BaseModel):
 class LimitsConfig(_Strict):
     """Request-shape limits; ``None`` turns a limit off. Over a limit: 400 naming the field."""
 
-    max_body_bytes: int | None = Field(None, ge=1)
-    max_messages: int | None = Field(None, ge=1)
-    max_prompt_chars: int | None = Field(None, ge=1)
+    max_body_bytes: int | None = Field(None, ge=1, description="largest request body")
+    max_messages: int | None = Field(None, ge=1, description="most messages in a chat request")
+    max_prompt_chars: int | None = Field(None, ge=1, description="longest prompt text, in characters")
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="counted with the model's tokenizer on the prompt text (chat template excluded)"
     )
     max_tokens: int | None = Field(None, ge=1, description="applies to max_tokens and max_completion_tokens")
-    max_n: int | None = Field(None, ge=1)
-    max_tools: int | None = Field(None, ge=0)
-    max_json_depth: int | None = Field(None, ge=2)
+    max_n: int | None = Field(None, ge=1, description="largest n (choices per request)")
+    max_tools: int | None = Field(None, ge=0, description="most tools a request may declare")
+    max_json_depth: int | None = Field(None, ge=2, description="deepest nesting of the request's JSON")
 
 
 class GovIdFormat(_Strict):
     """A government-ID format: a regex (RE2 syntax) and the placeholder label (``SSN`` -> ``[SSN]``)."""
 
-    label: str = Field(min_length=1, pattern=r"^[A-Z0-9_]+$")
-    pattern: str = Field(min_length=1)
+    label: str = Field(min_length=1, pattern=r"^[A-Z0-9_]+$", description="the placeholder's label: SSN -> [SSN]")
+    pattern: str = Field(min_length=1, description="RE2 regex of the format")
 
 
 class RuleConfig(_Strict):
     """One rule. ``kind`` picks the detector; the kind-specific fields are listed below it."""
 
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$", description="shown in refusals and metrics")
-    kind: RuleKind
-    action: Action = "block"
-    apply_to: list[Direction] = Field(default_factory=lambda: list[Direction](["input"]), min_length=1)
+    kind: RuleKind = Field(description="the detector")
+    action: Action = Field("block", description="block: refuse (400 content_filter); redact: replace; log: count only")
+    apply_to: list[Direction] = Field(
+        default_factory=lambda: list[Direction](["input"]), min_length=1, description="prompts, completions or both"
+    )
     # pattern
     patterns: list[str] = Field(default_factory=list, description="kind=pattern: RE2 regexes")
     # words
@@ -62,7 +64,10 @@ class RuleConfig(_Strict):
     formats: list[GovIdFormat] = Field(default_factory=list, description="kind=gov_id")
     # injection
     threshold: float = Field(1.0, gt=0, description="kind=injection: block at this score or above")
-    families: list[Family] = Field(default_factory=lambda: list[Family](["override", "roleplay", "extraction"]))
+    families: list[Family] = Field(
+        default_factory=lambda: list[Family](["override", "roleplay", "extraction"]),
+        description="kind=injection: the heuristics that score",
+    )
     placeholder: str | None = Field(None, description="redact: the replacement (default: [KIND])")
 
     @model_validator(mode="after")
@@ -81,12 +86,14 @@ class ClassifierConfig(_Strict):
     a reply matching ``unsafe_pattern`` refuses the request (rule id ``rule_id``)."""
 
     url: str = Field(pattern=r"^https?://", description="base URL of the worker, e.g. http://127.0.0.1:8200")
-    model: str = Field(min_length=1)
-    timeout_ms: float = Field(300.0, gt=0)
-    on_error: Literal["fail_open", "fail_closed"] = "fail_closed"
+    model: str = Field(min_length=1, description="the guard model's name on that worker")
+    timeout_ms: float = Field(300.0, gt=0, description="time budget of one check")
+    on_error: Literal["fail_open", "fail_closed"] = Field(
+        "fail_closed", description="a check that fails or runs over: fail_closed refuses (503), fail_open lets it pass"
+    )
     unsafe_pattern: str = Field(r"(?i)^\s*unsafe", description="RE2 regex run on the guard model's reply")
-    action: Literal["block", "log"] = "block"
-    rule_id: str = "classifier"
+    action: Literal["block", "log"] = Field("block", description="block: refuse an unsafe prompt; log: count only")
+    rule_id: str = Field("classifier", description="the rule id in refusals, metrics and audit lines")
     max_chars: int = Field(8000, ge=1, description="longer prompts are sent truncated to their last max_chars")
 
 
@@ -100,7 +107,7 @@ class ModelOverride(_Strict):
     limits: dict[str, int | None] = Field(default_factory=dict, description="fields of limits to override")
     rules: list[RuleConfig] | None = Field(None, description="replaces the global rules for this model")
     tokenizer: str | None = Field(None, description="path to the model's tokenizer.json")
-    enabled: bool = True
+    enabled: bool = Field(True, description="false: no safety checks for this model")
 
     @model_validator(mode="after")
     def _known_limits(self) -> ModelOverride:
@@ -112,12 +119,12 @@ class ModelOverride(_Strict):
 
 
 class SafetyConfig(_Strict):
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    rules: list[RuleConfig] = Field(default_factory=list)
-    classifier: ClassifierConfig | None = None
-    output: OutputConfig = Field(default_factory=OutputConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="request-shape limits of every model")
+    rules: list[RuleConfig] = Field(default_factory=list, description="rules of every model, in order")
+    classifier: ClassifierConfig | None = Field(None, description="optional guard-model check")
+    output: OutputConfig = Field(default_factory=OutputConfig, description="stream hold-back of output rules")
     tokenizer: str | None = Field(None, description="default tokenizer.json path; '{model}' is the model name")
-    models: dict[str, ModelOverride] = Field(default_factory=dict)
+    models: dict[str, ModelOverride] = Field(default_factory=dict, description="per model name (not alias): overrides")
 
     @model_validator(mode="after")
     def _unique_ids(self) -> SafetyConfig:

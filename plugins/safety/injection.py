@@ -34,13 +34,19 @@ SIGNALS: tuple[Signal, ...] = (
         "override",
         1.0,
         r"(?i)\b(?:ignore|disregard|forget|override|bypass)\b" + _GAP + r"\b(?:previous|prior|above|earlier|preceding|"
-        r"all|any|your|the|these|those)\b" + _GAP + r"\b(?:instructions?|prompts?|rules|directives|guidelines)\b",
+        r"all|any|your|the|these|those)\b" + _GAP + r"\b(?:instructions?|directions?|prompts?|rules|directives|"
+        r"guidelines|commands)\b",
     ),
     Signal(
         "override",
         1.0,
         r"(?i)\b(?:do\s+not|don't|stop)\s+follow(?:ing)?\s+(?:your|the|any)\s+(?:previous\s+|prior\s+|original\s+)?"
         r"(?:instructions|rules|guidelines)",
+    ),
+    Signal(
+        "override",
+        1.0,
+        r"(?i)\b(?:ignore|disregard|forget)\s+(?:everything|all)\s+(?:above|before|so\s+far|previously\s+said)\b",
     ),
     Signal("override", 0.5, r"(?i)\bnew\s+(?:instructions?|rules)\s*:"),
     Signal("override", 0.3, r"(?i)\bfrom\s+now\s+on\b"),

@@ -2,12 +2,18 @@
 
 The counters are created once per process and kept in ``services.shared`` so that a config reload
 (which builds a new plugin instance) reuses them instead of registering duplicates. Audit lines never
-carry the matched text: only its SHA-256 and length, with the request id, rule, action and direction.
+carry the matched text: only its length and, when ``GATEWAY_AUDIT_HMAC_KEY`` is set, its
+HMAC-SHA256 under that key (``span_hmac``), with the request id, rule, action and direction. A plain
+digest is never logged: a card number has about 10^6 candidates once its first 6 and last 4 digits
+are known, and a phone number fewer, so an unkeyed hash is reversed by trying them all. With the key
+(which stays in the environment, never in the config or the log) equal matches still get equal
+hashes, so an operator can correlate repeats.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 from dataclasses import dataclass
 
@@ -58,22 +64,21 @@ class SafetyMetrics:
         return metrics
 
 
-def audit(ctx: RequestContext, *, rule: str, kind: str, action: str, direction: str, span: bytes) -> None:
-    audit_log.info(
-        "safety rule matched",
-        extra={
-            "fields": {
-                "request_id": ctx.request_id,
-                "model": ctx.model.name,
-                "rule": rule,
-                "kind": kind,
-                "action": action,
-                "direction": direction,
-                "span_sha256": hashlib.sha256(span).hexdigest(),
-                "span_bytes": len(span),
-            }
-        },
-    )
+def audit(
+    ctx: RequestContext, *, rule: str, kind: str, action: str, direction: str, span: bytes, key: bytes | None
+) -> None:
+    fields: dict[str, object] = {
+        "request_id": ctx.request_id,
+        "model": ctx.model.name,
+        "rule": rule,
+        "kind": kind,
+        "action": action,
+        "direction": direction,
+        "span_bytes": len(span),
+    }
+    if key:
+        fields["span_hmac"] = hmac.new(key, span, hashlib.sha256).hexdigest()
+    audit_log.info("safety rule matched", extra={"fields": fields})
 
 
 def content_filter(rule_id: str, param: str) -> InvalidRequest:

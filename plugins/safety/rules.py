@@ -26,6 +26,7 @@ from plugins.safety.detectors import (
     re2_options,
 )
 from plugins.safety.injection import InjectionDetector
+from plugins.safety.normalize import normalize
 from plugins.safety.patterns import WORDS_MAX_MEM, deny_pattern_detector, words_detector
 from plugins.safety.secret_keys import SecretDetector, SecretPattern
 
@@ -69,7 +70,9 @@ def build_rule(config: RuleConfig, secret_patterns: Sequence[SecretPattern]) -> 
             case "pattern":
                 detector = deny_pattern_detector(config.patterns)
             case "words":
-                detector = words_detector(config.words)
+                # Matched against normalised text: normalise the words the same way (a Cyrillic word
+                # list would otherwise miss its own letters folded to Latin look-alikes).
+                detector = words_detector([normalize(word)[0] for word in config.words])
             case "email":
                 detector = email_detector()
             case "phone":

@@ -1,0 +1,225 @@
+"""What rules match against: a normalised copy of the text, with a map back to the original.
+
+Evasions that leave a text readable to the model but not to a regex are undone before matching:
+
+1. NFKC per character (fullwidth digits U+FF14 U+FF11 -> ``41``, mathematical bold letters -> ASCII,
+   ligatures);
+2. removal of invisible characters: zero-width space/joiners, word joiner, soft hyphen, BOM,
+   Mongolian vowel separator, variation selectors, tag characters, bidi controls, and lone
+   combining marks (``i`` U+0307 ``gnore``);
+3. confusable folding: a non-ASCII character whose Unicode confusable prototype (``confusables.txt``,
+   as shipped by the ``confusable-homoglyphs`` package) is ASCII becomes that ASCII (Cyrillic
+   U+0430 -> ``a``, Greek U+039F -> ``O``). ASCII itself is never folded (``0``/``O``, ``1``/``l`` stay), so
+   digits of a card number keep their meaning;
+4. whitespace folding: every run of whitespace becomes one space.
+
+The result comes with an ``OffsetMap``: any span of the normalised text maps to the span of the
+original that produced it, so a redaction replaces exactly the original characters (zero-width
+characters and fullwidth digits included). Plain ASCII text with single spaces is its own
+normalisation and costs one ``isascii`` and one regex search.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from bisect import bisect_right
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+#: Characters removed outright (besides the Mn/Me combining marks and Cf format characters below).
+_INVISIBLE = frozenset(
+    "\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180e\u200b\u200c\u200d\u200e\u200f"
+    "\u202a\u202b\u202c\u202d\u202e\u2060\u2061\u2062\u2063\u2064\u2066\u2067\u2068\u2069\u206a\u206b"
+    "\u206c\u206d\u206e\u206f\u3164\ufeff\uffa0"
+)
+# ASCII whitespace other than the space becomes a space first: one for one, so offsets do not move.
+_ASCII_SPACES = str.maketrans("\t\n\r\x0b\x0c\x1c\x1d\x1e\x1f", " " * 9)
+_SPACE = re.compile(r"\s+")
+
+
+@lru_cache(maxsize=1)
+def _confusables() -> dict[str, str]:
+    """Non-ASCII character -> its ASCII look-alike, from the confusable-homoglyphs package's data
+    (generated from Unicode's confusables.txt; MIT licence). Loaded once, never downloaded."""
+    raw = json.loads(resources.files("confusable_homoglyphs").joinpath("confusables.json").read_text("utf-8"))
+    table: dict[str, str] = {}
+    for char, entries in raw.items():
+        if len(char) != 1 or char.isascii():
+            continue
+        for entry in entries:
+            target = entry.get("c", "")
+            # A letter folds only to letters (Cyrillic U+0431 is a look-alike of "6", but making digits out
+            # of words would invent card numbers); other characters to anything printable.
+            if char.isalpha() and not target.isalpha():
+                continue
+            if target and target.isascii() and target.isprintable() and not target.isspace():
+                # The prototype of a capital I look-alike (Greek Iota, Cyrillic I) is "l": keep it a capital.
+                table[char] = "I" if target == "l" and char.isupper() else target
+                break
+    return table
+
+
+@lru_cache(maxsize=8192)
+def fold_char(char: str) -> str:
+    """The normalised form of one non-ASCII character ("" when it is invisible)."""
+    if char in _INVISIBLE or char in (_DROPPED, _EXPANDED):
+        return ""
+    category = unicodedata.category(char)
+    if category in ("Mn", "Me", "Cf") or ("\U000e0000" <= char <= "\U000e007f") or ("\ufe00" <= char <= "\ufe0f"):
+        return ""
+    out = []
+    for c in unicodedata.normalize("NFKC", char):
+        if c.isascii():
+            out.append(c)
+        elif c in _INVISIBLE or unicodedata.category(c) in ("Mn", "Me", "Cf"):
+            continue
+        elif c.isspace():
+            out.append(" ")
+        else:
+            out.append(_confusables().get(c, c))
+    return "".join(out)
+
+
+_DROPPED = "\ue000"  # what a character that folds to nothing becomes in the one-to-one pass
+_EXPANDED = "\ue001"  # ... and one that folds to several characters (a ligature, a circled number)
+
+
+class _FoldTable(dict[int, str]):
+    """Code point -> its normalised form as exactly one character, for ``str.translate``: a character
+    that folds to nothing becomes ``_DROPPED``, one that folds to several ``_EXPANDED`` (both handled
+    afterwards, one by one). Filled on first sight of a character, but only with assigned,
+    non-private characters (about 150,000 exist): a client sending unassigned or private-use code
+    points can neither grow the table without bound nor push other clients' characters out of it."""
+
+    def __init__(self) -> None:
+        super().__init__((code, chr(code)) for code in range(128))
+        self.update({code: " " for code in _ASCII_SPACES})  # ASCII whitespace becomes a space here too
+
+    def __missing__(self, code: int) -> str:
+        folded = fold_char(chr(code))
+        value = folded if len(folded) == 1 else _EXPANDED if folded else _DROPPED
+        if len(self) < _TABLE_MAX and unicodedata.category(chr(code)) not in ("Cn", "Co", "Cs"):
+            self[code] = value
+        return value
+
+
+_TABLE_MAX = 1 << 18  # a backstop: assigned characters alone stay below it
+_FOLD = _FoldTable()
+_NOT_ONE_TO_ONE = re.compile("[\ue000\ue001]+")
+_SPACE_RUN = re.compile(" {2,}")
+
+
+@dataclass(frozen=True, slots=True)
+class OffsetMap:
+    """Normalised character offsets -> original ones. Segment ``i`` starts at normalised offset
+    ``norm[i]``; a linear segment maps one to one from ``orig[i]``, a replacement maps all its
+    characters onto the original range ``orig[i]:orig_end[i]``. ``inner``, when set, maps the result
+    one step further back (normalisation runs in two steps: characters, then spaces)."""
+
+    norm: tuple[int, ...]
+    orig: tuple[int, ...]
+    orig_end: tuple[int, ...]
+    linear: tuple[bool, ...]
+    inner: OffsetMap | None = None
+
+    def start(self, n: int) -> int:
+        i = bisect_right(self.norm, n) - 1
+        at = 0 if i < 0 else self.orig[i] + (n - self.norm[i]) if self.linear[i] else self.orig[i]
+        return at if self.inner is None else self.inner.start(at)
+
+    def end(self, n: int) -> int:
+        """The original offset just past what normalised characters up to ``n`` (exclusive) came from."""
+        if n <= 0:
+            return 0
+        i = bisect_right(self.norm, n - 1) - 1
+        at = 0 if i < 0 else self.orig[i] + (n - self.norm[i]) if self.linear[i] else self.orig_end[i]
+        return at if self.inner is None else self.inner.end(at)
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        return self.start(start), self.end(end)
+
+
+IDENTITY = OffsetMap((0,), (0,), (0,), (True,))  # the map of a text that normalisation left alone
+
+
+class _Builder:
+    """Segments of a normalised text being built."""
+
+    __slots__ = ("linear", "n", "norm", "orig", "orig_end", "out")
+
+    def __init__(self) -> None:
+        self.out: list[str] = []
+        self.norm: list[int] = []
+        self.orig: list[int] = []
+        self.orig_end: list[int] = []
+        self.linear: list[bool] = []
+        self.n = 0
+
+    def add(self, a: int, b: int, piece: str, *, linear: bool) -> None:
+        if not piece:
+            return
+        self.norm.append(self.n)
+        self.orig.append(a)
+        self.orig_end.append(b)
+        self.linear.append(linear)
+        self.out.append(piece)
+        self.n += len(piece)
+
+    def result(self, inner: OffsetMap) -> tuple[str, OffsetMap]:
+        offsets = OffsetMap(
+            tuple(self.norm) or (0,),
+            tuple(self.orig) or (0,),
+            tuple(self.orig_end) or (0,),
+            tuple(self.linear) or (True,),
+            None if inner is IDENTITY else inner,
+        )
+        return "".join(self.out), offsets
+
+
+def _fold_chars(text: str, folded: str) -> tuple[str, OffsetMap]:
+    """Step 1 where some character does not fold to exactly one: ``folded`` (the one-to-one pass) is
+    kept in stretches; dropped characters are left out, expanded ones written out one by one."""
+    built = _Builder()
+    cursor = 0
+    for match in _NOT_ONE_TO_ONE.finditer(folded):
+        a, b = match.span()
+        built.add(cursor, a, folded[cursor:a], linear=True)
+        if _EXPANDED in match.group():
+            for i in range(a, b):
+                if folded[i] == _EXPANDED:
+                    built.add(i, i + 1, fold_char(text[i]), linear=False)
+        cursor = b
+    built.add(cursor, len(text), folded[cursor:], linear=True)
+    return built.result(IDENTITY)
+
+
+def _fold_spaces(text: str, inner: OffsetMap) -> tuple[str, OffsetMap]:
+    """Step 2: every run of spaces becomes one."""
+    built = _Builder()
+    cursor = 0
+    for match in _SPACE_RUN.finditer(text):
+        a, b = match.span()
+        built.add(cursor, a, text[cursor:a], linear=True)
+        built.add(a, b, " ", linear=False)
+        cursor = b
+    built.add(cursor, len(text), text[cursor:], linear=True)
+    return built.result(inner)
+
+
+def normalize(text: str) -> tuple[str, OffsetMap]:
+    """The normalised text and its map back to ``text``. Costs a few C-speed passes (``translate``,
+    RE2) plus Python work only per character that does not fold one-to-one and per run of spaces."""
+    offsets = IDENTITY
+    if text.isascii():
+        text = text.translate(_ASCII_SPACES)  # CPython's fast path for ASCII
+    else:
+        folded = text.translate(_FOLD)  # one pass: characters and ASCII whitespace
+        if _DROPPED in folded or _EXPANDED in folded:
+            folded, offsets = _fold_chars(text, folded)
+        text = folded
+    if "  " in text:
+        text, offsets = _fold_spaces(text, offsets)
+    return text, offsets
