@@ -21,10 +21,25 @@ class Limits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
+    requests_per_minute: int | None = Field(None, ge=1, description="rate limit (GCRA)")
+    tokens_per_minute: int | None = Field(None, ge=1, description="rate limit on prompt + completion tokens")
     tokens_per_day: int | None = Field(None, ge=1, description="budget, resets at 00:00 UTC")
     tokens_per_month: int | None = Field(None, ge=1, description="budget, resets on the 1st at 00:00 UTC")
+
+
+class TenantConfig(Limits):
+    """A tenant: the limits all its keys share, and its place in the routing queues."""
+
+    priority: int = Field(
+        0, ge=-1000, le=1000, description="admission priority of its requests when a model is full (higher first)"
+    )
+    client_priority_max: int | None = Field(
+        None,
+        ge=-1000,
+        le=1000,
+        description="None: the client's priority header changes nothing; a number: the header may set the "
+        "priority, capped at this value",
+    )
 
 
 class ConfigKey(BaseModel):
@@ -32,11 +47,11 @@ class ConfigKey(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    id: str = Field(pattern=NAME_PATTERN)
-    tenant: str = Field(pattern=NAME_PATTERN)
+    id: str = Field(pattern=NAME_PATTERN, description="the key's name in metrics, usage and logs")
+    tenant: str = Field(pattern=NAME_PATTERN, description="the tenant it belongs to (limits, cache scope)")
     hash: str = Field(description="hex HMAC-SHA256 of the key with the pepper")
     models: list[str] = Field(default_factory=lambda: ["*"], description="model names or fnmatch patterns")
-    limits: Limits = Field(default_factory=Limits)
+    limits: Limits = Field(default_factory=Limits, description="the key's own limits")
 
     @field_validator("hash")
     @classmethod
@@ -52,13 +67,15 @@ class TenancyConfig(BaseModel):
 
     auth: bool = Field(True, description="require a client key; false: every request is anonymous_tenant")
     anonymous_tenant: str = Field("local", pattern=NAME_PATTERN, description="tenant of requests when auth is off")
-    tenants: dict[str, Limits] = Field(default_factory=dict, description="limits shared by all keys of a tenant")
-    keys: list[ConfigKey] = Field(default_factory=list)
+    tenants: dict[str, TenantConfig] = Field(
+        default_factory=dict, description="limits shared by all keys of a tenant, and its queue priority"
+    )
+    keys: list[ConfigKey] = Field(default_factory=list, description="client keys declared here, by digest")
     default_key_limits: Limits = Field(
         default_factory=Limits, description="limits of keys created through the admin API that name none"
     )
     pepper_env: str = Field("GATEWAY_TENANCY_PEPPER", description="env var holding the key-hashing pepper")
-    redis_prefix: str = Field("gw:tenancy", min_length=1, max_length=100)
+    redis_prefix: str = Field("gw:tenancy", min_length=1, max_length=100, description="prefix of the Redis keys")
     redis_timeout_ms: float = Field(250, gt=0, le=5000, description="bound on every Redis call")
     redis_down: Literal["fail_closed", "fail_open"] = Field(
         "fail_closed",
@@ -71,14 +88,31 @@ class TenancyConfig(BaseModel):
     key_cache_ttl_s: float = Field(
         0.5, gt=0, le=1.0, description="how long a replica trusts a key lookup; bounds revocation delay"
     )
-    key_cache_size: int = Field(10000, ge=1)
+    key_cache_size: int = Field(10000, ge=1, description="key lookups a replica keeps")
     reserve_max_tokens: bool = Field(
         True, description="count max_tokens on admission (as OpenAI does); refunded when usage is known"
     )
+    without_max_tokens: Literal["reserve", "clamp"] = Field(
+        "reserve",
+        description="a request without max_tokens: reserve what it can cost ((context - prompt) x n), or clamp: "
+        "set its max_tokens to what the key and tenant have left (the answer may end with finish_reason "
+        "'length'; the header x-gateway-max-tokens says the limit used)",
+    )
+    default_context_tokens: int = Field(
+        4096, ge=16, description="a model's context when neither it nor its managed worker sets max_model_len"
+    )
+    priority_header: str = Field(
+        "x-priority", min_length=1, description="the header a tenant with client_priority_max may set priority by"
+    )
+
+    @field_validator("priority_header")
+    @classmethod
+    def _lower(cls, name: str) -> str:
+        return name.lower()
 
     @field_validator("tenants")
     @classmethod
-    def _tenant_names(cls, tenants: dict[str, Limits]) -> dict[str, Limits]:
+    def _tenant_names(cls, tenants: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
         bad = [name for name in tenants if not re.match(NAME_PATTERN, name)]
         if bad:
             raise ValueError(f"tenant names may use letters, digits and _.:- only: {', '.join(bad)}")

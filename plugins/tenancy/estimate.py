@@ -52,6 +52,12 @@ def reserved_completion(body: dict[str, Any]) -> int:
     return 0
 
 
+def choices(body: dict[str, Any]) -> int:
+    """How many choices the request asks for (``n``, default 1)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
 def reported_usage(response: dict[str, Any]) -> tuple[int | None, int] | None:
     """(prompt, completion) tokens from the response's ``usage``; without usage (a stream that did not
     ask for it) the prompt is unknown (None) and the completion is estimated from its text."""

@@ -7,9 +7,12 @@ Lua script checks every bucket and budget of a request (key and tenant, requests
 month) and either counts all of them or none, so concurrent requests on any number of replicas can
 never be admitted past a limit. The time is Redis's own (``TIME``), so replica clocks do not matter.
 
-Completion tokens are charged later by a second script (``charge``): it moves the token buckets by
-the difference between what was reserved on admission and what the worker reported (a refund when
-negative) and adds the usage to the budget counters.
+Admission reserves a request's worst case (``admit``); asked to clamp, the same script reserves as
+many tokens as every bucket and budget has left, but no fewer than the request's least, in one step.
+The charge is settled later by a second script (``charge``): it moves the token buckets by the
+difference between what was reserved and what was delivered (a refund when negative) and adds the
+usage to the budget counters. So a limit is passed at most by the difference between a request's
+reservation and its true cost, which only a prompt longer than its estimate can make positive.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Literal
 
 import redis.asyncio as aioredis
 
-from gateway.infra.redis_autopipe import AutoPipeline
+from gateway.infra.redis_api import RedisPipeline
 from plugins.tenancy.budgets import Budget, format_duration
 
 Kind = Literal["requests", "tokens"]
@@ -30,30 +33,49 @@ PERIOD_MS = 60_000
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local nb = tonumber(ARGV[1])
+local nb, want, least = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local status, which, retry = 0, 0, 0
-local tats, news = {}, {}
+local tats = {}
+-- the tokens to reserve: want, or (clamping) as many as every token bucket and budget has left,
+-- but never fewer than least (a request that cannot get least is refused below)
+local grant = want
 for i = 1, nb do
-  local limit, period, cost = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+  local limit, period = tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
   local tat = tonumber(redis.call('GET', KEYS[i])) or now
   if tat < now then tat = now end
-  local new = tat + cost * period / limit
-  tats[i], news[i] = tat, new
+  tats[i] = tat
+  if ARGV[3*i+3] == '0' then
+    local room = math.floor((now + period - tat) * limit / period)
+    if room < grant then grant = room end
+  end
+end
+local base = 3 * nb + 3
+local used = {}
+for j = 1, #KEYS - nb do
+  local budget = tonumber(ARGV[base + 2*j - 1])
+  used[j] = tonumber(redis.call('HGET', KEYS[nb + j], 'tokens')) or 0
+  if budget >= 0 and budget - used[j] < grant then grant = budget - used[j] end
+end
+if grant < least then grant = least end
+local news = {}
+for i = 1, nb do
+  local limit, period = tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
+  local cost = grant
+  if ARGV[3*i+3] == '1' then cost = 1 end
+  local new = tats[i] + cost * period / limit
+  news[i] = new
   if status == 0 then
     if cost > limit then status, which = 3, i
     elseif new - period > now then status, which, retry = 1, i, new - period - now end
   end
 end
-local used = {}
-local base = 3 * nb + 1
 for j = 1, #KEYS - nb do
-  local budget, cost = tonumber(ARGV[base + 3*j - 2]), tonumber(ARGV[base + 3*j - 1])
-  used[j] = tonumber(redis.call('HGET', KEYS[nb + j], 'tokens')) or 0
-  if status == 0 and budget >= 0 and used[j] + cost > budget then status, which = 2, j end
+  local budget = tonumber(ARGV[base + 2*j - 1])
+  if status == 0 and budget >= 0 and used[j] + grant > budget then status, which = 2, j end
 end
-local out = {status, which, math.ceil(retry)}
+local out = {status, which, math.ceil(retry), grant}
 for i = 1, nb do
-  local period, limit = tonumber(ARGV[3*i]), tonumber(ARGV[3*i-1])
+  local limit, period = tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
   local level = tats[i]
   if status == 0 then
     level = news[i]
@@ -64,11 +86,11 @@ for i = 1, nb do
 end
 for j = 1, #KEYS - nb do
   if status == 0 then
-    local cost, ttl = tonumber(ARGV[base + 3*j - 1]), tonumber(ARGV[base + 3*j])
-    redis.call('HINCRBY', KEYS[nb + j], 'tokens', cost)
+    local ttl = tonumber(ARGV[base + 2*j])
+    redis.call('HINCRBY', KEYS[nb + j], 'tokens', grant)
     redis.call('HINCRBY', KEYS[nb + j], 'requests', 1)
     redis.call('EXPIRE', KEYS[nb + j], ttl)
-    used[j] = used[j] + cost
+    used[j] = used[j] + grant
   end
   out[#out + 1] = used[j]
 end
@@ -127,6 +149,7 @@ class Decision:
     bucket: Bucket | None = None
     budget: Budget | None = None
     retry_after_ms: int = 0
+    granted: int = 0  # tokens reserved (or, refused, the least the request needed)
     remaining: dict[Bucket, tuple[int, int]] = field(default_factory=dict)  # bucket -> (remaining, reset ms)
     used: dict[Budget, int] = field(default_factory=dict)
 
@@ -148,30 +171,33 @@ class Decision:
         return out
 
 
-def _admit_args(plan: Plan, tokens: int) -> tuple[list[str], list[int]]:
+def _admit_args(plan: Plan, tokens: int, least: int) -> tuple[list[str], list[int]]:
     keys = [b.redis_key for b in plan.buckets] + [g.redis_key for g in plan.budgets]
-    args: list[int] = [len(plan.buckets)]
+    args: list[int] = [len(plan.buckets), tokens, least]
     for b in plan.buckets:
-        args += [b.limit, PERIOD_MS, 1 if b.kind == "requests" else tokens]
+        args += [b.limit, PERIOD_MS, 1 if b.kind == "requests" else 0]
     for g in plan.budgets:
-        args += [g.limit if g.limit is not None else -1, tokens, g.ttl_s]
+        args += [g.limit if g.limit is not None else -1, g.ttl_s]
     return keys, args
 
 
 class RedisLimiter:
     """Admission and charging against Redis. Redis errors propagate; the plugin applies its policy."""
 
-    def __init__(self, redis: aioredis.Redis, pipeline: AutoPipeline) -> None:
+    def __init__(self, redis: aioredis.Redis, pipeline: RedisPipeline) -> None:
         self._admit = redis.register_script(_ADMIT)
         self._charge = redis.register_script(_CHARGE)
         self._pipeline = pipeline  # concurrent requests' admissions and charges share one round trip
 
-    async def admit(self, plan: Plan, tokens: int) -> Decision:
-        keys, args = _admit_args(plan, tokens)
+    async def admit(self, plan: Plan, tokens: int, least: int | None = None) -> Decision:
+        """Reserve ``tokens`` in every token bucket and budget of ``plan`` (and one request in each
+        request bucket), all or nothing. With ``least`` below ``tokens``, reserve as many as all of them
+        have left but at least ``least`` (``Decision.granted`` says how many)."""
+        keys, args = _admit_args(plan, tokens, tokens if least is None else least)
         raw = [int(v) for v in await self._pipeline.evalsha(self._admit, keys, args)]
         status, which, retry = raw[0], raw[1], raw[2]
-        decision = Decision(status, retry_after_ms=retry)
-        at = 3
+        decision = Decision(status, retry_after_ms=retry, granted=raw[3])
+        at = 4
         for bucket in plan.buckets:
             decision.remaining[bucket] = (raw[at], raw[at + 1])
             at += 2
@@ -211,10 +237,16 @@ class LocalLimiter:
     def _limit(self, bucket: Bucket) -> int:
         return max(1, math.floor(bucket.limit * self._share))
 
-    def admit(self, plan: Plan, tokens: int) -> Decision:
+    def admit(self, plan: Plan, tokens: int, least: int | None = None) -> Decision:
         now = self._clock() * 1000  # type: ignore[operator]
         news: list[tuple[Bucket, float, float]] = []
-        decision = Decision(0)
+        if least is not None and least < tokens:
+            for bucket in plan.buckets:
+                if bucket.kind == "tokens":
+                    level = max(self._tat.get(bucket.redis_key, now), now)
+                    room = math.floor((now + PERIOD_MS - level) * self._limit(bucket) / PERIOD_MS)
+                    tokens = max(least, min(tokens, room))
+        decision = Decision(0, granted=tokens)
         for bucket in plan.buckets:
             limit = self._limit(bucket)
             cost = 1 if bucket.kind == "requests" else tokens

@@ -1,6 +1,8 @@
 """The tenancy plugin's Prometheus metrics: created once per process, kept in ``services.shared``.
 
-Labels carry tenant names and key ids, never keys or digests.
+Labels carry tenant names and key ids, never keys or digests; those labels are private
+(``Metrics.mark_private``): the public ``/metrics`` sums them away (refusals by reason, tokens by kind,
+admitted requests in all), the admin port and a scrape with the admin token see them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class TenancyMetrics:
             ["tenant", "reason"],
             registry=r,
         )
+        services.metrics.mark_private(self.admitted, self.tokens, self.refusals)
         self.redis_errors = Counter(
             "gateway_tenancy_redis_errors", "Redis calls that failed, by operation", ["op"], registry=r
         )

@@ -3,15 +3,26 @@ their rate limits and budgets. Runs first in the plugin order, so a refused requ
 downstream and the cache can namespace by ``ctx.tenant``.
 
 Per request: one HMAC of the key, a key lookup (config, or Redis behind a sub-second local cache),
-one Redis script for every limit and budget on the way in, and one on the way back to charge the
-tokens the worker reported. Refusals: 401 ``invalid_api_key``, 404 ``model_not_found`` (what OpenAI
-answers for a model the key may not use, so a key cannot probe which models exist), 429 with
-``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers, 503 when Redis is unreachable and the
-deployment chose ``redis_down: fail_closed``.
+one Redis script that reserves the request's worst case in every limit and budget on the way in, and
+one that settles the charge to what was delivered. Refusals: 401 ``invalid_api_key``, 404
+``model_not_found`` (what OpenAI answers for a model the key may not use, so a key cannot probe which
+models exist), 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers, 503 when Redis is
+unreachable and the deployment chose ``redis_down: fail_closed``.
+
+What is reserved: the prompt estimate plus ``max_tokens`` x ``n``; without ``max_tokens``, what the
+request can cost ((context - prompt) x ``n``), or, with ``without_max_tokens: clamp``, as much as the
+key and tenant have left (and the request's ``max_tokens`` is set to it). What is charged: an
+answer's usage; a stream's usage when it carried one to its end, else the prompt estimate and the
+tokens it sent, however it ended (``ctx.delivered``, kept by the core); nothing for a refusal or a
+failure. Answers and completed streams are charged before the client has them (``on_response``); the
+rest when the request is over (a finalizer). The key's allow-list goes with the request
+(``ctx.model_allowed``: routing checks canaries and fallbacks), and the tenant's configured priority
+(``ctx.priority``) orders the routing queue.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -21,14 +32,21 @@ from typing import Any, ClassVar
 
 from redis.exceptions import RedisError
 
+from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
-from gateway.pipeline.services import Services
-from gateway.wire.errors import AuthenticationFailed, GatewayError, NotFound, RateLimited, ServiceUnavailable
+from gateway.pipeline.services import TENANT_OF, Services
+from gateway.wire.errors import (
+    AuthenticationFailed,
+    GatewayError,
+    RateLimited,
+    ServiceUnavailable,
+    model_not_found,
+)
 from plugins.tenancy import estimate
 from plugins.tenancy.admin import TenancyAdmin
 from plugins.tenancy.budgets import budgets_for, exhausted, format_duration, scope_prefix
-from plugins.tenancy.config import Limits, TenancyConfig
+from plugins.tenancy.config import Limits, TenancyConfig, TenantConfig
 from plugins.tenancy.keys import KeyInfo, KeyStore
 from plugins.tenancy.limits import Bucket, Decision, LocalLimiter, Plan, RedisLimiter
 from plugins.tenancy.metrics import TenancyMetrics
@@ -36,18 +54,32 @@ from plugins.tenancy.metrics import TenancyMetrics
 log = logging.getLogger("gateway.tenancy")
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)
 VERIFY_KEY = "tenancy.verify_key"
-_NO_LIMITS = Limits()
+_NO_LIMITS = TenantConfig()
+CLAMP_HEADER = "x-gateway-max-tokens"
 _RATE_NAMES = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
 
 
 @dataclass(slots=True)
 class Admitted:
-    """What on_response needs to settle the request's token charge."""
+    """What the settlement needs: the counters the request reserved on and how much."""
 
     plan: Plan
-    reserved: int  # tokens counted on admission
+    reserved: int  # tokens reserved on admission
     prompt_estimate: int
     via_redis: bool
+    answer: tuple[int, int] | None = None  # (prompt, completion) of the answer on_response saw
+    held: int = -1  # tokens the counters hold for this request now (the reservation until settled)
+    prompt_charged: int = 0
+    completion_charged: int = 0
+    finished: bool = False
+
+    def settle_to(self, prompt: int, completion: int) -> tuple[int, int, int] | None:
+        """Record that the request costs (prompt, completion) from now on; the (token delta, prompt
+        delta, completion delta) to apply to the counters, or None when nothing changes."""
+        held = self.reserved if self.held < 0 else self.held
+        change = (prompt + completion - held, prompt - self.prompt_charged, completion - self.completion_charged)
+        self.held, self.prompt_charged, self.completion_charged = prompt + completion, prompt, completion
+        return change if any(change) else None
 
 
 class TenancyPlugin(Plugin):
@@ -79,15 +111,48 @@ class TenancyPlugin(Plugin):
         self.local = LocalLimiter(config.fail_open_share)
         self.metrics = TenancyMetrics.of(services)
         self.admin = TenancyAdmin(config, self.redis, self.keys, type(self).clock)
+        self._context: dict[str, int] = {}  # model name -> context tokens
+        self._names: dict[str, tuple[str, ...]] = {}  # model name -> it and its aliases
+        self._settling: set[asyncio.Task[None]] = set()
+
+    def prepare(self, config: GatewayConfig) -> None:
+        """Learn each model's context (its max_model_len, else its managed workers', else the default),
+        as the longest among the models a request for it may end up on (the canary targets and
+        fallbacks in the routing section): a reservation must cover wherever the request goes."""
+        self._names = {model.name: (model.name, *model.aliases) for model in config.models}
+        managed = {w.name: w.max_model_len for w in config.engine.workers}
+        own: dict[str, int] = {}
+        for model in config.models:
+            lengths = [managed[ref] for ref in model.workers if managed.get(ref)]
+            context = model.max_model_len or (min(lengths) if lengths else None)  # type: ignore[type-var]
+            own[model.name] = int(context or self.config.default_context_tokens)
+        reach = _reachable(config, list(own))
+        self._context = {name: max(own.get(m, own[name]) for m in reach[name]) for name in own}
 
     async def start(self) -> None:
         if self.config.auth and not self._pepper_set:
             log.warning("tenancy: %s is not set; key digests are unpeppered HMACs", self.config.pepper_env)
         self.services.shared[VERIFY_KEY] = self.verify_key
+        self.services.shared[TENANT_OF] = self.tenant_of
 
     async def aclose(self) -> None:
         if self.services.shared.get(VERIFY_KEY) == self.verify_key:
             del self.services.shared[VERIFY_KEY]
+        if self.services.shared.get(TENANT_OF) == self.tenant_of:
+            del self.services.shared[TENANT_OF]
+        await self.settled()
+
+    async def settled(self) -> None:
+        """Wait for the settlements already scheduled (tests; retiring the plugin)."""
+        while self._settling:
+            await asyncio.gather(*list(self._settling), return_exceptions=True)
+
+    async def tenant_of(self, headers: dict[str, str]) -> str:
+        """Who is calling, for what the gateway keeps per tenant (stored Responses): the key's tenant
+        (401 without a valid key, as ``on_request``), or the anonymous tenant when auth is off."""
+        if not self.config.auth:
+            return self.config.anonymous_tenant
+        return (await self._authenticate(headers)).tenant
 
     async def verify_key(self, token: str) -> dict[str, str] | None:
         """For the admin routes: the id and tenant of a valid client key, else None (never raises)."""
@@ -108,26 +173,60 @@ class TenancyPlugin(Plugin):
             info = await self._authenticate(ctx.headers)
             if not info.allows(ctx.requested_model, ctx.model.name):
                 self.metrics.refusals.labels(info.tenant, "model_not_allowed").inc()
-                raise NotFound(
-                    f"The model '{ctx.requested_model}' does not exist or you do not have access to it.",
-                    param="model",
-                    code="model_not_found",
-                )
+                raise model_not_found(ctx.requested_model)  # the core's answer for an unknown model
             ctx.tenant, ctx.api_key_id = info.tenant, info.id
             ctx.log["api_key_id"] = info.id
+            names = self._names
+            # canaries and fallbacks ask before moving the request (a model is allowed by any of its names)
+            ctx.model_allowed = lambda model: info.allows(*names.get(model, (model,)))
         else:
             ctx.tenant = self.config.anonymous_tenant
         tenant = ctx.tenant
+        tenant_config = self.config.tenants.get(tenant, _NO_LIMITS)
+        ctx.priority = self._priority(tenant_config, ctx.headers)
         plan = self._plan(info, tenant)
         prompt = estimate.prompt_tokens(ctx.endpoint, ctx.body)
-        reserved = prompt + (estimate.reserved_completion(ctx.body) if self.config.reserve_max_tokens else 0)
-        decision, via_redis = await self._admit(plan, reserved, tenant)
+        want, least, clamp = self._reservation(ctx, prompt)
+        decision, via_redis = await self._admit(plan, want, least, tenant)
         if not decision.admitted:
-            raise self._refusal(decision, reserved, tenant)
+            raise self._refusal(decision, decision.granted or least, tenant)
+        reserved = decision.granted if via_redis or clamp else want
+        if clamp:
+            choices = estimate.choices(ctx.body)
+            ctx.body["max_tokens"] = max(1, (reserved - prompt) // choices)
+            ctx.mark_body_changed()
+            ctx.response_headers[CLAMP_HEADER] = str(ctx.body["max_tokens"])
         ctx.response_headers.update(decision.headers())
-        ctx.state[self.name] = Admitted(plan, reserved, prompt, via_redis)
+        admitted = ctx.state[self.name] = Admitted(plan, reserved, prompt, via_redis)
+        ctx.add_finalizer(lambda: self._finish(ctx, admitted))
         self.metrics.admitted.labels(tenant, info.id if info else "-").inc()
         return None
+
+    def _reservation(self, ctx: RequestContext, prompt: int) -> tuple[int, int, bool]:
+        """(tokens wanted, the least acceptable, clamping?) for the admission script. Without max_tokens
+        the request can cost (context - prompt) per choice; clamping reserves what is left instead."""
+        if not self.config.reserve_max_tokens or ctx.endpoint == "embeddings":
+            return prompt, prompt, False
+        given = estimate.reserved_completion(ctx.body)
+        if given:
+            return prompt + given, prompt + given, False
+        choices = estimate.choices(ctx.body)
+        context = self._context.get(ctx.model.name, self.config.default_context_tokens)
+        worst = prompt + max(1, context - prompt) * choices
+        if self.config.without_max_tokens == "clamp":
+            return worst, prompt + choices, True
+        return worst, worst, False
+
+    def _priority(self, tenant: TenantConfig, headers: dict[str, str]) -> int:
+        """The tenant's configured priority; its client's header only when the tenant allows it (capped)."""
+        cap = tenant.client_priority_max
+        raw = headers.get(self.config.priority_header) if cap is not None else None
+        if cap is None or not raw:
+            return tenant.priority
+        try:
+            return max(-1000, min(cap, int(raw)))
+        except ValueError:
+            return tenant.priority
 
     async def on_models(self, headers: dict[str, str], models: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """With auth on, listing models needs a valid key, and lists only what that key may use."""
@@ -181,15 +280,15 @@ class TenancyPlugin(Plugin):
             budgets += budgets_for(prefix, tenant, scope, name, limits, now)
         return Plan(buckets, budgets)
 
-    async def _admit(self, plan: Plan, tokens: int, tenant: str) -> tuple[Decision, bool]:
+    async def _admit(self, plan: Plan, tokens: int, least: int, tenant: str) -> tuple[Decision, bool]:
         try:
-            return await self.limiter.admit(plan, tokens), True
+            return await self.limiter.admit(plan, tokens, least), True
         except REDIS_ERRORS as exc:
             self._redis_failed("admit", exc)
             if self.config.redis_down == "fail_closed":
                 self.metrics.refusals.labels(tenant, "redis_unavailable").inc()
                 raise self._unavailable() from None
-            return self.local.admit(plan, tokens), False
+            return self.local.admit(plan, tokens, least), False
 
     def _refusal(self, decision: Decision, requested: int, tenant: str) -> GatewayError:
         headers = decision.headers()
@@ -235,23 +334,88 @@ class TenancyPlugin(Plugin):
     # -- the way back -----------------------------------------------------------------------------
 
     async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
+        """Charges the answer (or the completed stream) before the client has it, so its next request
+        sees the usage; ``_finish`` corrects the charge when the request ends otherwise (a later hook
+        refused the answer, the stream was cut, the client went away)."""
         admitted: Admitted | None = ctx.state.get(self.name)
         if admitted is None or response.status != 200:
             return None
         usage = estimate.reported_usage(response.json)
-        if usage is None:
-            return None
-        prompt = usage[0] if usage[0] is not None else admitted.prompt_estimate
-        completion = usage[1]
-        tenant = ctx.tenant or "-"
-        self.metrics.tokens.labels(tenant, "prompt").inc(prompt)
-        self.metrics.tokens.labels(tenant, "completion").inc(completion)
-        delta = prompt + completion - admitted.reserved
-        if admitted.via_redis:
-            try:
-                await self.limiter.charge(admitted.plan, delta, prompt, completion)
-            except REDIS_ERRORS as exc:  # the answer is already paid for: deliver it, count the miss
-                self._redis_failed("charge", exc)
-        else:
-            self.local.charge(admitted.plan, delta)
+        if usage is not None:
+            prompt = usage[0] if usage[0] is not None else admitted.prompt_estimate
+            admitted.answer = (prompt, usage[1])
+        sent = ctx.delivered
+        if ctx.stream and (sent is None or sent.stream_tokens is None):
+            return None  # a replayed (cached) answer: charged at the end, like any other
+        prompt, completion = self.delivered(ctx, admitted, answered=True)
+        change = admitted.settle_to(prompt, completion)
+        if change is not None:
+            await self._charge(ctx.tenant or "-", admitted, *change)
         return None
+
+    def _finish(self, ctx: RequestContext, admitted: Admitted) -> None:
+        """The request is over (finalizer): charge what was delivered, release the rest."""
+        if admitted.finished:
+            return
+        admitted.finished = True
+        prompt, completion = self.delivered(ctx, admitted)
+        change = admitted.settle_to(prompt, completion)
+        if change is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._charge(ctx.tenant or "-", admitted, *change))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    @staticmethod
+    def delivered(ctx: RequestContext, admitted: Admitted, *, answered: bool = False) -> tuple[int, int]:
+        """(prompt, completion) tokens the client was given: an answer's usage; a stream's usage when it
+        carried one and ended, else the prompt estimate and the tokens it sent; nothing for a refusal or
+        a failure (no answer, or no stream event, reached the client). ``answered``: called from
+        ``on_response``, where the answer is about to be sent."""
+        sent = ctx.delivered
+        if not answered and (sent is None or sent.status != 200):
+            return 0, 0
+        if sent is None or sent.stream_tokens is None:  # an answer (also a cached one replayed as a stream)
+            return admitted.answer or (admitted.prompt_estimate, 0)
+        usage = sent.usage
+        if usage is not None and admitted.answer is not None and (sent.complete or answered):
+            return admitted.answer
+        if sent.stream_tokens == 0 and not (sent.complete or answered):
+            return 0, 0  # cut before any token went out: a failure, like an error before the first byte
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        return (prompt if isinstance(prompt, int) else admitted.prompt_estimate), sent.stream_tokens
+
+    async def _charge(self, tenant: str, admitted: Admitted, delta: int, prompt: int, completion: int) -> None:
+        if prompt > 0:  # a counter: a later refund (an answer refused after it was charged) is not shown
+            self.metrics.tokens.labels(tenant, "prompt").inc(prompt)
+        if completion > 0:
+            self.metrics.tokens.labels(tenant, "completion").inc(completion)
+        if not admitted.via_redis:
+            self.local.charge(admitted.plan, delta)
+            return
+        try:
+            await self.limiter.charge(admitted.plan, delta, prompt, completion)
+        except REDIS_ERRORS as exc:  # the answer is already on its way: count the miss
+            self._redis_failed("charge", exc)
+
+
+def _reachable(config: GatewayConfig, models: list[str]) -> dict[str, set[str]]:
+    """Each model and every model a request for it may be moved to by the routing section (canary
+    targets and fallbacks, followed transitively). Read from the raw section: routing owns its schema."""
+    section: dict[str, Any] = next((p.config for p in config.plugins if p.name == "routing" and p.enabled), {})
+    default = section.get("default") or {}
+    per_model = section.get("models") or {}
+    moves: dict[str, set[str]] = {}
+    for name in models:
+        routing = per_model.get(name) or default
+        moves[name] = set(routing.get("targets") or {}) | set(routing.get("fallbacks") or [])
+    out: dict[str, set[str]] = {}
+    for name in models:
+        seen, todo = {name}, [name]
+        while todo:
+            for nxt in moves.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        out[name] = seen
+    return out

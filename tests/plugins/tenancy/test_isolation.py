@@ -156,7 +156,7 @@ def test_no_credential_appears_in_any_log_line_or_metric(
         )
         assert put.status_code == 200
         shown = httpx.get(server.url + "/admin/config", headers={"authorization": f"Bearer {ADMIN}"}).text
-        metrics = httpx.get(server.url + "/metrics").text
+        metrics = httpx.get(server.url + "/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
     formatter = JSONFormatter()
     lines = [formatter.format(record) for record in caplog.records]
     assert any('"route":"chat/completions"' in line for line in lines)  # access lines were written

@@ -81,7 +81,7 @@ def test_hash_key_without_a_key_on_stdin_is_a_usage_error(
 
 @pytest.fixture
 def tenancy_gateway(gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str) -> Any:
-    config = tenancy(prefix, upstream_url, tenants={"team-a": {"tokens_per_day": 1000}}, redis_timeout_ms=2000)
+    config = tenancy(prefix, upstream_url, tenants={"team-a": {"tokens_per_day": 10_000}}, redis_timeout_ms=2000)
     with gateway_factory(config, admin_token=ADMIN) as (_, server):
         yield server
 
@@ -131,7 +131,7 @@ def test_usage_of_a_tenant_and_of_unknown_keys(tenancy_gateway: Any) -> None:
     report = admin(tenancy_gateway, "usage", {"tenant": "team-a"}).json()["result"]
     assert (report["scope"], report["name"], report["tenant"]) == ("tenant", "team-a", "team-a")
     day = report["day"]
-    assert day["budget_tokens"] == 1000 and day["resets_at"].endswith("T00:00:00Z")
+    assert day["budget_tokens"] == 10_000 and day["resets_at"].endswith("T00:00:00Z")
     assert day["requests"] == 1 and day["tokens"] > 0  # the request above, charged to its tenant
     unknown = assert_error_shape(admin(tenancy_gateway, "usage", {"key_id": "nobody"}), 404)
     assert (unknown["param"], unknown["code"]) == ("key_id", "key_not_found")
@@ -163,10 +163,13 @@ def test_without_auth_every_request_is_the_anonymous_tenant(
     config = tenancy(
         prefix, upstream_url, auth=False, anonymous_tenant="lab", tenants={"lab": {"requests_per_minute": 2}}
     )
-    with gateway_factory(config) as (_, server):
+    with gateway_factory(config, admin_token=ADMIN) as (_, server):
         assert [chat(server, None).status_code for _ in range(3)] == [200, 200, 429]
-        metrics = httpx.get(server.url + "/metrics").text
+        metrics = httpx.get(server.url + "/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
         assert 'tenant="lab"' in metrics
+        public = httpx.get(server.url + "/metrics").text  # per-tenant series are the admin's
+        assert "tenant=" not in public
+        assert 'gateway_tenancy_refusals_total{reason="requests_per_minute"} 1.0' in public
 
 
 # -- config -----------------------------------------------------------------------------------------

@@ -164,8 +164,10 @@ def test_keys_never_appear_in_logs_or_metrics(
         admin(server, "usage", {"key_id": "leaky"})
         admin(server, "revoke_key", {"id": "leaky"})
         chat(server, key)
-        metrics = httpx.get(f"{server.url}/metrics").text
+        metrics = httpx.get(f"{server.url}/metrics", headers={"x-admin-token": ADMIN}).text
+        public = httpx.get(f"{server.url}/metrics").text
     assert 'gateway_tenancy_refusals_total{reason="requests_per_minute",tenant="t"} 2.0' in metrics
+    assert 'gateway_tenancy_refusals_total{reason="requests_per_minute"} 2.0' in public
     formatter = JSONFormatter()
     lines = [formatter.format(record) for record in caplog.records]
     assert any('"tenant":"t"' in line for line in lines)  # the access log did run
