@@ -18,9 +18,19 @@ class CacheConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    namespace: str = Field("v1", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    key_prefix: str = Field("gwcache", min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.-]+$")
-    endpoints: tuple[Endpoint, ...] = ("chat/completions", "completions")
+    namespace: str = Field(
+        "v1",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="part of every key: change it in a reload to invalidate every entry without a scan",
+    )
+    key_prefix: str = Field(
+        "gwcache", min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.-]+$", description="prefix of the Redis keys"
+    )
+    endpoints: tuple[Endpoint, ...] = Field(
+        ("chat/completions", "completions"), description="the endpoints whose answers are cached"
+    )
     only_deterministic: bool = Field(True, description="cache only temperature 0 or seeded requests")
     default_ttl_s: int = Field(3600, ge=0, description="0 disables caching for models without their own TTL")
     model_ttl_s: dict[str, int] = Field(default_factory=dict, description="per-model TTL (0: never cache)")

@@ -6,6 +6,10 @@ engine-specific extra such as ``guided_json``) except the few listed in ``NOT_IN
 change how the answer is delivered or who asked. A field vLLM adds tomorrow is therefore keyed by
 default: a missed hit costs engine time, a wrong hit serves a wrong answer.
 
+The key also names the model's backing (``backing_of``: the name the workers serve it under and the
+workers it is configured on): a config that changes either makes the older entries unreachable at
+once, with no scan and no purge (they expire by their TTL).
+
 Only the top level is normalised (key order, ``null`` meaning absent, ``1.0 == 1``): nested objects
 are hashed as the client sent them, because their order can change the output (the property order of
 a JSON schema is the order guided decoding emits fields in).
@@ -25,7 +29,7 @@ import orjson
 NOT_IN_KEY = frozenset(
     {"model", "stream", "stream_options", "user", "request_id", "metadata", "store", "priority", "service_tier"}
 )
-KEY_VERSION = b"1"
+KEY_VERSION = b"2"
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 
 
@@ -53,6 +57,13 @@ def canonical_request(body: dict[str, Any]) -> list[tuple[str, Any]]:
     return out
 
 
+def backing_of(served_name: str, workers: list[str], managed: dict[str, str]) -> str:
+    """A short hash of what produces a model's answers: the name its workers serve it under and its
+    worker refs (a managed worker named by the model it runs, so swapping that model changes it)."""
+    refs = sorted(f"{ref}={managed[ref]}" if ref in managed else ref for ref in workers)
+    return hashlib.blake2b(orjson.dumps([served_name, refs]), digest_size=8).hexdigest()
+
+
 def make_key(
     *,
     prefix: str,
@@ -62,6 +73,7 @@ def make_key(
     endpoint: str,
     model: str,
     body: dict[str, Any],
+    backing: str = "",
 ) -> CacheKey:
     """Hash everything that decides the answer and who may see it.
 
@@ -69,7 +81,7 @@ def make_key(
     still never shares entries with unscoped requests.
     """
     scope = ["tenant", tenant] if tenant is not None else ["scope", default_scope]
-    material = orjson.dumps([namespace, scope, endpoint, model, canonical_request(body)])
+    material = orjson.dumps([namespace, scope, endpoint, model, backing, canonical_request(body)])
     digest = hashlib.blake2b(KEY_VERSION + material, digest_size=16).hexdigest()
     # The {digest} hash tag keeps entry and lock in one slot, so the Lua scripts also work on a cluster.
     return CacheKey(

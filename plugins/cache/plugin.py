@@ -1,13 +1,15 @@
 """The response cache: answer repeated deterministic requests from Redis, streamed or not.
 
 On the way in (``on_request``) it decides whether the request may use the cache (``policy``), builds
-the key (``keys``), and in one Redis round trip either finds the answer (a hit: an early answer, which
-the core replays as SSE for a streaming request), takes the single-flight lock (this request will
-compute the answer), or finds another request computing it and waits for that (``flight``). On the
-way back (``on_response``, which for a stream the core calls once with the assembled answer, and only
-for complete streams) it stores complete answers in the background, so a store never delays a reply.
-Because the cache runs before output-validating plugins and ``on_response`` runs in reverse order, an
-answer that a later plugin rejected raises before it reaches the cache and is never stored.
+the key (``keys``), and in one Redis round trip either finds the answer (a hit: an early answer under a
+fresh ``id`` and ``created``, every other field as stored; for a streaming request the core replays the
+stream events the answer first came as, or synthesizes them from the object), takes the single-flight
+lock (this request will compute the answer), or finds another request computing it and waits for that
+(``flight``). On the way back (``on_response``, which for a stream the core calls once with the
+assembled answer, and only for complete streams) it stores complete answers in the background, so a
+store never delays a reply (a stream's events too, recorded in ``on_chunk``). Because the cache runs
+before output-validating plugins and ``on_response`` runs in reverse order, an answer that a later
+plugin rejected raises before it reaches the cache and is never stored.
 
 Redis trouble never fails a request: every call is bounded (``store``), failures open a circuit
 breaker shared across reloads, and the request goes to the engine with ``x-cache: bypass``.
@@ -20,12 +22,14 @@ import itertools
 import logging
 import secrets
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from redis.exceptions import RedisError
 
+from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.services import Services
@@ -33,7 +37,7 @@ from gateway.wire.errors import GatewayTimeout, InvalidRequest, ServiceUnavailab
 from plugins.cache.breaker import CircuitBreaker
 from plugins.cache.config import CacheConfig
 from plugins.cache.flight import LocalLeaders, wait_for_leader
-from plugins.cache.keys import CacheKey, entry_pattern, make_key
+from plugins.cache.keys import CacheKey, backing_of, entry_pattern, make_key
 from plugins.cache.metrics import CacheMetrics
 from plugins.cache.policy import Decision, decide, is_complete
 from plugins.cache.store import CacheStore, Lookup, RedisUnavailable, decode_entry, encode_entry
@@ -60,6 +64,74 @@ class CacheShared:
         return self._token_prefix + next(self._token_counter).to_bytes(8, "big")
 
 
+def fresh_id(original: Any) -> str:
+    """A new id in the original's style: its prefix (``chatcmpl-``, ``cmpl-``) and a new uuid4 hex."""
+    return _id_prefix(original) + uuid.uuid4().hex
+
+
+def _id_prefix(original: Any) -> str:
+    if isinstance(original, str):
+        return original[: original.index("-") + 1] if "-" in original else ""
+    return "chatcmpl-"
+
+
+# Stored answers and stream events carry markers in place of their id and created, so a hit swaps in
+# its own with a few byte operations instead of parsing and re-serializing JSON. The markers can only
+# match at the JSON structure level: inside a string value every quote is escaped. An answer is stored
+# with its id (prefix + marker) and created first, at a known place; events with the bare marker.
+_MARK = "\x00"
+_EVENT_ID_BYTES = b'"id":"\\u0000"'
+_CREATED_MARK = -1
+_EVENT_CREATED_BYTES = b'"created":-1'
+_BODY_HEAD = b'{"id":"'
+_BODY_MARK_END = b'\\u0000","created":-1,'
+
+
+def recorded_event(chunk: dict[str, Any]) -> bytes:
+    """One stream event as stored: its JSON with the id and created left to each replay."""
+    if "id" in chunk or "created" in chunk:
+        chunk = {**chunk}
+        if "id" in chunk:
+            chunk["id"] = _MARK
+        if "created" in chunk:
+            chunk["created"] = _CREATED_MARK
+    return orjson.dumps(chunk)
+
+
+def stored_body(obj: dict[str, Any]) -> bytes:
+    """An answer as stored: with an id and a created, those two first and marked (the key order of a
+    JSON object carries no meaning); else as it is."""
+    original = obj.get("id")
+    if not isinstance(original, str) or "created" not in obj:
+        return orjson.dumps(obj)
+    rest = {k: v for k, v in obj.items() if k != "id" and k != "created"}
+    return orjson.dumps({"id": _id_prefix(original) + _MARK, "created": _CREATED_MARK, **rest})
+
+
+def fresh_answer(body: bytes, events: bytes, created: int) -> ModelResponse:
+    """A stored answer as a new one: a fresh ``id`` and ``created`` (on the object and on every replayed
+    event alike), every other field as stored. ``events``: the stored events, for a streaming hit."""
+    end = body.find(_BODY_MARK_END, len(_BODY_HEAD)) if body.startswith(_BODY_HEAD) else -1
+    if end >= 0:
+        new_id = body[len(_BODY_HEAD) : end] + uuid.uuid4().hex.encode()
+        stamp = str(created).encode()
+        body = _BODY_HEAD + new_id + b'","created":' + stamp + b"," + body[end + len(_BODY_MARK_END) :]
+        answer = ModelResponse(body=body)
+    else:  # stored without markers (an older entry, an answer without id or created): parse it
+        obj = orjson.loads(body)
+        if not isinstance(obj, dict):
+            raise ValueError("a stored answer is a JSON object")
+        obj["id"] = fresh_id(obj.get("id"))
+        obj["created"] = created
+        new_id, stamp = obj["id"].encode(), str(created).encode()
+        answer = ModelResponse(json=obj)
+    if events:
+        answer.chunks = events.replace(_EVENT_ID_BYTES, b'"id":"' + new_id + b'"').replace(
+            _EVENT_CREATED_BYTES, b'"created":' + stamp
+        )
+    return answer
+
+
 def shared_state(services: Services, config: CacheConfig) -> CacheShared:
     shared = services.shared.get(SHARED_KEY)
     if shared is None:
@@ -79,9 +151,14 @@ class _Pending:
     """What a cacheable miss carries from ``on_request`` to ``on_response`` and its finalizer."""
 
     key: CacheKey
+    model: str  # the model the key names: an answer another model produced (a fallback) is not stored
     lock_token: bytes | None = None
     strip_usage: bool = False
     done: bool = False  # the lock was handed to a store or released
+    # A streamed answer's events as they came (serialized at once: later hooks may change the dicts),
+    # kept so a streaming hit replays the same chunking; None once they outgrow ``max_value_bytes``.
+    chunks: list[bytes] | None = None
+    chunk_bytes: int = 0
 
 
 class CachePlugin(Plugin):
@@ -104,7 +181,12 @@ class CachePlugin(Plugin):
             on_error=self._redis_failed,
         )
         self._writes: set[asyncio.Task[None]] = set()
+        self._backing: dict[str, str] = {}  # model name -> backing_of(...) in this config
         self._storing = 0  # background stores sent as callbacks (``_store_soon``), not yet answered
+
+    def prepare(self, config: GatewayConfig) -> None:
+        managed = {w.name: w.model for w in config.engine.workers}
+        self._backing = {m.name: backing_of(m.upstream_name, m.workers, managed) for m in config.models}
 
     async def start(self) -> None:
         try:
@@ -131,8 +213,9 @@ class CachePlugin(Plugin):
             endpoint=ctx.endpoint,
             model=model,
             body=ctx.body,
+            backing=self._backing.get(model, ""),
         )
-        pending = _Pending(key)
+        pending = _Pending(key, model)
         if decision.lookup:
             token = self._shared.lock_token() if cfg.coalesce and decision.store else None
             try:
@@ -176,6 +259,7 @@ class CachePlugin(Plugin):
             ctx.state[SHARED_KEY] = pending
             if ctx.stream:
                 self._ask_for_usage(ctx, pending)
+                pending.chunks = []
         else:
             ctx.step_aside(self)
         return None
@@ -192,18 +276,22 @@ class CachePlugin(Plugin):
         decoded = decode_entry(raw)
         if decoded is None:
             return None
-        created, body = decoded
-        age = max(0.0, time.time() - created)
+        created, body, chunks_raw = decoded
+        now = time.time()
+        age = max(0.0, now - created)
         if decision.max_age_s is not None and age > decision.max_age_s:
             return None
+        try:
+            answer = fresh_answer(body, chunks_raw if ctx.stream else b"", int(now))
+        except (orjson.JSONDecodeError, TypeError, ValueError):
+            return None  # an entry this version cannot read is a miss
         ctx.response_headers["x-cache"] = "hit"
         ctx.response_headers["age"] = str(int(age))
         ctx.log["cache"] = "hit"
         self.metrics.hits.labels(model).inc()
         self.metrics.bytes.labels("served").inc(len(body))
         self.metrics.hit_latency.labels(model).observe(time.perf_counter() - started)
-        # The stored bytes go to the client as they are; only a streaming hit parses them (to replay).
-        return ModelResponse(body=body)
+        return answer
 
     def _bypass(self, ctx: RequestContext, model: str, reason: str, *, store: bool = False) -> ModelResponse | None:
         """Not answered from the cache. Unless the fresh answer is still to be stored, the cache has
@@ -229,7 +317,16 @@ class CachePlugin(Plugin):
 
     async def on_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
         pending: _Pending | None = ctx.state.get(SHARED_KEY)
-        if pending is not None and pending.strip_usage and not chunk.get("choices") and chunk.get("usage"):
+        if pending is None:
+            return chunk
+        if pending.chunks is not None:
+            event = recorded_event(chunk)
+            pending.chunk_bytes += len(event) + 1
+            if pending.chunk_bytes > self.config.max_value_bytes:
+                pending.chunks = None  # too long to keep as events: a hit replays it synthesized
+            else:
+                pending.chunks.append(event)
+        if pending.strip_usage and not chunk.get("choices") and chunk.get("usage"):
             return None
         return chunk
 
@@ -238,6 +335,14 @@ class CachePlugin(Plugin):
         if pending is None or pending.done or response.status != 200:
             return None
         model = ctx.model.name
+        if ctx.resumed:
+            # Continued on another worker after its first one failed: the text is the answer the client
+            # got, but not one engine's answer to the prompt (a sampled continuation, a re-tokenized prefix).
+            self.metrics.not_stored.labels(model, "resumed").inc()
+            return None
+        if model != pending.model:  # served by a fallback or canary: not the answer the key names
+            self.metrics.not_stored.labels(pending.model, "rerouted").inc()
+            return None
         try:
             complete = is_complete(response.json)
         except orjson.JSONDecodeError:
@@ -245,16 +350,20 @@ class CachePlugin(Plugin):
         if not complete:
             self.metrics.not_stored.labels(model, "incomplete").inc()
             return None
-        body = response.body
+        body = stored_body(response.json)
         if len(body) > self.config.max_value_bytes:
             self.metrics.not_stored.labels(model, "too_large").inc()
             return None
+        chunks = b""
+        if pending.chunks and len(body) + pending.chunk_bytes <= self.config.max_value_bytes:
+            chunks = b"\n".join(pending.chunks)
+        pending.chunks = None
         if len(self._writes) + self._storing >= self.config.max_pending_writes:
             self.metrics.not_stored.labels(model, "backlog").inc()
             return None
         pending.done = True
         ttl_ms = self.config.ttl_for(model) * 1000
-        self._store_soon(pending, model, encode_entry(body, time.time()), ttl_ms)
+        self._store_soon(pending, model, encode_entry(body, time.time(), chunks), ttl_ms)
         return None
 
     def _store_soon(self, pending: _Pending, model: str, entry: bytes, ttl_ms: int) -> None:

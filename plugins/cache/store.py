@@ -1,7 +1,7 @@
 """Redis access for the cache: one command per operation, every call bounded, a breaker in front.
 
 Each request-path operation is a single command (a Lua script where several keys must change
-together), sent through the process's ``AutoPipeline`` (the commands of concurrent requests share
+together), sent through the process's ``RedisPipeline`` (the commands of concurrent requests share
 one pipeline per event-loop turn) and wrapped in ``asyncio.timeout`` so a slow or paused Redis costs
 at most ``timeout_s`` per call (the socket timeouts of the pooled client are the same value; the outer bound also covers
 connecting and the client library's own retries). Any failure is reported to the circuit breaker and
@@ -19,16 +19,19 @@ from typing import Any, Literal, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
-from gateway.infra.redis_autopipe import AutoPipeline
+from gateway.infra.redis_api import RedisPipeline
 from plugins.cache.breaker import CircuitBreaker
 from plugins.cache.keys import CacheKey
 
 T = TypeVar("T")
 
-# An entry is: format byte, creation time (unix seconds, big-endian double), the response body bytes.
-_ENTRY_FORMAT = b"\x01"
+# An entry is: format byte, creation time (unix seconds, big-endian double), then for format 1 the
+# response body bytes; for format 2 the body's length (big-endian u32), the body, and the stream events
+# the answer first came as (their JSON, one per line; empty when it was not streamed or they did not fit).
+_ENTRY_FORMAT = b"\x02"
 _HEADER = struct.Struct(">d")
 _HEADER_SIZE = 1 + _HEADER.size
+_LENGTH = struct.Struct(">I")
 
 # Hit: the value. Miss: take the single-flight lock when asked ("lock"), or report whether another
 # request holds it ("peek"). One round trip either way.
@@ -68,15 +71,26 @@ class Lookup:
     entry: bytes | None = None
 
 
-def encode_entry(body: bytes, created: float) -> bytes:
-    return _ENTRY_FORMAT + _HEADER.pack(created) + body
+def encode_entry(body: bytes, created: float, chunks: bytes = b"") -> bytes:
+    """An entry for ``body`` (the response JSON) and, optionally, ``chunks``: its stream events (JSON,
+    one per line), so a streaming hit replays them as they first came."""
+    return _ENTRY_FORMAT + _HEADER.pack(created) + _LENGTH.pack(len(body)) + body + chunks
 
 
-def decode_entry(raw: bytes) -> tuple[float, bytes] | None:
-    """(created, body), or None for a value this version does not understand (treated as a miss)."""
-    if len(raw) <= _HEADER_SIZE or raw[:1] != _ENTRY_FORMAT:
+def decode_entry(raw: bytes) -> tuple[float, bytes, bytes] | None:
+    """(created, body, chunks or b""), or None for a value this version does not understand (a miss)."""
+    if len(raw) <= _HEADER_SIZE:
         return None
-    return _HEADER.unpack_from(raw, 1)[0], raw[_HEADER_SIZE:]
+    created: float = _HEADER.unpack_from(raw, 1)[0]
+    if raw[:1] == b"\x01":  # written before stream events were kept
+        return created, raw[_HEADER_SIZE:], b""
+    if raw[:1] != _ENTRY_FORMAT or len(raw) < _HEADER_SIZE + _LENGTH.size:
+        return None
+    start = _HEADER_SIZE + _LENGTH.size
+    end = start + _LENGTH.unpack_from(raw, _HEADER_SIZE)[0]
+    if end > len(raw):
+        return None
+    return created, raw[start:end], raw[end:]
 
 
 class CacheStore:
@@ -85,7 +99,7 @@ class CacheStore:
     def __init__(
         self,
         client: aioredis.Redis,
-        pipeline: AutoPipeline,
+        pipeline: RedisPipeline,
         admin_client: aioredis.Redis,
         breaker: CircuitBreaker,
         timeout_s: float,

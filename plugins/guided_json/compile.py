@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,6 +31,7 @@ import orjson
 from outlines_core.json_schema import build_regex_from_schema
 
 from gateway.wire.errors import InvalidRequest, ServiceUnavailable
+from plugins.guided_json.bounds import BoundsPusher
 from plugins.guided_json.config import GuidedJSONConfig
 from plugins.guided_json.forms import Constraint
 from plugins.guided_json.schemas import GENERIC_OBJECT, SchemaProblem, bound_free_form, check_structure, validator
@@ -106,10 +108,15 @@ class Compiler:
             check_structure(schema, cfg.max_schema_nodes)
             decoding = bound_free_form(schema)
         whitespace = constraint.whitespace if constraint.whitespace is not None else cfg.whitespace_pattern
+        bounds = BoundsPusher(secrets.token_hex(4))
+        pushed = bounds.rewrite(decoding)
         try:
-            regex = build_regex_from_schema(orjson.dumps(decoding).decode(), whitespace)
+            regex = build_regex_from_schema(orjson.dumps(pushed).decode(), whitespace)
         except Exception as exc:  # outlines raises plain ValueErrors naming the unsupported part
             raise SchemaProblem(f"outlines cannot turn it into a constraint: {exc}") from None
+        regex = bounds.fill(regex)
+        if any(name in regex for name in bounds.regexes):  # not emitted verbatim: bounds validated only
+            regex = build_regex_from_schema(orjson.dumps(decoding).decode(), whitespace)
         self._check_regex_size(regex)
 
         def check(text: str) -> str | None:

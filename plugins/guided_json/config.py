@@ -22,19 +22,21 @@ class GuidedJSONConfig(BaseModel):
     max_schema_nodes: int = Field(5_000, ge=10, description="schema nodes after inlining local $refs")
     max_regex_chars: int = Field(50_000, ge=100, description="longest regex a schema may turn into")
     max_states: int = Field(5_000, ge=10, description="most automaton states a constraint may compile to")
-    max_choices: int = Field(256, ge=1)
+    max_choices: int = Field(256, ge=1, description="most options a choice constraint may list")
     compile_timeout_ms: float = Field(2_000, gt=0, description="time budget of one compile (worker thread)")
     cache_size: int = Field(1_024, ge=1, description="compiled constraints kept (LRU by schema hash)")
 
     # -- answers ---------------------------------------------------------------------------------------
     on_invalid: Literal["error", "retry"] = Field(
         "retry",
-        description="an answer that does not match: 'error' refuses it; 'retry' asks once more with a larger"
-        " max_tokens (non-streamed requests only), then refuses",
+        description="an answer cut by the token limit when the client set none: 'retry' asks once more with"
+        " retry_max_tokens (within the model's context; non-streamed requests only), 'error' returns it cut"
+        " (finish_reason 'length'). A client's own max_tokens is never exceeded; an invalid complete"
+        " answer is a 422 either way",
     )
-    retry_max_tokens: int = Field(2_048, ge=1, description="largest max_tokens a retry may ask for")
+    retry_max_tokens: int = Field(2_048, ge=1, description="the max_tokens of that retry (capped by the context)")
 
     # -- capability probe ------------------------------------------------------------------------------
     probe: bool = Field(True, description="check once per worker that it enforces a constraint")
-    probe_timeout_s: float = Field(30.0, gt=0)
+    probe_timeout_s: float = Field(30.0, gt=0, description="time budget of one probe")
     probe_recheck_s: float = Field(300.0, gt=0, description="re-probe a worker that failed the check after this")

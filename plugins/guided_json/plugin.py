@@ -3,7 +3,9 @@
 ``on_request``: normalise whatever form the client used (``forms``), compile it at the gateway under
 budgets (``compile``; a refusal is a 400 before any upstream call), make sure the model's workers
 enforce constraints (``probe``), then rewrite the body into the one form vLLM 0.32 enforces.
-``on_response``: check every answer (``validate``); retry once with a larger budget or refuse.
+``on_response``: check every answer (``validate``): a cut answer goes back as it is (finish_reason
+``length``; retried once first only when the client set no token limit), an invalid complete one is
+refused with a 422.
 
 The cache plugin runs before this one, so its key is computed from the client's own fields and it
 only stores answers this plugin let through.
@@ -26,7 +28,7 @@ from plugins.guided_json.compile import CompileCache, Compiled
 from plugins.guided_json.config import GuidedJSONConfig
 from plugins.guided_json.forms import normalise, rewrite
 from plugins.guided_json.probe import CapabilityTable
-from plugins.guided_json.validate import error_for, find_problem, retry_budget, with_budget
+from plugins.guided_json.validate import error_for, find_problems, retry_budget, with_budget
 
 log = logging.getLogger("plugins.guided_json")
 _GUIDED_ENDPOINTS = frozenset({"chat/completions", "completions"})
@@ -56,7 +58,7 @@ class GuidedShared:
             invalid_answers=Counter(
                 "gateway_guided_json_invalid_answers",
                 "Answers that did not satisfy their constraint, by model, finish_reason and what followed"
-                " (refused|retried|retry_ok)",
+                " (refused|retried|retry_ok|returned)",
                 ["model", "finish_reason", "action"],
                 registry=registry,
             ),
@@ -113,20 +115,26 @@ class GuidedJSONPlugin(Plugin):
                 f"Model '{ctx.model.name}' has a worker that does not enforce output constraints ({url}: {why});"
                 " guided requests are refused rather than answered unconstrained.",
                 code="guided_decoding_unsupported",
+                headers={"x-should-retry": "false"},  # the SDK's retries within seconds cannot change that
             )
 
     async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
         compiled: Compiled | None = ctx.state.get(self.name)
         if compiled is None or response.status != 200:
             return None
-        problem = find_problem(compiled, response.json)
-        if problem is None:
+        problems = find_problems(compiled, response.json)
+        if not problems:
             return None
         invalid = self.shared.invalid_answers
         model = ctx.model.name
-        finish = problem.finish_reason or "none"
+        broken = next((p for p in problems if not p.truncated), None)
+        if broken is not None:
+            invalid.labels(model, broken.finish_reason or "none", "refused").inc()
+            raise error_for(broken, compiled.kind)
+        # Only cut answers: returned as OpenAI returns them (finish_reason "length", the partial text),
+        # after one retry when the client set no limit and the context has room for more.
         budget = None
-        if problem.truncated and self.config.on_invalid == "retry" and not ctx.stream and ctx.worker is not None:
+        if self.config.on_invalid == "retry" and not ctx.stream and ctx.worker is not None:
             budget = retry_budget(
                 ctx.body,
                 response.json.get("usage"),
@@ -134,16 +142,17 @@ class GuidedJSONPlugin(Plugin):
                 cap=self.config.retry_max_tokens,
             )
         if budget is None:
-            invalid.labels(model, finish, "refused").inc()
-            raise error_for(problem, ctx.body)
-        invalid.labels(model, finish, "retried").inc()
+            invalid.labels(model, "length", "returned").inc()
+            return None
+        invalid.labels(model, "length", "retried").inc()
         retried = await self._retry(ctx, budget)
-        again = find_problem(compiled, retried.json)
-        if again is None:
-            invalid.labels(model, finish, "retry_ok").inc()
-            return retried
-        invalid.labels(model, again.finish_reason or "none", "refused").inc()
-        raise error_for(again, ctx.body, retried_with=budget)
+        again = find_problems(compiled, retried.json)
+        broken = next((p for p in again if not p.truncated), None)
+        if broken is not None:
+            invalid.labels(model, broken.finish_reason or "none", "refused").inc()
+            raise error_for(broken, compiled.kind)
+        invalid.labels(model, "length", "returned" if again else "retry_ok").inc()
+        return retried
 
     async def _retry(self, ctx: RequestContext, budget: int) -> ModelResponse:
         """The same request once more, to the same worker, with ``max_tokens=budget``."""

@@ -4,9 +4,14 @@ Guided decoding makes every *prefix* valid, not the whole answer: output cut by 
 valid JSON even when decoding was guided. So every choice of every answer (non-streamed, or assembled
 from a stream) is checked. What an invalid one becomes:
 
-- cut by ``max_tokens`` (finish_reason ``length``): a 400 naming ``max_tokens`` (the client's budget was
-  too small), after one retry with a larger budget under the ``retry`` policy;
-- anything else: a 502, since a worker that enforces the constraint cannot produce it.
+- cut by the token limit (finish_reason ``length``): returned as it is, as OpenAI does (the partial
+  text, ``finish_reason: "length"``; the SDK's ``parse()`` raises ``LengthFinishReasonError``). The
+  client's ``max_tokens`` / ``max_completion_tokens`` is never exceeded; only when the client set no
+  limit, under the ``retry`` policy, is a non-streamed answer asked for once more with a budget that
+  still fits the model's context (``retry_budget``);
+- complete but not valid (a keyword the engine does not enforce, such as ``multipleOf``): a 422
+  ``guided_output_invalid``. Not a 5xx: the same request would get the same answer, and the SDKs
+  retry 5xx answers.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.wire.errors import BadGateway, GatewayError, InvalidRequest
+from gateway.wire.errors import GatewayError, UnprocessableEntity
 from plugins.guided_json.compile import Compiled
 
 
@@ -38,23 +43,32 @@ def _text(choice: dict[str, Any]) -> str | None:
     return text if isinstance(text, str) else None
 
 
-def find_problem(compiled: Compiled, response: dict[str, Any]) -> Problem | None:
-    """The first choice whose text does not satisfy ``compiled``, or None when all do."""
+def find_problems(compiled: Compiled, response: dict[str, Any]) -> list[Problem]:
+    """Every choice whose text does not satisfy ``compiled`` (empty when all do)."""
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices:
-        return Problem(0, None, "the worker's answer has no choices")
+        return [Problem(0, None, "the worker's answer has no choices")]
+    problems: list[Problem] = []
     for position, choice in enumerate(choices):
         if not isinstance(choice, dict):
-            return Problem(position, None, "the worker's answer has a malformed choice")
+            problems.append(Problem(position, None, "the worker's answer has a malformed choice"))
+            continue
         index = choice.get("index", position)
         finish = choice.get("finish_reason")
         text = _text(choice)
         if text is None:
-            return Problem(index, finish, "the answer has no text")
+            problems.append(Problem(index, finish, "the answer has no text"))
+            continue
         problem = compiled.check(text)
         if problem is not None:
-            return Problem(index, finish, problem)
-    return None
+            problems.append(Problem(index, finish, problem))
+    return problems
+
+
+def find_problem(compiled: Compiled, response: dict[str, Any]) -> Problem | None:
+    """The first choice whose text does not satisfy ``compiled``, or None when all do."""
+    problems = find_problems(compiled, response)
+    return problems[0] if problems else None
 
 
 def requested_max_tokens(body: dict[str, Any]) -> int | None:
@@ -66,41 +80,51 @@ def requested_max_tokens(body: dict[str, Any]) -> int | None:
 
 
 def retry_budget(body: dict[str, Any], usage: Any, *, max_model_len: int | None, cap: int) -> int | None:
-    """A larger ``max_tokens`` for one more try (double, within ``cap`` and the model's context), or None
-    when there is no room to grow (no explicit budget means vLLM already used all the context)."""
-    current = requested_max_tokens(body)
-    if current is None:
+    """A ``max_tokens`` for one more try of an answer cut without a client limit, or None.
+
+    Never when the client set a limit (it is a hard cap, as at OpenAI). Otherwise the budget is
+    ``cap`` within the model's context (``max_model_len`` minus the prompt), and only worth a try when
+    it is larger than what the cut answer already used (vLLM's own default is the rest of the
+    context, so an answer cut there has no room to grow)."""
+    if requested_max_tokens(body) is not None:
         return None
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    used = usage.get("completion_tokens") if isinstance(usage, dict) else None
     limit = cap
     if max_model_len is not None:
-        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        limit = min(limit, max_model_len - (prompt if isinstance(prompt, int) else 0))
-    budget = min(max(current * 2, current + 64), limit)
-    return budget if budget > current else None
+        if not isinstance(prompt, int):
+            return None  # the room left in the context is unknown
+        limit = min(limit, max_model_len - prompt)
+    if not isinstance(used, int) or limit <= used:
+        return None
+    return limit
 
 
 def with_budget(body: dict[str, Any], budget: int) -> dict[str, Any]:
     out = dict(body)
-    out["max_completion_tokens" if "max_completion_tokens" in out else "max_tokens"] = budget
+    out["max_tokens"] = budget
     out["stream"] = False
     out.pop("stream_options", None)
     return out
 
 
-def error_for(problem: Problem, body: dict[str, Any], *, retried_with: int | None = None) -> GatewayError:
+def error_for(problem: Problem, kind: str = "json") -> GatewayError:
+    """A complete answer that fails validation. Under a JSON schema the engine enforced its structure,
+    so what failed is a keyword only checked afterwards; a regex or a choice list is enforced whole, so
+    the worker did not enforce it. Either way the same request would most likely fail the same way."""
     where = f"choice {problem.index}" if problem.index else "the answer"
     finish = problem.finish_reason or "none"
-    if problem.truncated:
-        budget = requested_max_tokens(body)
-        tried = f" (a retry with max_tokens={retried_with} was cut too)" if retried_with else ""
-        return InvalidRequest(
-            f"The output constraint could not be met: {where} was cut by max_tokens"
-            f"{'=' + str(budget) if budget is not None else ''} before it was complete"
-            f" (finish_reason: length){tried}: {problem.message}. Raise max_tokens.",
-            param="max_tokens",
-            code="guided_output_truncated",
+    if kind == "json":
+        why = (
+            "The engine enforces the schema's structure, types, enums, string lengths and patterns and numeric"
+            " bounds while decoding; other keywords are only checked afterwards, so this request would fail"
+            " the same way again. Loosen the schema or ask for the value in the prompt."
         )
-    return BadGateway(
-        f"The model's output did not satisfy the requested constraint (finish_reason: {finish}): {problem.message}.",
+    else:
+        why = f"The worker did not enforce the {kind} constraint; sending it again will not help."
+    return UnprocessableEntity(
+        f"The model's output did not satisfy the requested constraint (finish_reason: {finish}): {where}:"
+        f" {problem.message}. {why}",
         code="guided_output_invalid",
+        headers={"x-should-retry": "false"},
     )

@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import orjson
 import pytest
 import redis
 
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
-from plugins.cache.keys import make_key
+from plugins.cache.keys import backing_of, make_key
 from plugins.cache.store import decode_entry, encode_entry
 from tests.support.cache import (
     PLUGINS,
@@ -91,13 +92,17 @@ def test_hit_returns_the_stored_bytes_and_marks_itself(
         wait_stored(redis_client, namespace)
         second = chat(server.url)
     assert (first.headers["x-cache"], second.headers["x-cache"]) == ("miss", "hit")
-    assert second.content == first.content
+    # the same answer, under a fresh id and created (tests/plugins/cache/test_replayed_answers.py)
+    assert {**second.json(), "id": "", "created": 0} == {**first.json(), "id": "", "created": 0}
     assert int(second.headers["age"]) >= 0
     [name] = entry_names(redis_client, namespace)
     raw = redis_client.get(name)
     assert raw is not None
     decoded = decode_entry(raw)
-    assert decoded is not None and decoded[1] == first.content
+    assert decoded is not None
+    stored = orjson.loads(decoded[1])  # stored with its id and created marked, to be renewed per hit
+    assert {**stored, "id": "", "created": 0} == {**first.json(), "id": "", "created": 0}
+    assert stored["id"] == "chatcmpl-\x00" and stored["created"] == -1
 
 
 def test_legacy_completions_hit_streamed(
@@ -257,10 +262,12 @@ def test_max_age_refuses_older_entries(
     namespace: str,
     redis_client: redis.Redis,
 ) -> None:
-    with gateway_factory(cache_gateway_config(upstream_url, namespace), plugins=PLUGINS) as (_, server):
+    config = cache_gateway_config(upstream_url, namespace)
+    with gateway_factory(config, plugins=PLUGINS) as (_, server):
         first = chat(server.url)
         wait_stored(redis_client, namespace)
         key = make_key(
+            backing=backing_of("m1", config["models"][0]["workers"], {}),
             prefix=PREFIX,
             namespace=namespace,
             tenant=None,

@@ -65,14 +65,20 @@ class ScriptedWorker:
         await send({"type": "http.response.body", "body": payload})
 
 
-def answer(text: str, finish_reason: str = "stop", prompt_tokens: int = 5) -> dict[str, Any]:
+def answer(
+    text: str, finish_reason: str = "stop", prompt_tokens: int = 5, completion_tokens: int = 3
+) -> dict[str, Any]:
     return {
         "id": "c",
         "object": "chat.completion",
         "created": 1,
         "model": "m1",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 3, "total_tokens": prompt_tokens + 3},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
 
 
@@ -139,7 +145,7 @@ def test_any_json_forms_accept_any_json_object(
     assert chat(guided, **fields).status_code == 200
     assert list(upstream.requests[-1].body["structured_outputs"]) == ["regex"]
     upstream.behavior.text = "plain words"
-    error = assert_error_shape(chat(guided, **fields), 502)
+    error = assert_error_shape(chat(guided, **fields), 422)
     assert error["code"] == "guided_output_invalid"
 
 
@@ -149,7 +155,7 @@ def test_legacy_completions_answers_are_checked_too(guided: ServerThread, upstre
     assert httpx.post(guided.url + "/v1/completions", json=body).status_code == 200
     assert upstream.requests[-1].body["structured_outputs"] == {"choice": ["yes", "no"]}
     upstream.behavior.text = "perhaps"
-    error = assert_error_shape(httpx.post(guided.url + "/v1/completions", json=body), 502)
+    error = assert_error_shape(httpx.post(guided.url + "/v1/completions", json=body), 422)
     assert "not one of the choices" in error["message"]
 
 
@@ -159,7 +165,7 @@ def test_embeddings_are_never_constrained(guided: ServerThread, upstream: FakeUp
     assert "structured_outputs" not in upstream.requests[-1].body
 
 
-# -- the retry after a truncated answer ---------------------------------------------------------------
+# -- a truncated answer: returned as it is, retried only without a client limit ------------------------
 
 
 @pytest.fixture
@@ -179,15 +185,15 @@ def scripted(gateway_factory: GatewayFactory) -> Any:
         yield start
 
 
-def test_the_retry_budget_stays_within_the_models_context(scripted: Any) -> None:
-    cut = answer('{"name": "a", "ag', "length", prompt_tokens=10)
+def test_without_a_client_limit_a_cut_answer_is_retried_within_the_models_context(scripted: Any) -> None:
+    """A worker whose own default limit cut the answer early (8 of the 30 tokens the context has left):
+    one retry, with the rest of the context (40 - 10 prompt), not more."""
+    cut = answer('{"name": "a", "ag', "length", prompt_tokens=10, completion_tokens=8)
     worker, gateway = scripted([(200, cut), (200, answer('{"name": "a", "age": 4}'))], max_model_len=40)
-    response = chat(
-        gateway, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}, max_tokens=8
-    )
+    response = chat(gateway, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == '{"name": "a", "age": 4}'
-    assert [b["max_tokens"] for b in worker.bodies] == [8, 30]  # 40 context - 10 prompt, not 8 + 64
+    assert [b.get("max_tokens") for b in worker.bodies] == [None, 30]
     assert all(b["stream"] is False for b in worker.bodies[1:])
     metrics = httpx.get(gateway.url + "/metrics").text
     assert (
@@ -195,24 +201,51 @@ def test_the_retry_budget_stays_within_the_models_context(scripted: Any) -> None
     )
 
 
-def test_max_completion_tokens_is_the_budget_that_grows(scripted: Any) -> None:
-    worker, gateway = scripted([(200, answer('{"na', "length")), (200, answer('{"name": "b", "age": 1}'))])
-    assert chat(gateway, guided_json=PERSON, max_completion_tokens=10).status_code == 200
-    assert [b.get("max_completion_tokens") for b in worker.bodies] == [10, 74]
-    assert "max_tokens" not in worker.bodies[1]
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("policy", ["retry", "error"])
+def test_a_client_limit_is_never_exceeded(scripted: Any, field: str, policy: str) -> None:
+    """The cut answer goes back as OpenAI sends it: 200, the partial text, finish_reason "length"."""
+    worker, gateway = scripted([(200, answer('{"na', "length")), (200, answer('{"name": "b", "age": 1}'))],
+                               plugin={"on_invalid": policy})  # fmt: skip
+    response = chat(gateway, guided_json=PERSON, **{field: 10})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("length", '{"na')
+    assert [b.get(field) for b in worker.bodies] == [10]
 
 
-def test_without_a_token_budget_there_is_nothing_to_retry(scripted: Any) -> None:
-    worker, gateway = scripted([(200, answer('{"na', "length"))])
-    error = assert_error_shape(chat(gateway, guided_json=PERSON), 400)
-    assert error["code"] == "guided_output_truncated" and "max_tokens=" not in error["message"]
+def test_an_answer_cut_at_the_end_of_the_context_is_returned_cut(scripted: Any) -> None:
+    cut = answer('{"na', "length", prompt_tokens=10, completion_tokens=30)  # 10 + 30 = the whole context
+    worker, gateway = scripted([(200, cut)], max_model_len=40)
+    response = chat(gateway, guided_json=PERSON)
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
     assert len(worker.bodies) == 1
+
+
+def test_the_error_policy_never_retries(scripted: Any) -> None:
+    cut = answer('{"na', "length", prompt_tokens=10, completion_tokens=8)
+    worker, gateway = scripted([(200, cut)], max_model_len=40, plugin={"on_invalid": "error"})
+    assert chat(gateway, guided_json=PERSON).json()["choices"][0]["finish_reason"] == "length"
+    assert len(worker.bodies) == 1
+
+
+def test_a_retry_cut_again_is_returned_cut_and_an_invalid_one_refused(scripted: Any) -> None:
+    cut = answer('{"na', "length", prompt_tokens=10, completion_tokens=8)
+    worker, gateway = scripted([(200, cut), (200, answer('{"name": "a", "ag', "length"))], max_model_len=40)
+    response = chat(gateway, guided_json=PERSON)
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == '{"name": "a", "ag'
+    assert [b.get("max_tokens") for b in worker.bodies] == [None, 30]
+    _, gateway = scripted([(200, cut), (200, answer('{"name": "a"}'))], max_model_len=40)
+    error = assert_error_shape(chat(gateway, guided_json=PERSON), 422)
+    assert error["code"] == "guided_output_invalid" and "'age' is a required property" in error["message"]
 
 
 def test_a_retry_that_the_worker_fails_is_answered_with_the_workers_error(scripted: Any) -> None:
     failure = {"object": "error", "message": "out of KV cache", "type": "ServiceUnavailable", "code": 503}
-    worker, gateway = scripted([(200, answer('{"na', "length")), (503, failure)])
-    error = assert_error_shape(chat(gateway, guided_json=PERSON, max_tokens=4), 502)
+    cut = answer('{"na', "length", prompt_tokens=10, completion_tokens=8)
+    worker, gateway = scripted([(200, cut), (503, failure)], max_model_len=40)
+    error = assert_error_shape(chat(gateway, guided_json=PERSON), 502)
     assert "out of KV cache" in error["message"]
     assert len(worker.bodies) == 2
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 
@@ -140,46 +141,71 @@ def test_text_response_format_is_left_alone(guided: ServerThread, upstream: Fake
     assert "structured_outputs" not in upstream.requests[-1].body
 
 
-def test_answer_that_does_not_match_is_a_502(guided: ServerThread, upstream: FakeUpstream) -> None:
+def test_answer_that_does_not_match_is_a_422_the_sdk_does_not_retry(
+    guided: ServerThread, upstream: FakeUpstream
+) -> None:
     upstream.behavior.text = '{"name": "a"}'
     reply = _chat(guided, response_format=_schema_format(PERSON))
-    assert reply.status_code == 502
+    assert reply.status_code == 422
+    assert reply.headers["x-should-retry"] == "false"
     error = reply.json()["error"]
-    assert error["code"] == "guided_output_invalid"
+    assert error["code"] == "guided_output_invalid" and error["type"] == "invalid_request_error"
     assert "'age' is a required property" in error["message"]
     assert "finish_reason: stop" in error["message"]
+    sent: list[httpx.Request] = []
+    client = openai.OpenAI(
+        base_url=guided.url + "/v1",
+        api_key="unused",
+        max_retries=3,
+        http_client=httpx.Client(event_hooks={"request": [sent.append]}),
+    )
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.chat.completions.create(
+            model="m1", messages=[{"role": "user", "content": "hi"}], response_format=_schema_format(PERSON)
+        )
+    assert isinstance(info.value.body, dict) and info.value.body["code"] == "guided_output_invalid"
+    assert len(sent) == 1  # the SDK's own retries: none
 
 
 def test_choice_answer_outside_the_choices_is_refused(guided: ServerThread, upstream: FakeUpstream) -> None:
     upstream.behavior.text = "maybe"
     reply = _chat(guided, guided_choice=["yes", "no"])
-    assert reply.status_code == 502
+    assert reply.status_code == 422
     assert "not one of the choices" in reply.json()["error"]["message"]
 
 
-def test_truncated_answer_with_error_policy(
-    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+@pytest.mark.parametrize("policy", ["error", "retry"])
+def test_a_truncated_answer_comes_back_as_openai_sends_it(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, policy: str
 ) -> None:
-    config = _config(upstream_url, on_invalid="error")
+    config = _config(upstream_url, on_invalid=policy)
     with gateway_factory(config, plugins={"guided_json": GuidedJSONPlugin}) as (_, server):
         upstream.behavior.text, upstream.behavior.finish_reason = '{"name": "a", "ag', "length"
         reply = _chat(server, response_format=_schema_format(PERSON), max_tokens=5)
-    assert reply.status_code == 400
-    error = reply.json()["error"]
-    assert (error["param"], error["code"]) == ("max_tokens", "guided_output_truncated")
-    assert "finish_reason: length" in error["message"] and "max_tokens=5" in error["message"]
-    assert len(upstream.requests) == 1
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("length", '{"name": "a", "ag')
+    assert [r.body["max_tokens"] for r in upstream.requests] == [5]  # the client's limit: never raised
 
 
-def test_truncated_answer_with_retry_policy_asks_once_more_with_a_larger_budget(
+def test_a_truncated_stream_ends_normally_with_finish_reason_length(
     guided: ServerThread, upstream: FakeUpstream
 ) -> None:
     upstream.behavior.text, upstream.behavior.finish_reason = '{"name": "a", "ag', "length"
-    reply = _chat(guided, response_format=_schema_format(PERSON), max_tokens=5)
-    assert reply.status_code == 400
-    assert "a retry with max_tokens=69 was cut too" in reply.json()["error"]["message"]
-    assert [r.body["max_tokens"] for r in upstream.requests] == [5, 69]
-    assert upstream.requests[1].body["structured_outputs"] == upstream.requests[0].body["structured_outputs"]
+    body = {
+        "model": "m1",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 5,
+        "response_format": _schema_format(PERSON),
+    }
+    with httpx.stream("POST", guided.url + "/v1/chat/completions", json=body, timeout=30) as reply:
+        events = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == '{"name": "a", "ag'
 
 
 def test_stream_with_invalid_assembled_answer_ends_with_an_error_event(
