@@ -1,0 +1,282 @@
+"""A chat completions answer as a Responses API answer: a Response object from a whole chat completion
+(``response_from_chat``), or OpenAI's Responses event sequence from a chat SSE stream, chunk by chunk
+(``EventStream``), with ``sequence_number``. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from gateway.wire.responses_items import message_item, new_id, text_part
+from gateway.wire.responses_request import ResponsesRequest
+
+#: A chat finish_reason that makes a Response incomplete, and the reason it then gives.
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+# -- the response ------------------------------------------------------------------------------------
+
+
+def response_object(
+    req: ResponsesRequest, response_id: str, model: str, created_at: int, status: str, output: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A Response object (``status``: in_progress, completed, incomplete, failed), echoing the request."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "background": False,
+        "completed_at": None,
+        "error": None,
+        "incomplete_details": None,
+        "model": model,
+        "output": output,
+        "reasoning": {"effort": None, "summary": None},
+        "service_tier": "default",
+        "text": {"format": req.text_format, "verbosity": "medium"},
+        "tool_choice": req.tool_choice,
+        "tools": req.tools,
+        "truncation": "disabled",
+        "usage": None,
+        **req.echo,
+    }
+
+
+def finish(response: dict[str, Any], finish_reason: str | None, usage: object) -> None:
+    """Set the final status, incomplete details and usage of a Response built from a chat answer."""
+    reason = _INCOMPLETE.get(finish_reason or "")
+    response["status"] = "incomplete" if reason else "completed"
+    response["incomplete_details"] = {"reason": reason} if reason else None
+    response["completed_at"] = int(time.time())
+    response["usage"] = _usage(usage)
+    if reason:
+        for item in response["output"]:
+            item["status"] = "incomplete"
+
+
+def _usage(usage: object) -> dict[str, Any] | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens") or 0
+    completion = usage.get("completion_tokens") or 0
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.get("total_tokens") or prompt + completion,
+    }
+
+
+def response_from_chat(
+    req: ResponsesRequest, response_id: str, model: str, created_at: int, chat: dict[str, Any]
+) -> dict[str, Any]:
+    """A non-streamed chat completion as a Response object."""
+    choices = chat.get("choices") or [{}]
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    message = choice.get("message") or {}
+    output: list[dict[str, Any]] = []
+    content = message.get("content")
+    if content:
+        output.append(message_item("assistant", [{**text_part("output_text", content), "logprobs": []}]))
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        output.append(_function_call(call.get("id"), function.get("name") or "", function.get("arguments") or ""))
+    response = response_object(req, response_id, model, created_at, "completed", output)
+    finish(response, choice.get("finish_reason"), chat.get("usage"))
+    return response
+
+
+def _function_call(call_id: object, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": new_id("fc"),
+        "type": "function_call",
+        "call_id": call_id if isinstance(call_id, str) and call_id else new_id("call"),
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+# -- the stream --------------------------------------------------------------------------------------
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+class EventStream:
+    """Chat completion chunks in, the Responses event sequence out.
+
+    ``start()`` gives response.created and response.in_progress; ``feed(chunk)`` the events of one chunk
+    (output_item.added, content_part.added, output_text.delta, function_call_arguments.delta); ``close()``
+    the ``.done`` events of every open item; ``completed()`` the final response.completed (or
+    response.incomplete). ``response`` is the Response object being built, ready to store once closed.
+    """
+
+    def __init__(self, response: dict[str, Any]) -> None:
+        self.response = response
+        self._seq = 0
+        self._message: dict[str, Any] | None = None  # the open message item
+        self._calls: dict[int, dict[str, Any]] = {}  # tool call index -> its open function_call item
+        self._finish_reason: str | None = None
+        self._usage: object = None
+        self._item_status = "completed"  # what an item closed now is ("incomplete" when cut by max tokens)
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return sse(event)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return orjson.loads(orjson.dumps(self.response))
+
+    def start(self) -> list[bytes]:
+        return [
+            self._event("response.created", response=self._snapshot()),
+            self._event("response.in_progress", response=self._snapshot()),
+        ]
+
+    def error(self, error: dict[str, Any]) -> bytes:
+        """An ``error`` event: the SDK raises it as an APIError (the OpenAI error is under ``error``)."""
+        return self._event(
+            "error", code=error.get("code"), message=error.get("message"), param=error.get("param"), error=error
+        )
+
+    def feed(self, chunk: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            if text:
+                out += self._text(text)
+            for call in delta.get("tool_calls") or ():
+                out += self._tool_delta(call)
+            if choice.get("finish_reason"):
+                self._finish_reason = choice["finish_reason"]
+        return out
+
+    def _text(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self._message is None:
+            if self._calls:
+                out += self._close_calls()
+            item = message_item("assistant", [])
+            item["status"] = "in_progress"
+            self._message = item
+            index = len(self.response["output"])
+            self.response["output"].append(item)
+            out.append(self._event("response.output_item.added", output_index=index, item=dict(item, content=[])))
+            part = {**text_part("output_text", ""), "logprobs": []}
+            item["content"].append(part)
+            out.append(
+                self._event(
+                    "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part
+                )
+            )
+        item = self._message
+        item["content"][0]["text"] += text
+        index = self.response["output"].index(item)
+        out.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        )
+        return out
+
+    def _tool_delta(self, call: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        index = call.get("index", 0)
+        function = call.get("function") or {}
+        item = self._calls.get(index)
+        if item is None:
+            out += self._close_message()
+            item = _function_call(call.get("id"), function.get("name") or "", "", status="in_progress")
+            self._calls[index] = item
+            self.response["output"].append(item)
+            out.append(
+                self._event(
+                    "response.output_item.added", output_index=len(self.response["output"]) - 1, item=dict(item)
+                )
+            )
+        elif function.get("name"):
+            item["name"] += function["name"]
+        arguments = function.get("arguments")
+        if arguments:
+            item["arguments"] += arguments
+            out.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=self.response["output"].index(item),
+                    delta=arguments,
+                )
+            )
+        return out
+
+    def _close_message(self) -> list[bytes]:
+        item, self._message = self._message, None
+        if item is None:
+            return []
+        index = self.response["output"].index(item)
+        part = item["content"][0]
+        item["status"] = self._item_status
+        return [
+            self._event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            ),
+            self._event(
+                "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+            ),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def _close_calls(self) -> list[bytes]:
+        out: list[bytes] = []
+        for item in self._calls.values():
+            index = self.response["output"].index(item)
+            item["status"] = self._item_status
+            out.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+            out.append(self._event("response.output_item.done", output_index=index, item=item))
+        self._calls = {}
+        return out
+
+    def close(self) -> list[bytes]:
+        """The ``.done`` events of the open items; the Response then holds its final status and usage."""
+        if _INCOMPLETE.get(self._finish_reason or ""):
+            self._item_status = "incomplete"
+        out = self._close_message() + self._close_calls()
+        finish(self.response, self._finish_reason, self._usage)
+        return out
+
+    def completed(self) -> bytes:
+        kind = "response.completed" if self.response["status"] == "completed" else "response.incomplete"
+        return self._event(kind, response=self.response)

@@ -1,0 +1,329 @@
+"""A Responses API request, checked, and the chat completions request it becomes.
+
+``parse_request`` checks a Responses body and refuses what is not supported with a 400 naming it
+(built-in tools, background, conversation, ...); ``chat_request`` builds the chat completions body for
+the expanded conversation (instructions, earlier turns' items, this request's input items): the body the
+gateway's pipeline and the worker see. Pure functions: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.wire.responses_items import bad, normalize_input, text_of, unsupported
+
+#: Fields of a Responses request the gateway understands (and forwards, translated, or echoes).
+_ACCEPTED = frozenset(
+    {
+        "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
+        "tool_choice", "parallel_tool_calls", "store", "metadata", "previous_response_id", "stream", "user",
+        "stream_options", "safety_identifier", "prompt_cache_key", "service_tier", "truncation", "include",
+        "reasoning", "background", "top_logprobs",
+    }
+)  # fmt: skip
+#: Fields refused outright, with the reason the client reads.
+_UNSUPPORTED = {
+    "conversation": "conversations are not supported; chain turns with 'previous_response_id'",
+    "prompt": "stored prompt templates are not supported; send 'instructions' and 'input'",
+    "max_tool_calls": "'max_tool_calls' applies to built-in tools, which are not supported",
+    "context_management": "server-side context compaction is not supported",
+}
+_MAX_METADATA = 16
+
+
+@dataclass(slots=True)
+class ResponsesRequest:
+    """A checked Responses request: what to send, what to store, and what to echo on the Response."""
+
+    model: str
+    stream: bool
+    store: bool
+    previous_response_id: str | None
+    input_items: list[dict[str, Any]]  # this request's input, normalized, each with an id
+    instructions: str | None
+    sampling: dict[str, Any]  # chat fields: max_tokens, temperature, top_p, user, parallel_tool_calls
+    tools: list[dict[str, Any]]  # as the client sent them (Responses shape)
+    tool_choice: Any
+    text_format: dict[str, Any]
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields shown on the Response object
+
+
+def parse_request(body: dict[str, Any]) -> ResponsesRequest:
+    """Check a Responses request body; raise a 400 naming the first problem."""
+    for name in body:
+        if name in _UNSUPPORTED:
+            raise unsupported(f"'{name}' is not supported by this gateway: {_UNSUPPORTED[name]}.", name)
+        if name not in _ACCEPTED:
+            raise unsupported(f"Unrecognized request argument supplied: {name}", name)
+    model = body.get("model")
+    if model is None:
+        raise bad("You must provide a model parameter.", "model", "missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' must be a non-empty string.", "model")
+    stream = _flag(body, "stream", False)
+    store = _flag(body, "store", True)
+    if _flag(body, "background", False):
+        raise unsupported(
+            "'background' responses are not supported by this gateway; send the request without it "
+            "(stream it if it is long).",
+            "background",
+        )
+    _check_options(body, stream)
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise bad("'previous_response_id' must be a non-empty string.", "previous_response_id")
+    if "input" not in body or body["input"] is None:
+        raise bad("You must provide an 'input' parameter.", "input", "missing_required_parameter")
+    items = normalize_input(body["input"])
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise unsupported(
+            "'instructions' must be a string (input items as instructions are not supported).", "instructions"
+        )
+    sampling: dict[str, Any] = {}
+    max_output = body.get("max_output_tokens")
+    if max_output is not None:
+        if not isinstance(max_output, int) or isinstance(max_output, bool) or max_output < 1:
+            raise bad(f"'max_output_tokens' must be a positive integer (got {max_output!r}).", "max_output_tokens")
+        sampling["max_tokens"] = max_output
+    for name in ("temperature", "top_p"):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise bad(f"'{name}' must be a number.", name)
+            sampling[name] = value
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise bad(f"'{name}' must be a string.", name)
+    if isinstance(body.get("user"), str):
+        sampling["user"] = body["user"]
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls")
+    tools = _check_tools(body.get("tools"))
+    tool_choice = _check_tool_choice(body.get("tool_choice"), tools)
+    if tools and parallel is not None:
+        sampling["parallel_tool_calls"] = parallel
+    text_format = _check_text(body.get("text"))
+    metadata = _check_metadata(body.get("metadata"))
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": max_output,
+        "metadata": metadata,
+        "parallel_tool_calls": True if parallel is None else parallel,
+        "previous_response_id": previous,
+        "temperature": body.get("temperature", 1.0),
+        "top_p": body.get("top_p", 1.0),
+        "store": store,
+        "user": body.get("user"),
+        "safety_identifier": body.get("safety_identifier"),
+        "prompt_cache_key": body.get("prompt_cache_key"),
+    }
+    return ResponsesRequest(
+        model=model,
+        stream=stream,
+        store=store,
+        previous_response_id=previous,
+        input_items=items,
+        instructions=instructions,
+        sampling=sampling,
+        tools=tools,
+        tool_choice=tool_choice,
+        text_format=text_format,
+        echo=echo,
+    )
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be a boolean.", name)
+    return value
+
+
+def _check_options(body: dict[str, Any], stream: bool) -> None:
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_obfuscation"}:
+            raise bad("'stream_options' may only hold 'include_obfuscation'.", "stream_options")
+        if not stream:
+            raise bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    tier = body.get("service_tier")
+    if tier not in (None, "auto", "default"):
+        raise unsupported(f"'service_tier' {tier!r} is not supported; use 'auto' or 'default'.", "service_tier")
+    truncation = body.get("truncation")
+    if truncation not in (None, "disabled"):
+        raise unsupported(
+            "'truncation' must be 'disabled': the gateway never drops turns; a conversation longer than the "
+            "model's context is refused.",
+            "truncation",
+        )
+    include = body.get("include")
+    if include:
+        raise unsupported(f"'include' values are not supported by this gateway: {include!r}.", "include")
+    reasoning = body.get("reasoning")
+    if reasoning is not None and (not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())):
+        raise unsupported(
+            "'reasoning' options are not supported: the served models are not reasoning models.", "reasoning"
+        )
+    if body.get("top_logprobs") not in (None, 0):
+        raise unsupported("'top_logprobs' is not supported on /v1/responses by this gateway.", "top_logprobs")
+
+
+def _check_metadata(metadata: object) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or len(metadata) > _MAX_METADATA:
+        raise bad(f"'metadata' must be an object of at most {_MAX_METADATA} string pairs.", "metadata")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise bad(
+                "'metadata' keys must be at most 64 characters and values strings of at most 512.", f"metadata.{key}"
+            )
+    return metadata
+
+
+# -- tools and text format ---------------------------------------------------------------------------
+
+
+def _check_tools(tools: object) -> list[dict[str, Any]]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise bad("'tools' must be an array.", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise unsupported(
+                f"Tools of type {kind!r} are not supported by this gateway: only 'function' tools (built-in tools "
+                "such as web_search or file_search run on OpenAI's servers).",
+                f"tools[{i}].type",
+            )
+        assert isinstance(tool, dict)
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad(f"'tools[{i}].name' must be a non-empty string.", f"tools[{i}].name")
+        params = tool.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad(f"'tools[{i}].parameters' must be a JSON schema object.", f"tools[{i}].parameters")
+        out.append(
+            {
+                "type": "function",
+                "name": tool["name"],
+                "description": tool.get("description"),
+                "parameters": params,
+                "strict": tool.get("strict"),
+            }
+        )
+    return out
+
+
+def _check_tool_choice(choice: object, tools: list[dict[str, Any]]) -> Any:
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        if choice["name"] not in {t["name"] for t in tools}:
+            raise bad(f"'tool_choice' names the function {choice['name']!r}, which is not in 'tools'.", "tool_choice")
+        return {"type": "function", "name": choice["name"]}
+    raise unsupported(
+        "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...} on this gateway.",
+        "tool_choice",
+    )
+
+
+def _check_text(text: object) -> dict[str, Any]:
+    if text is None:
+        return {"type": "text"}
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise bad("'text' must be an object with 'format'.", "text")
+    if text.get("verbosity") not in (None, "medium"):
+        raise unsupported("'text.verbosity' is not supported by this gateway.", "text.verbosity")
+    fmt = text.get("format")
+    if fmt is None:
+        return {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        assert isinstance(fmt, dict)
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad("'text.format.schema' must be a JSON schema object.", "text.format.schema")
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise bad("'text.format.name' must be a non-empty string.", "text.format.name")
+        return {
+            "type": "json_schema",
+            "name": fmt["name"],
+            "schema": fmt["schema"],
+            "description": fmt.get("description"),
+            "strict": fmt.get("strict"),
+        }
+    raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'.", "text.format.type")
+
+
+# -- the chat request ------------------------------------------------------------------------------
+
+
+def chat_request(req: ResponsesRequest, upstream_model: str, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completions body for ``history`` (earlier turns' items) followed by this request's input."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    for item in (*history, *req.input_items):
+        _append_message(messages, item)
+    chat: dict[str, Any] = {"model": upstream_model, "messages": messages, **req.sampling}
+    if req.tools:
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    k: v
+                    for k, v in (
+                        ("name", t["name"]),
+                        ("description", t["description"]),
+                        ("parameters", t["parameters"]),
+                    )
+                    if v is not None
+                },
+            }
+            for t in req.tools
+        ]
+        choice = req.tool_choice
+        chat["tool_choice"] = (
+            {"type": "function", "function": {"name": choice["name"]}} if isinstance(choice, dict) else choice
+        )
+    fmt = req.text_format
+    if fmt["type"] == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif fmt["type"] == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "description", "strict") if fmt.get(k) is not None}
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    if req.stream:
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    return chat
+
+
+def _append_message(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
+    kind = item["type"]
+    if kind == "message":
+        role = "system" if item["role"] == "developer" else item["role"]
+        messages.append({"role": role, "content": text_of(item["content"])})
+    elif kind == "function_call":
+        call = {
+            "id": item["call_id"],
+            "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]},
+        }
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})

@@ -1,0 +1,141 @@
+"""The Responses <-> chat completions translation, as pure functions: input items to messages, and a chat
+stream to the Responses event sequence (text then a tool call in one answer, a cut by max tokens)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.wire.errors import InvalidRequest
+from gateway.wire.responses_output import EventStream, response_object
+from gateway.wire.responses_request import chat_request, parse_request
+
+
+def events_of(data: list[bytes]) -> list[dict[str, Any]]:
+    out = []
+    for blob in data:
+        for block in blob.split(b"\n\n"):
+            if block:
+                kind, payload = block.split(b"\n", 1)
+                event = orjson.loads(payload.removeprefix(b"data: "))
+                assert kind == b"event: " + event["type"].encode()
+                out.append(event)
+    return out
+
+
+def test_items_become_messages_in_order() -> None:
+    req = parse_request(
+        {
+            "model": "m",
+            "instructions": "Be nice.",
+            "input": [
+                {"role": "developer", "content": "Rules."},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": t} for t in "ab"]},
+                {"role": "assistant", "content": "Let me check."},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "one"},
+                {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+            ],
+        }
+    )  # fmt: skip
+    assert all(item["id"] for item in req.input_items)
+    chat = chat_request(req, "served", [])
+    assert chat["model"] == "served" and "stream" not in chat
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be nice."},
+        {"role": "system", "content": "Rules."},
+        {"role": "user", "content": "ab"},
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"x": 1}'}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": ""},  # an empty string is a (short) message, but an empty list is not
+        {"tool_choice": {"type": "function", "name": "missing"}, "tools": [{"type": "function", "name": "f"}]},
+        {"metadata": {"k": 1}},
+        {"max_output_tokens": 0},
+        {"temperature": "hot"},
+        {"stream_options": {"include_obfuscation": False}},  # only with stream
+        {"text": {"format": {"type": "json_schema", "name": "x"}}},  # no schema
+    ],
+)
+def test_bad_fields_are_400s(body: dict[str, Any]) -> None:
+    full = {"model": "m", "input": "hi", **body}
+    if body == {"input": ""}:
+        full["input"] = []
+    with pytest.raises(InvalidRequest):
+        parse_request(full)
+
+
+def test_text_then_tool_call_stream_closes_the_message_first() -> None:
+    req = parse_request({"model": "m", "input": "hi", "stream": True})
+    stream = EventStream(response_object(req, "resp_1", "m", 1, "in_progress", []))
+    data = stream.start()
+    data += stream.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    data += stream.feed({"choices": [{"index": 0, "delta": {"content": "Checking"}}]})
+    call = {"index": 0, "id": "call_9", "type": "function", "function": {"name": "f", "arguments": '{"a"'}}
+    data += stream.feed({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+    data += stream.feed(
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]}
+    )
+    data += stream.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    data += stream.feed({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}})
+    data += stream.close()
+    data.append(stream.completed())
+    events = events_of(data)
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e.get("output_index") for e in events[2:13]] == [0] * 6 + [1] * 5
+    final = events[-1]["response"]
+    assert final["status"] == "completed" and final["usage"]["total_tokens"] == 11
+    assert [item["type"] for item in final["output"]] == ["message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "Checking"
+    assert final["output"][1] == {
+        "id": final["output"][1]["id"],
+        "type": "function_call",
+        "call_id": "call_9",
+        "name": "f",
+        "arguments": '{"a": 1}',
+        "status": "completed",
+    }
+
+
+def test_a_stream_cut_by_max_tokens_is_incomplete() -> None:
+    req = parse_request({"model": "m", "input": "hi", "stream": True, "max_output_tokens": 2})
+    stream = EventStream(response_object(req, "resp_1", "m", 1, "in_progress", []))
+    stream.start()
+    stream.feed({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": "length"}]})
+    done = events_of(stream.close())
+    assert done[-1]["type"] == "response.output_item.done" and done[-1]["item"]["status"] == "incomplete"
+    final = events_of([stream.completed()])[0]
+    assert final["type"] == "response.incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
