@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_EXTRA   := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: run test lint typecheck unit bench audit model clean
+.PHONY: run test lint typecheck docs unit bench audit model clean
 
 # The example plugin is installed as a package (not editable): a change to it must reinstall it.
 $(STAMP): pyproject.toml tests/example_plugin/pyproject.toml $(wildcard tests/example_plugin/gateway_example_plugin/*.py)
@@ -31,13 +31,18 @@ run: $(STAMP) model
 	$(VENV)/bin/gateway serve
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check gateway plugins tests bench
-	$(VENV)/bin/ruff format --check gateway plugins tests bench
+	$(VENV)/bin/ruff check gateway plugins tests bench docs/hooks
+	$(VENV)/bin/ruff format --check gateway plugins tests bench docs/hooks
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: $(STAMP) model lint typecheck
+# The documentation site, built strictly: a broken link or anchor, a missing included file or any other
+# warning fails the build (and so `make test`). Output in .site/ (gitignored).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir .site
+
+test: $(STAMP) model lint typecheck docs
 	$(PY) -m pytest -q -rfEsxX
 
 unit: $(STAMP)
@@ -57,4 +62,4 @@ audit: $(STAMP)
 	$(VENV)/bin/pip-audit --strict --disable-pip --no-deps -r $(VENV)/audit-requirements.txt
 
 clean:
-	rm -rf $(VENV) models .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) models .site .mypy_cache .ruff_cache .pytest_cache

@@ -175,13 +175,17 @@ GATEWAY_MODEL = "smollm2"
 
 
 def gateway_config(
-    upstream_url: str, plugins: list[dict[str, Any]], upstream: dict[str, Any] | None = None
+    upstream_url: str,
+    plugins: list[dict[str, Any]],
+    upstream: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "models": [{"name": GATEWAY_MODEL, "workers": [upstream_url]}],
         "plugins": plugins,
         "upstream": {"connect_timeout_s": 3, "first_byte_timeout_s": 30, "idle_timeout_s": 30, **(upstream or {})},
         "logging": {"level": "INFO", "access_log": True},
+        **(extra or {}),
     }
 
 
@@ -195,15 +199,18 @@ def start_gateway(
     note: str = "",
     source: Path | None = None,
     upstream: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Peer:
     """``source``: run the ``gateway``/``plugins`` packages from another tree (a copy made before a
-    change), so a change is measured against its baseline in the same run."""
+    change), so a change is measured against its baseline in the same run. ``env``: more ``GATEWAY_*``
+    settings for this process. ``extra``: more top-level config sections (e.g. ``responses``)."""
     port = free_port()
     config = tmp / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(gateway_config(upstream_url, plugins, upstream), sort_keys=False))
+    config.write_text(yaml.safe_dump(gateway_config(upstream_url, plugins, upstream, extra), sort_keys=False))
     log = tmp / f"{name}.log"
     cmd = [str(VENV_BIN / "gateway"), "serve", "--config", str(config), "--no-managed-workers"]
-    env = {"GATEWAY_PORT": str(port), "GATEWAY_HOST": "127.0.0.1"}
+    env = {**(env or {}), "GATEWAY_PORT": str(port), "GATEWAY_HOST": "127.0.0.1"}
     if source is not None:
         env["PYTHONPATH"] = str(source.resolve())
     proc = _spawn(cmd, PROXY_CPU, log, env=env)

@@ -1,4 +1,4 @@
-"""The ``gateway`` command: serve, check-config, reload, config show, model prepare."""
+"""The ``gateway`` command: serve, check-config, reload, config show, config schema, model prepare."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def serve(
 
     from gateway.ops.logs import configure_logging
     from gateway.ops.settings import Settings
+    from gateway.server.front_door import http_protocol, raise_open_files_limit
 
     overrides = {"config_path": config_path, "host": host, "port": port, "workers": workers}
     for key, value in overrides.items():
@@ -54,6 +55,7 @@ def serve(
         metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         atexit.register(shutil.rmtree, metrics_dir, ignore_errors=True)
+    raise_open_files_limit(settings.max_connections)
     uvicorn.run(
         "gateway.server.asgi:app",
         factory=True,
@@ -61,7 +63,7 @@ def serve(
         port=settings.port,
         workers=settings.workers,
         loop="uvloop",
-        http="httptools",
+        http=http_protocol(settings),
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=30,
@@ -141,7 +143,25 @@ def reload(url: str | None, token: str | None, config_file: Path | None) -> None
 
 @main.group("config")
 def config_group() -> None:
-    """Inspect the config of a running gateway."""
+    """The config: the running one (show) and the JSON Schema of config.yaml (schema)."""
+
+
+@config_group.command("schema")
+def config_schema() -> None:
+    """Print the JSON Schema of config.yaml, with the section of every installed plugin, for editors.
+
+    Save it (gateway config schema > config.schema.json) and point the YAML language server at it, e.g.
+    with a first line '# yaml-language-server: $schema=./config.schema.json' in config.yaml.
+    """
+    import orjson
+
+    from gateway.pipeline.registry import PluginRegistry
+    from gateway.pipeline.schema import config_json_schema
+
+    schema, problems = config_json_schema(PluginRegistry())
+    for problem in problems:
+        click.echo(f"warning: {problem}", err=True)
+    click.echo(orjson.dumps(schema, option=orjson.OPT_INDENT_2).decode())
 
 
 @config_group.command("show")

@@ -15,6 +15,7 @@ from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.registry import PluginRegistry
 from gateway.server.app import GatewayApp, create_app
+from gateway.server.front_door import http_protocol
 from tests.support.fakes import FakeUpstream, ServerThread, free_port
 from tests.support.gateways import REPO, GatewayFactory, RealEngine, base_config, engine_config
 
@@ -56,13 +57,14 @@ def upstream_url(upstream_server: tuple[FakeUpstream, ServerThread]) -> str:
 @pytest.fixture
 def gateway_factory() -> GatewayFactory:
     """``with gateway_factory(config_dict, plugins={name: cls}) as (app, server): ...``; ``http`` picks
-    uvicorn's HTTP implementation (``gateway serve`` runs httptools)."""
+    uvicorn's HTTP implementation: by default what ``gateway serve`` runs (httptools behind the front
+    door's bounds, from ``settings``), or ``"h11"``/``"httptools"`` for uvicorn's own."""
 
     @contextlib.contextmanager
     def factory(
         config: dict[str, Any],
         plugins: dict[str, type[Plugin]] | None = None,
-        http: str = "httptools",
+        http: str = "gateway",
         **settings: Any,
     ) -> Iterator[tuple[GatewayApp, ServerThread]]:
         registry = PluginRegistry()
@@ -74,7 +76,8 @@ def gateway_factory() -> GatewayFactory:
             config=GatewayConfig.model_validate(config),
             engine_factory=None,
         )
-        with ServerThread(app, http=http) as server:
+        protocol = http_protocol(app.state.settings) if http == "gateway" else http
+        with ServerThread(app, http=protocol) as server:
             yield app, server
 
     return factory

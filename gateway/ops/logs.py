@@ -22,8 +22,10 @@ class LoggingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    access_log: bool = True
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="log level (GATEWAY_LOG_LEVEL overrides it)"
+    )
+    access_log: bool = Field(True, description="one JSON line per request")
     log_content: bool = Field(False, description="include prompts and completions in logs (off: never)")
 
 

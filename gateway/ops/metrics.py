@@ -5,6 +5,11 @@ fresh directory *before* uvicorn starts the processes (prometheus_client picks i
 metric is first built, from that variable). Every process then writes its samples to memory-mapped files
 there and ``/metrics``, served by any process, adds them up with ``MultiProcessCollector``: counters and
 histograms sum, in-flight/queued gauges sum over live processes, health and config info take the max.
+
+Private labels: a metric whose labels name who is calling (tenants, key ids) is marked with
+``mark_private(metric, labels=...)``. ``render(private=False)`` (the public ``/metrics``) sums its
+series over those labels (``gateway_tenancy_refusals_total{reason=...}`` stays, without ``tenant``);
+only the admin port or a caller with the admin token sees them (``render(private=True)``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -55,6 +61,8 @@ class Metrics:
         #: Set when several processes share the metrics (see the module docstring).
         self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
         self._version: str | None = None
+        #: Metric family -> the labels only the admin may see (``mark_private``).
+        self.private_labels: dict[str, frozenset[str]] = {}
         self._health_exported: set[str] = set()
         r = self.registry
         self.requests = Counter(
@@ -112,6 +120,12 @@ class Metrics:
             registry=r,
         )
         self.retries = Counter("gateway_upstream_retries", "Requests retried on another worker", ["model"], registry=r)
+        self.stream_resumptions = Counter(
+            "gateway_stream_resumptions",
+            "Streams continued on another worker after theirs failed midway, by model and reason (reset|idle|eof)",
+            ["model", "reason"],
+            registry=r,
+        )
         self.worker_healthy = Gauge(
             "gateway_worker_healthy",
             "1 when a worker passes its health checks",
@@ -166,9 +180,42 @@ class Metrics:
         self._version = version
         self.config_info.labels(version).set(1)
 
-    def render(self) -> bytes:
-        if self.multiprocess_dir is None:
-            return generate_latest(self.registry)
-        merged = CollectorRegistry()
-        MultiProcessCollector(merged, path=self.multiprocess_dir)
-        return generate_latest(merged)
+    def mark_private(self, *metrics: Any, labels: tuple[str, ...] = ("tenant", "key_id")) -> None:
+        """These metrics' ``labels`` name who is calling: only ``render(private=True)`` shows them;
+        the public rendering sums the series over them."""
+        for metric in metrics:
+            self.private_labels[metric._name] = frozenset(labels)
+
+    def render(self, *, private: bool = False) -> bytes:
+        """The exposition text; without ``private``, private labels are summed away."""
+        source: Any = self.registry
+        if self.multiprocess_dir is not None:
+            source = CollectorRegistry()
+            MultiProcessCollector(source, path=self.multiprocess_dir)
+        if not private and self.private_labels:
+            source = _PublicView(source, self.private_labels)
+        return generate_latest(source)
+
+
+class _PublicView:
+    """Another collector's families, with the private labels of the marked ones summed away."""
+
+    def __init__(self, source: Any, private: dict[str, frozenset[str]]) -> None:
+        self.source, self.private = source, private
+
+    def collect(self) -> Any:
+        for family in self.source.collect():
+            hidden = self.private.get(family.name) or self.private.get(family.name.removesuffix("_total"))
+            if hidden is None:
+                yield family
+                continue
+            sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue  # a creation time per hidden series: no sum of them means anything
+                kept = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in hidden))
+                sums[(sample.name, kept)] = sums.get((sample.name, kept), 0.0) + sample.value
+            public = Metric(family.name, family.documentation, family.type, family.unit)
+            for (name, kept), value in sums.items():
+                public.add_sample(name, dict(kept), value)
+            yield public

@@ -7,6 +7,7 @@ Secrets (admin token) live here, never in the config file.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, NonNegativeInt, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -15,15 +16,29 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    config_path: Path = Path("config.yaml")
+    host: str = Field("127.0.0.1", description="address the gateway listens on (0.0.0.0: every interface)")
+    port: int = Field(
+        8000, ge=1, le=65535, description="port of the OpenAI API (and of /admin unless admin_port is set)"
+    )
+    config_path: Path = Field(Path("config.yaml"), description="the reloadable config file")
     workers: int = Field(1, ge=1, description="uvicorn worker processes")
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    admin_token: SecretStr | None = None
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="Redis for the cache, tenancy and config pub/sub state"
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="bearer token of the admin API; unset: the admin API answers 403 (never put it in config.yaml)",
+    )
+    audit_hmac_key: SecretStr | None = Field(
+        None,
+        description=(
+            "key for the HMAC-SHA256 that audit lines (safety rule matches) carry instead of the matched text; "
+            "unset: no hash is logged, only the length (a plain digest of a card or phone number is reversible)"
+        ),
+    )
     admin_port: int | None = Field(None, ge=1, le=65535, description="serve /admin on its own port")
     managed_workers: bool = Field(True, description="start the engine workers declared in config.yaml")
-    model_dir: Path = Path("models")
+    model_dir: Path = Field(Path("models"), description="where `gateway model prepare` puts prepared models")
     log_level: str | None = Field(None, description="overrides logging.level from config.yaml")
     config_watch_s: float = Field(
         2.0, ge=0, description="re-read the config file this often and reload when its content changed (0: off)"
@@ -41,10 +56,42 @@ class Settings(BaseSettings):
             "client's or load balancer's idle expiry, so the client always closes first"
         ),
     )
+    # The front door (gateway.server.front_door): bounds on what one client may send and hold open.
+    max_header_bytes: int = Field(
+        32 * 1024, ge=1024, description="request line and headers together, in bytes (beyond: 431)"
+    )
+    max_headers: int = Field(100, ge=1, description="header fields per request (beyond: 431)")
+    max_request_line_bytes: int = Field(8 * 1024, ge=256, description="the request line, in bytes (beyond: 414)")
+    first_request_timeout_s: float = Field(
+        15.0, gt=0, description="a new connection that sends nothing this long is closed (no reply)"
+    )
+    header_timeout_s: float = Field(
+        30.0, gt=0, description="a request head not complete this long after its first byte: 408, closed"
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="a request body not complete this long after its head: 408, closed"
+    )
+    max_connections: int = Field(
+        4096, ge=1, description="open client connections per process; a new one beyond it is answered 503 and closed"
+    )
     drain_delay_s: float = Field(
         0.0,
         ge=0,
         description="on SIGTERM, answer /ready with 503 and keep serving this long before the listener closes",
+    )
+    upstream_client: Literal["http1", "aiohttp"] = Field(
+        "http1",
+        description=(
+            "the HTTP client to workers: http1 (the project's own, on httptools; fastest) or aiohttp (the "
+            "library it is tested against; same behaviour, more CPU per request)"
+        ),
+    )
+    redis_client: Literal["autopipe", "redis-py"] = Field(
+        "autopipe",
+        description=(
+            "how plugins' hot-path Redis commands are sent: autopipe (the project's own pipelining on hiredis; "
+            "fastest) or redis-py (redis-py's pipeline, the library it is tested against)"
+        ),
     )
     gc_thresholds: tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt] = Field(
         (10_000, 10, 10),

@@ -7,6 +7,7 @@
 - ``config`` and ``models``: the reloadable ``config.yaml`` models and the model table of one config.
 - ``services``: process-wide clients (upstream pool, Redis, worker table, metrics) shared by snapshots.
 - ``runtime`` and ``reload``: the immutable config snapshot, prepare-then-swap, and its triggers.
+- ``schema``: the JSON Schema of ``config.yaml`` with every installed plugin's section, for editors.
 
 May import upstream, wire, ops, infra and engine; never server or proxy (the context sees the running
 snapshot only through the ``PinnedSnapshot`` protocol, so the types a plugin sees sit below the runtime).
@@ -16,7 +17,7 @@ What a plugin needs is exported here, so a third-party plugin imports only from 
 OpenAI-shaped subclasses live in ``gateway.wire.errors``).
 """
 
-from gateway.pipeline.context import ModelResponse, RequestContext
+from gateway.pipeline.context import Delivered, ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 
-__all__ = ["ModelResponse", "Plugin", "RequestContext"]
+__all__ = ["Delivered", "ModelResponse", "Plugin", "RequestContext"]

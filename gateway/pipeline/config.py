@@ -33,12 +33,29 @@ class StrictModel(BaseModel):
 
 
 class LimitsConfig(StrictModel):
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="largest request body; a larger one is a 413, refused before it is read"
+    )
     max_n: int = Field(128, ge=1, description="largest 'n' (choices per request) a client may ask for, as OpenAI")
     extra_params: list[str] = Field(
         default_factory=list,
         description="request fields to pass through beside the built-in allow-list (gateway.wire.allowlist)",
     )
+
+
+class ResponsesConfig(StrictModel):
+    """The Responses API's stored responses (``store: true``, the default), kept in Redis."""
+
+    ttl_s: int = Field(
+        7 * 86400,
+        ge=60,
+        le=366 * 86400,
+        description="how long a stored response can be retrieved or continued (previous_response_id), in seconds",
+    )
+    redis_prefix: str = Field(
+        "gw:responses", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$", description="Redis key prefix"
+    )
+    redis_timeout_ms: float = Field(500, gt=0, le=10_000, description="bound on each Redis call of the store")
 
 
 class ModelConfig(StrictModel):
@@ -48,12 +65,18 @@ class ModelConfig(StrictModel):
     declared under ``engine.workers``.
     """
 
-    name: str = Field(min_length=1)
-    aliases: list[str] = Field(default_factory=list)
+    name: str = Field(min_length=1, description='what clients put in "model"')
+    aliases: list[str] = Field(default_factory=list, description="other names clients may use for this model")
     served_name: str | None = Field(None, description="the name the workers know (default: name)")
-    workers: list[str] = Field(min_length=1)
-    owned_by: str = "vllm-gateway"
-    max_model_len: int | None = Field(None, ge=1)
+    workers: list[str] = Field(
+        min_length=1,
+        description="worker URLs (http://host:port, dns://name:port for a headless Service) or names of "
+        "managed workers under engine.workers",
+    )
+    owned_by: str = Field("vllm-gateway", description="owned_by on the model's cards in GET /v1/models")
+    max_model_len: int | None = Field(
+        None, ge=1, description="the context window: shown on the model card; bounds guided_json's retry budget"
+    )
 
     @property
     def upstream_name(self) -> str:
@@ -63,18 +86,22 @@ class ModelConfig(StrictModel):
 class PluginEntry(StrictModel):
     """One enabled plugin. Order in the list is the order of ``on_request`` hooks."""
 
-    name: str = Field(min_length=1)
-    enabled: bool = True
+    name: str = Field(min_length=1, description="the plugin's entry-point name (gateway.plugins)")
+    enabled: bool = Field(True, description="false: listed but off; its section is not validated")
     on_error: Literal["fail_closed", "fail_open"] | None = Field(
         None, description="what a hook failure does (default: the plugin's own choice)"
     )
     timeout_ms: float | None = Field(None, gt=0, description="time budget per hook call")
-    config: dict[str, Any] = Field(default_factory=dict)
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="the plugin's own section, checked against its Config"
+    )
 
 
 class EngineConfig(StrictModel):
-    workers: list[ManagedWorkerSpec] = Field(default_factory=list)
-    ready_timeout_s: float = Field(600.0, gt=0)
+    workers: list[ManagedWorkerSpec] = Field(
+        default_factory=list, description="vLLM workers the gateway starts (unless GATEWAY_MANAGED_WORKERS=false)"
+    )
+    ready_timeout_s: float = Field(600.0, gt=0, description="longest wait for a managed worker to become ready")
 
     @field_validator("workers")
     @classmethod
@@ -91,12 +118,17 @@ class EngineConfig(StrictModel):
 
 
 class GatewayConfig(StrictModel):
-    models: list[ModelConfig] = Field(min_length=1)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    plugins: list[PluginEntry] = Field(default_factory=list)
-    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    models: list[ModelConfig] = Field(min_length=1, description="the models clients may name, and their workers")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="managed vLLM workers")
+    plugins: list[PluginEntry] = Field(default_factory=list, description="enabled plugins, in on_request order")
+    upstream: UpstreamConfig = Field(
+        default_factory=UpstreamConfig, description="waits and pool of the client to workers"
+    )
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="request limits of the core")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="log level and content")
+    responses: ResponsesConfig = Field(
+        default_factory=ResponsesConfig, description="the Responses API's store of responses (Redis, per tenant)"
+    )
 
     @model_validator(mode="after")
     def _check_references(self) -> GatewayConfig:

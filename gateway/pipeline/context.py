@@ -54,9 +54,14 @@ class ModelResponse:
 
     Holds the body as bytes, the parsed object, or both, and converts lazily: a response that no
     plugin looks at is passed to the client as the bytes the worker sent.
+
+    ``chunks``: for an early answer to a streaming request (a cache hit), the stream events it came
+    from, in order, as their JSON payloads one per line (without ``[DONE]``): the core replays them as
+    they are instead of synthesizing events from the object. ``replace_json`` drops them, since they no
+    longer add up to the object.
     """
 
-    __slots__ = ("_body", "_json", "headers", "status")
+    __slots__ = ("_body", "_json", "chunks", "headers", "status")
 
     def __init__(
         self,
@@ -65,6 +70,7 @@ class ModelResponse:
         json: dict[str, Any] | None = None,
         status: int = 200,
         headers: dict[str, str] | None = None,
+        chunks: bytes | None = None,
     ) -> None:
         if body is None and json is None:
             raise ValueError("a ModelResponse needs a body or a json object")
@@ -72,6 +78,7 @@ class ModelResponse:
         self._json = json
         self.status = status
         self.headers = headers or {}
+        self.chunks = chunks
 
     @property
     def json(self) -> dict[str, Any]:
@@ -91,6 +98,7 @@ class ModelResponse:
         """Swap the object (the bytes are re-rendered from it when needed)."""
         self._json = obj
         self._body = None
+        self.chunks = None
 
 
 class RoutePlan(Protocol):
@@ -105,6 +113,36 @@ class RoutePlan(Protocol):
     def next_worker(self, failed: Worker | None, error: GatewayError | None) -> Worker | None: ...
 
     def finished(self, worker: Worker, *, ok: bool, error: GatewayError | None = None) -> None: ...
+
+    def has_alternative(self) -> bool:
+        """Whether ``next_worker`` could still offer another healthy worker of the request's model (not
+        tried yet, attempts left): a stream cut midway is continued only then."""
+        ...
+
+
+@dataclass(slots=True)
+class Delivered:
+    """What the client was given, set by the core once it is known; read by plugins in a finalizer
+    (``ctx.add_finalizer``), e.g. to bill a request for what it received.
+
+    - A JSON answer (or an early one, e.g. a cache hit, also when replayed as a stream): set when the
+      response passed every ``on_response`` hook (``status`` is the one sent; its usage is the
+      response's, which ``on_response`` saw). An error reply (a refusal, an upstream failure) leaves
+      ``ctx.delivered`` None.
+    - A stream: set when its first event is about to go out, then kept current until it ends, however
+      it ends (``[DONE]``, the client went away, the worker cut it): ``stream_tokens`` counts the
+      completion tokens already handed to the client's connection (one per worker choice delta that
+      carried text, reasoning or a tool call: vLLM sends one per generated token; text a chunk hook
+      held back counts once a later piece went out), ``usage`` is the worker's
+      usage when the stream carried it (``stream_options.include_usage``), ``complete`` whether it
+      ended with ``[DONE]``. A byte pass-through stream (no plugin watches it) is not counted
+      (``stream_tokens`` None).
+    """
+
+    status: int = 200
+    usage: dict[str, Any] | None = None
+    stream_tokens: int | None = None
+    complete: bool = True
 
 
 @dataclass(slots=True)
@@ -128,13 +166,19 @@ class RequestContext:
     stream: bool
     started: float
     tenant: str | None = None
+    priority: int = 0  # admission order when a model is full (higher first); set from tenant config
     api_key_id: str | None = None
     plan: RoutePlan | None = None
     worker: Worker | None = None
+    delivered: Delivered | None = None
+    #: Set by an access-control plugin (tenancy): may this request be served by the named model?
+    #: A plugin that moves the request to another model (routing: canaries, fallbacks) asks first.
+    model_allowed: Callable[[str], bool] | None = None
     response_headers: dict[str, str] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     log: dict[str, Any] = field(default_factory=dict)  # extra fields for the access log line
     body_changed: bool = False
+    resumed: int = 0  # times a cut stream was continued on another worker (plugins see one stream)
     _finalizers: list[Callable[[], None]] = field(default_factory=list)
     _aside: set[object] | None = None
 
@@ -165,6 +209,11 @@ class RequestContext:
         # requests of hundreds of streams pile up between its full collections and make each one a
         # pause of tens of milliseconds.
         self.plan = None
+
+    def allows_model(self, name: str) -> bool:
+        """Whether this request may be served by model ``name`` (True when no plugin restricts it)."""
+        check = self.model_allowed
+        return check is None or check(name)
 
     def mark_body_changed(self) -> None:
         self.body_changed = True

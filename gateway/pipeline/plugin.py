@@ -30,6 +30,14 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   A chunk hook that must end the stream early (e.g. an output check that fired) returns the last chunk
   it wants sent and sets ``ctx.state["close_stream"] = True``: the core stops reading the worker
   (closing the connection makes vLLM abort the generation) and ends the stream with ``[DONE]``.
+- ``ctx.add_finalizer(callback)`` runs ``callback`` once when the request is over, whatever the outcome;
+  there ``ctx.delivered`` (``Delivered``, set by the core) says what the client was given: an answer
+  and its status, or for a stream, however it ended (``[DONE]``, the client gone, the worker cut it),
+  how many completion tokens went out and whether it completed (None: nothing was delivered, e.g. a
+  refusal or an upstream failure). That is the hook to bill by (tenancy).
+- ``ctx.model_allowed`` (set by an access-control plugin) and ``ctx.allows_model(name)``: a plugin that
+  moves the request to another model (canary, fallback) asks first. ``ctx.priority`` (set from tenant
+  config) orders admission queues.
 - ``async on_models(headers, models)``: optional; sees the model cards ``GET /v1/models`` (and
   ``/v1/models/{id}``) is about to list, in list order, with the request's lower-cased headers, and
   returns the cards this caller may see (e.g. tenancy: only the models a key may use), or raises a

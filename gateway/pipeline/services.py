@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
+from gateway.infra.redis_api import RedisPipeline
 from gateway.infra.redis_autopipe import AutoPipeline
+from gateway.infra.redis_py import RedisPyPipeline
 from gateway.ops.metrics import Metrics
 from gateway.ops.settings import Settings
 from gateway.upstream.client import UpstreamClient
@@ -18,6 +20,11 @@ from gateway.upstream.workers import WorkerTable
 
 if TYPE_CHECKING:
     from gateway.ops.tracing import Tracing
+
+#: ``shared[TENANT_OF]``: registered by the plugin that knows who is calling (tenancy), an
+#: ``async (headers) -> tenant`` that raises a ``GatewayError`` (401) for missing or bad credentials. What
+#: the core keeps per caller (stored Responses) is scoped by it; without it, every caller shares one scope.
+TENANT_OF = "tenant_of"
 
 
 @dataclass
@@ -32,7 +39,7 @@ class Services:
     #: OpenTelemetry tracing, or None when no OTLP endpoint is configured (the default: no cost).
     tracing: Tracing | None = None
     _redis: dict[tuple[float, float], aioredis.Redis] = field(default_factory=dict)
-    _pipelines: dict[tuple[float, float], AutoPipeline] = field(default_factory=dict)
+    _pipelines: dict[tuple[float, float], RedisPipeline] = field(default_factory=dict)
 
     def redis(self, *, socket_timeout_s: float = 0.25, connect_timeout_s: float = 0.25) -> aioredis.Redis:
         """A pooled Redis client for ``settings.redis_url`` with these timeouts (one pool per pair).
@@ -53,13 +60,18 @@ class Services:
             self._redis[key] = client
         return client
 
-    def redis_pipeline(self, *, socket_timeout_s: float = 0.25, connect_timeout_s: float = 0.25) -> AutoPipeline:
-        """Commands on ``redis(...)`` with these timeouts, batched per event-loop turn (one per pair)."""
+    def redis_pipeline(self, *, socket_timeout_s: float = 0.25, connect_timeout_s: float = 0.25) -> RedisPipeline:
+        """Commands on ``redis(...)`` with these timeouts, batched per event-loop turn (one per pair), by the
+        implementation ``settings.redis_client`` names (``gateway.infra.redis_api`` has the contract)."""
         key = (socket_timeout_s, connect_timeout_s)
-        pipeline = self._pipelines.get(key)
-        if pipeline is None:
-            client = self.redis(socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
-            pipeline = self._pipelines[key] = AutoPipeline(client)
+        existing = self._pipelines.get(key)
+        if existing is not None:
+            return existing
+        client = self.redis(socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
+        pipeline: RedisPipeline = (
+            RedisPyPipeline(client) if self.settings.redis_client == "redis-py" else AutoPipeline(client)
+        )
+        self._pipelines[key] = pipeline
         return pipeline
 
     async def aclose(self) -> None:

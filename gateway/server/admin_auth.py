@@ -19,10 +19,13 @@ from pydantic import SecretStr
 
 from gateway.server.state import AppState
 from gateway.wire.errors import AuthenticationFailed, PermissionDenied
+from gateway.wire.protocol import check_single_credentials
 
 
 def presented_token(request: Request) -> str | None:
-    """The credential the caller sent, if any (Bearer first, then ``x-admin-token``)."""
+    """The credential the caller sent, if any (Bearer first, then ``x-admin-token``). A credential
+    header sent twice is a 400: no reader of the request picks a different one of them."""
+    check_single_credentials(request.scope["headers"])
     authorization = request.headers.get("authorization", "")
     scheme, _, value = authorization.partition(" ")
     if scheme.lower() == "bearer" and value.strip():

@@ -33,7 +33,9 @@ from gateway.pipeline.reload import Reloader
 from gateway.pipeline.runtime import RuntimeHolder
 from gateway.pipeline.services import Services
 from gateway.server.drain import install_sigterm_drain
-from gateway.server.routes import JSON, admin, health, models
+from gateway.server.front_door import http_protocol
+from gateway.server.paths import path_problem
+from gateway.server.routes import JSON, admin, health, models, responses, utility
 from gateway.server.routes.openai import InferenceEndpoints, Receive, Scope, Send, request_id_from
 from gateway.server.state import AppState
 from gateway.upstream.client import UpstreamClient, UpstreamConfig
@@ -111,14 +113,52 @@ class GatewayApp:
     def __init__(self, api: FastAPI, inference: InferenceEndpoints, state: AppState) -> None:
         self.api = api
         self.inference = inference
+        self.responses = responses.ResponsesEndpoint(state)
         self.state = state
         self._tagged_api = RequestIdTagger(api)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ENDPOINTS:
-            await self.inference(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            raw = scope.get("raw_path") or b"%"
+            if b"%" in raw or b"/." in raw or b"\\" in raw:  # path_problem's own first test, inlined
+                problem = path_problem(scope)
+                if problem is not None:
+                    await send_path_error(problem, scope, send)
+                    return
+            if scope["method"] == "POST":
+                if scope["path"] in ENDPOINTS:
+                    await self.inference(scope, receive, send)
+                    return
+                if scope["path"] == "/v1/responses":
+                    await self.responses(scope, receive, send)
+                    return
         await self._tagged_api(scope, receive, send)
+
+
+class PathGuard:
+    """``path_problem`` in front of a plain ASGI app (the admin port's)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            problem = path_problem(scope)
+            if problem is not None:
+                await send_path_error(problem, scope, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def send_path_error(error: GatewayError, scope: Scope, send: Send) -> None:
+    body = error.to_json()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"x-request-id", request_id_from(scope["headers"]).encode("ascii")),
+    ]
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def create_app(
@@ -132,7 +172,7 @@ def create_app(
     never starts managed workers (tests, or workers given by URL only)."""
     services = Services(
         settings=settings,
-        upstream=UpstreamClient(config.upstream if config else UpstreamConfig()),
+        upstream=UpstreamClient(config.upstream if config else UpstreamConfig(), settings.upstream_client),
         workers=WorkerTable(),
         metrics=Metrics(),
         tracing=Tracing.from_settings(settings),
@@ -187,6 +227,8 @@ def create_app(
     _install_error_handlers(api)
     api.include_router(health.router)
     api.include_router(models.router)
+    api.include_router(utility.router)
+    api.include_router(responses.router, responses=ERROR_RESPONSES)
     for path in ENDPOINTS:
         # Declared for the OpenAPI schema and so other methods get 405; POSTs never reach FastAPI.
         api.add_api_route(
@@ -204,13 +246,16 @@ def create_app(
         admin_api = FastAPI(title="vLLM gateway admin", docs_url=None, redoc_url=None, openapi_url=None)
         admin_api.router.redirect_slashes = False
         admin_api.state.gateway = state
+        setattr(admin_api.state, health.ADMIN_VIEW, True)  # /ready and /metrics in full here
         _install_error_handlers(admin_api)
         admin_api.include_router(admin.router)
+        admin_api.include_router(health.router)
         admin_server = AdminServer(
-            RequestIdTagger(admin_api),
+            PathGuard(RequestIdTagger(admin_api)),
             settings.host,
             settings.admin_port,
             keepalive_timeout_s=settings.keepalive_timeout_s,
+            http=http_protocol(settings),
         )
     return GatewayApp(api, InferenceEndpoints(state.holder, services), state)
 
@@ -249,9 +294,10 @@ class AdminServer:
     serves). With several worker processes only the first to bind the port serves it; the others keep
     following the config file (watcher) and, when configured, the Redis config channel."""
 
-    def __init__(self, app: Any, host: str, port: int, *, keepalive_timeout_s: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, *, keepalive_timeout_s: int, http: Any = "h11") -> None:
         self.app, self.host, self.port = app, host, port
         self.keepalive_timeout_s = keepalive_timeout_s
+        self.http = http  # the front door's protocol, so the admin port has the same bounds
         self._server: _QuietServer | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -272,7 +318,7 @@ class AdminServer:
             log_config=None,
             access_log=False,
             lifespan="off",
-            http="h11",
+            http=self.http,
             timeout_keep_alive=self.keepalive_timeout_s,
         )
         self._server = _QuietServer(config)

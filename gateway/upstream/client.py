@@ -3,7 +3,10 @@
 One keep-alive pool per process (``gateway.infra.http1``: asyncio + httptools), chosen by measurement: on
 one core a minimal hop reached ~8,700 req/s with aiohttp's client against ~1,400 with
 ``httpx.AsyncClient``, whose pool also stalled streams under concurrency, and the lean pool took the
-client's share of the gateway's profile down again (bench/README.md).
+client's share of the gateway's profile down again (bench/README.md). It is used through the
+``gateway.infra.http_api.HttpClient`` interface; ``GATEWAY_UPSTREAM_CLIENT=aiohttp`` puts a tuned aiohttp
+session behind it instead (same behaviour, tests/infra/conformance; ~50% more CPU per request,
+bench/bench_clients.py).
 
 Every wait is bounded: connect, first byte (response headers), and the idle gap between two body reads.
 Failures before the headers are raised as ``UpstreamFailure`` with ``retryable`` set when no byte can
@@ -16,16 +19,15 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import cast
-from urllib.parse import urlsplit
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.infra.http1 import Connection, ConnectionPool, ProtocolError
+from gateway.infra.http1 import Http1Client
+from gateway.infra.http_api import HttpClient, HttpResponse, ProtocolError
 from gateway.wire.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
 
-_ACCEPT = b"Accept: application/json, text/event-stream\r\n"
+_BASE_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
 
 
 class UpstreamConfig(BaseModel):
@@ -33,13 +35,42 @@ class UpstreamConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    connect_timeout_s: float = Field(3.0, gt=0)
-    first_byte_timeout_s: float = Field(120.0, gt=0, description="until response headers arrive")
+    connect_timeout_s: float = Field(3.0, gt=0, description="longest wait for a connection to a worker")
+    first_byte_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="longest wait for a worker's response headers; for a non-streamed request this includes the "
+        "whole generation",
+    )
     idle_timeout_s: float = Field(60.0, gt=0, description="longest gap between two body reads")
-    max_connections: int = Field(2048, ge=1)
-    max_connections_per_worker: int = Field(512, ge=1)
-    keepalive_s: float = Field(30.0, gt=0)
-    health_interval_s: float = Field(5.0, gt=0)
+    max_connections: int = Field(2048, ge=1, description="connections to all workers at once, per gateway process")
+    max_connections_per_worker: int = Field(512, ge=1, description="connections to one worker at once")
+    keepalive_s: float = Field(
+        30.0, gt=0, description="an idle connection to a worker is closed after this (keep it below the worker's own)"
+    )
+    health_interval_s: float = Field(5.0, gt=0, description="how often each worker's /health is checked")
+    stream_resumptions: int = Field(
+        1,
+        ge=0,
+        le=8,
+        description="times a stream cut by a failing worker is continued on another healthy worker of the model "
+        "(within routing's retry budget); 0: a cut stream ends with one error event",
+    )
+    slow_first_byte_factor: float = Field(
+        10.0,
+        gt=1,
+        description="a stream whose first byte takes this many times the model's usual first byte (and at "
+        "least slow_first_byte_min_s) counts as a failure of its worker",
+    )
+    slow_first_byte_min_s: float = Field(
+        2.0, gt=0, description="a first byte faster than this never counts as slow, whatever the factor"
+    )
+    eject_min_tenants: int = Field(
+        2,
+        ge=1,
+        description="failures a request's content could cause (5xx, resets, slow first bytes) eject a worker "
+        "only when they come from this many tenants (or from all of its recent tenants, if fewer)",
+    )
 
 
 def _failure(exc: BaseException, idle_message: str) -> UpstreamFailure:
@@ -65,113 +96,88 @@ class UpstreamFailure(Exception):
 
 
 class UpstreamResponse:
-    """A worker's response whose headers have arrived; the body is read on demand."""
+    """A worker's response whose headers have arrived; the body is read on demand. Transport failures
+    while reading are raised as ``UpstreamFailure``."""
 
-    __slots__ = ("_conn", "_done", "_idle_s", "_pool", "status")
+    __slots__ = ("_http", "_idle_s", "status")
 
-    def __init__(self, conn: Connection, pool: ConnectionPool, idle_s: float) -> None:
-        self._conn = conn
-        self._pool = pool
+    def __init__(self, http: HttpResponse, idle_s: float) -> None:
+        self._http = http
         self._idle_s = idle_s
-        self._done = False
-        self.status = conn.status
+        self.status = http.status
 
     @property
     def content_type(self) -> str:
-        for name, value in self._conn.headers:
-            if name == b"content-type":
-                return value.decode("latin-1")
-        return ""
+        return self._http.header("content-type") or ""
 
     async def read(self) -> bytes:
         """The whole body (the idle timeout bounds the wait for the rest of it)."""
-        conn = self._conn
-        parts: list[bytes] = []
         try:
-            while not conn.complete:
-                if conn.lost is not None:
-                    raise conn.lost
-                await conn.wait_data(self._idle_s)
-            while chunk := conn.chunk_nowait():
-                parts.append(chunk)
+            return await self._http.read(self._idle_s)
         except (TimeoutError, OSError, ProtocolError) as exc:
             raise _failure(exc, "The model worker stopped sending its response.") from None
         finally:
-            self.close()
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+            self._http.close()
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive; each wait bounded by the idle timeout."""
-        conn = self._conn
+        http, idle_s = self._http, self._idle_s
         try:
             while True:
                 try:
-                    chunk = conn.chunk_nowait()
-                    while chunk is None:
-                        await conn.wait_data(self._idle_s)
-                        chunk = conn.chunk_nowait()
+                    chunk = await http.chunk(idle_s)
                 except (TimeoutError, OSError, ProtocolError) as exc:
-                    raise _failure(exc, f"The model worker sent nothing for {self._idle_s:g} s.") from None
+                    raise _failure(exc, f"The model worker sent nothing for {idle_s:g} s.") from None
                 if not chunk:
                     return
-                if conn.chunks:
-                    # More arrived while the last one was relayed (the gateway is behind): pass them on
-                    # in one write, so a busy gateway makes fewer, larger writes instead of falling
-                    # further behind.
-                    pieces = [chunk]
-                    while conn.chunks:
-                        pieces.append(cast(bytes, conn.chunk_nowait()))
-                    chunk = b"".join(pieces)
                 yield chunk
         finally:
-            self.close()
+            http.close()
 
     async def relay(self, sink: Callable[[bytes], bool], drained: Callable[[], Awaitable[None]]) -> None:
-        """Hand the body to ``sink`` as it arrives, from the connection's reads (no task wake-up per
-        chunk), until it ends. ``sink`` returns False when it cannot take more for now; reading from the
-        worker then pauses until ``drained()`` returns. Each gap between two reads is bounded by the idle
-        timeout; failures are raised as ``UpstreamFailure`` like ``iter_chunks``."""
-        conn = self._conn
+        """Hand the body to ``sink`` as it arrives, until it ends. ``sink`` returns False when it cannot
+        take more for now; reading from the worker then pauses until ``drained()`` returns. Each gap
+        between two reads is bounded by the idle timeout; failures are raised as ``UpstreamFailure``
+        like ``iter_chunks``."""
         try:
-            conn.relay_to(sink)
-            while not conn.complete:
-                if conn.lost is not None:
-                    raise conn.lost
-                if conn.sink_full:
-                    await drained()
-                    conn.resume_relay()
-                else:
-                    await conn.wait_data(self._idle_s)
+            await self._http.relay(sink, drained, self._idle_s)
         except (TimeoutError, OSError, ProtocolError) as exc:
             raise _failure(exc, f"The model worker sent nothing for {self._idle_s:g} s.") from None
         finally:
-            conn.end_relay()
-            self.close()
+            self._http.close()
 
     def close(self) -> None:
         """Keep the connection for reuse if the body was read to the end; otherwise close it (an
         unread body cannot be reused, and closing it is what tells vLLM to abort the generation)."""
-        if not self._done:
-            self._done = True
-            self._pool.release(self._conn)
+        self._http.close()
+
+
+def make_http_client(kind: str, config: UpstreamConfig) -> HttpClient:
+    """The HTTP client to workers: ``http1`` (asyncio + httptools, the default) or ``aiohttp`` (a tuned
+    aiohttp session; same contract, proven by tests/infra/conformance, slower: see the docs)."""
+    limit, per_host, keepalive_s = config.max_connections, config.max_connections_per_worker, config.keepalive_s
+    if kind == "aiohttp":
+        from gateway.infra.http_aiohttp import AiohttpClient
+
+        return AiohttpClient(base_headers=_BASE_HEADERS, limit=limit, limit_per_host=per_host, keepalive_s=keepalive_s)
+    if kind != "http1":
+        raise ValueError(f"unknown upstream client {kind!r} (http1 or aiohttp)")
+    return Http1Client(base_headers=_BASE_HEADERS, limit=limit, limit_per_host=per_host, keepalive_s=keepalive_s)
 
 
 class UpstreamClient:
     """The process-wide connection pool to workers.
 
-    Requests on the hot path go over ``gateway.infra.http1`` connections; the occasional GET (health checks,
-    metrics scrapes) over an aiohttp session.
+    Requests on the hot path go over an ``HttpClient`` (``gateway.infra.http_api``; ``http1`` unless
+    ``client`` says ``aiohttp``); the occasional GET (health checks, metrics scrapes) over an aiohttp
+    session.
     """
 
-    def __init__(self, config: UpstreamConfig) -> None:
+    def __init__(self, config: UpstreamConfig, client: str = "http1") -> None:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
-        self._pool = ConnectionPool(
-            limit=config.max_connections,
-            limit_per_host=config.max_connections_per_worker,
-            keepalive_s=config.keepalive_s,
-        )
-        self._targets: dict[tuple[str, str], tuple[tuple[str, int, bool], bytes]] = {}
+        self._http = make_http_client(client, config)
+        self._urls: dict[tuple[str, str], str] = {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -192,48 +198,23 @@ class UpstreamClient:
         """Timeouts, keep-alive and pool limits apply to new requests at once (a lowered limit lets the
         connections above it finish and close)."""
         self.config = config
-        self._pool.keepalive_s = config.keepalive_s
-        self._pool.limit = config.max_connections
-        self._pool.limit_per_host = config.max_connections_per_worker
-
-    def _target(self, base_url: str, path: str) -> tuple[tuple[str, int, bool], bytes]:
-        """(host, port, tls) and the request head up to the headers that vary, cached per URL."""
-        cached = self._targets.get((base_url, path))
-        if cached is None:
-            parts = urlsplit(base_url)
-            tls = parts.scheme == "https"
-            host = parts.hostname or "127.0.0.1"
-            port = parts.port or (443 if tls else 80)
-            target = (parts.path.rstrip("/") + path) or "/"
-            head = f"POST {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-            cached = self._targets[(base_url, path)] = ((host, port, tls), head.encode("latin-1") + _ACCEPT)
-        return cached
+        self._http.set_limits(
+            limit=config.max_connections,
+            limit_per_host=config.max_connections_per_worker,
+            keepalive_s=config.keepalive_s,
+        )
 
     async def open(
         self, base_url: str, path: str, body: bytes, *, headers: dict[str, str] | None = None
     ) -> UpstreamResponse:
         """POST ``body`` and wait (bounded) for response headers."""
         cfg = self.config
-        key, head = self._target(base_url, path)
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1") if headers else b""
-        request = b"%sContent-Length: %d\r\n%s\r\n%s" % (head, len(body), extra, body)
+        url = self._urls.get((base_url, path))
+        if url is None:
+            url = self._urls[(base_url, path)] = base_url.rstrip("/") + path
         try:
             async with asyncio.timeout(cfg.first_byte_timeout_s):
-                for attempt in (1, 2):
-                    conn, reused = await self._pool.acquire(key, cfg.connect_timeout_s)
-                    try:
-                        await conn.send(request)
-                    except (OSError, ProtocolError) as exc:
-                        self._pool.discard(conn)
-                        # A kept-alive connection the worker closed as we wrote: nothing was processed,
-                        # so one fresh connection is tried before the failure counts.
-                        if attempt == 1 and reused and not conn.received and isinstance(exc, OSError):
-                            continue
-                        raise
-                    except BaseException:
-                        self._pool.discard(conn)  # timed out or cancelled: close it, vLLM aborts
-                        raise
-                    return UpstreamResponse(conn, self._pool, cfg.idle_timeout_s)
+                http = await self._http.post(url, body, headers, connect_timeout_s=cfg.connect_timeout_s)
         except TimeoutError:
             raise UpstreamFailure(
                 GatewayTimeout(
@@ -258,7 +239,7 @@ class UpstreamClient:
                 retryable=False,
                 kind="protocol",
             ) from None
-        raise AssertionError("unreachable")
+        return UpstreamResponse(http, cfg.idle_timeout_s)
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         """A small bounded GET (health checks, model listings)."""
@@ -266,7 +247,7 @@ class UpstreamClient:
             return resp.status, await resp.read()
 
     async def aclose(self) -> None:
-        self._pool.close()
+        await self._http.aclose()
         if self._session is not None:
             await self._session.close()
             self._session = None

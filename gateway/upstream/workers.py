@@ -2,8 +2,16 @@
 
 Worker state lives outside the config snapshot: a reload that keeps a worker keeps its health and load
 counters. Active health checks (``GET /health``) run in the background; passive signals (connect errors,
-5xx, timeouts) come from the upstream path through ``report_failure`` / ``report_success``, which eject
-a failing worker for a growing interval.
+5xx, resets, a slow first byte) come from the upstream path through ``report_failure`` /
+``report_success``, which eject a failing worker for a growing interval.
+
+Only the worker's own failures count, and no single tenant can eject a worker that serves others:
+a failure that a request's content could have caused (a 5xx, a reset, a slow first byte) names its
+``source`` (the tenant), and ejection then needs failures from ``min_sources`` distinct tenants, or
+from every tenant that used the worker lately when fewer did. A refused connection names no source
+(no request content reached the worker) and always counts. What counts as the worker's failure is
+decided by the caller (``gateway.proxy``): a non-streamed request's slow first byte is its own long
+generation, not the worker's fault.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from dataclasses import dataclass, field
 from gateway.ops.tasks import cancel_and_wait
 
 log = logging.getLogger("gateway.workers")
+_RECENT_S = 60.0  # how long a tenant counts as one of a worker's users
 
 
 @dataclass(eq=False, slots=True)
@@ -30,6 +39,18 @@ class Worker:
     last_error: str | None = None
     checked_at: float = 0.0
     labels: dict[str, str] = field(default_factory=dict)
+    failure_sources: set[str] = field(default_factory=set)  # tenants behind the current failure run
+    recent_sources: dict[str, float] = field(default_factory=dict)  # tenant -> last request (monotonic)
+
+    def seen(self, source: str | None, now: float) -> int:
+        """Note a request of ``source``; the number of distinct tenants in the last ``_RECENT_S``."""
+        recent = self.recent_sources
+        if source is not None:
+            recent[source] = now
+        if len(recent) > 64:
+            for name in [n for n, at in recent.items() if now - at > _RECENT_S]:
+                del recent[name]
+        return sum(1 for at in recent.values() if now - at <= _RECENT_S)
 
     def available(self, now: float | None = None) -> bool:
         if not self.healthy:
@@ -59,6 +80,7 @@ class WorkerTable:
         self._leaving: set[str] = set()
         #: Bumped whenever the set of workers changes, so callers can cache what they derive from it.
         self.generation = 0
+        self._first_byte_s: dict[str, float] = {}  # model -> moving average of a stream's first byte
 
     def sync(self, urls: Iterable[str]) -> None:
         """Make the table hold exactly ``urls`` plus the discovered workers (new ones start optimistic;
@@ -123,25 +145,43 @@ class WorkerTable:
             self.generation += 1
         return list(self._workers.values())
 
-    def report_success(self, worker: Worker) -> None:
+    def report_success(self, worker: Worker, source: str | None = None) -> None:
+        if source is not None:
+            worker.seen(source, time.monotonic())
         if worker.consecutive_failures or worker.ejected_until:
             worker.consecutive_failures = 0
+            worker.failure_sources.clear()
             worker.ejected_until = 0.0
             worker.ejections = 0
             self._changed(worker)
 
-    def report_failure(self, worker: Worker, reason: str) -> None:
-        """A connect error, 5xx or timeout. After a few in a row the worker is ejected for a while,
-        longer each time it is ejected again without a success in between."""
+    def report_failure(self, worker: Worker, reason: str, source: str | None = None, min_sources: int = 1) -> None:
+        """A failure of the worker's. After a few in a row the worker is ejected for a while, longer
+        each time it is ejected again without a success in between. With a ``source`` (the tenant
+        whose request failed), the run must span ``min_sources`` tenants, or all of the worker's
+        recent ones if fewer: one tenant's requests alone cannot eject a worker others use."""
         worker.consecutive_failures += 1
         worker.last_error = reason
+        if source is not None:
+            users = worker.seen(source, time.monotonic())
+            worker.failure_sources.add(source)
+            if len(worker.failure_sources) < min(min_sources, users):
+                return
         if worker.consecutive_failures >= self.eject_after_failures:
             worker.ejections += 1
             hold = min(self.base_ejection_s * (2 ** (worker.ejections - 1)), self.max_ejection_s)
             worker.ejected_until = time.monotonic() + hold
             worker.consecutive_failures = 0
+            worker.failure_sources.clear()
             log.warning("worker %s ejected for %.1fs after repeated failures (%s)", worker.url, hold, reason)
             self._changed(worker)
+
+    def observe_first_byte(self, model: str, seconds: float) -> float | None:
+        """Fold one stream's time to first byte into the model's usual one; returns the usual one as it
+        was before (None for the first). Slow outliers move it only a little (a moving average)."""
+        usual = self._first_byte_s.get(model)
+        self._first_byte_s[model] = seconds if usual is None else usual + 0.05 * (min(seconds, 4 * usual) - usual)
+        return usual
 
     def set_health(self, worker: Worker, healthy: bool, reason: str | None = None) -> None:
         worker.checked_at = time.monotonic()

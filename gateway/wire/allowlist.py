@@ -100,10 +100,23 @@ _GUIDED_LEGACY = frozenset(
     }
 )
 
+#: vLLM's utility routes (``gateway.server.routes.utility``). Refused there as on chat: ``chat_template`` (a
+#: client-written template), ``mm_processor_kwargs`` and ``media_io_kwargs``.
+_VLLM_TOKENIZE = frozenset(
+    {
+        "model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt",
+        "continue_final_message", "chat_template_kwargs", "return_token_strs",
+    }
+)  # fmt: skip
+_VLLM_DETOKENIZE = frozenset({"model", "tokens"})
+_PATHS = {"tokenize": "/tokenize", "detokenize": "/detokenize"}  # not under /v1, as on vLLM
+
 ALLOWED: dict[str, frozenset[str]] = {
     "chat/completions": _OPENAI_SAMPLING | _OPENAI_CHAT | _VLLM_SAMPLING | _VLLM_CHAT | _GUIDED_LEGACY,
     "completions": _OPENAI_SAMPLING | _OPENAI_COMPLETIONS | _VLLM_SAMPLING | _GUIDED_LEGACY,
     "embeddings": _OPENAI_EMBEDDINGS | _VLLM_EMBEDDINGS,
+    "tokenize": _VLLM_TOKENIZE,
+    "detokenize": _VLLM_DETOKENIZE,
 }
 
 
@@ -124,7 +137,7 @@ class ParamAllowList:
             if name not in allowed:
                 raise InvalidRequest(
                     f"Unrecognized request argument supplied: {name}. This gateway does not pass it to the"
-                    f" model worker on /v1/{endpoint}; remove it.",
+                    f" model worker on {_PATHS.get(endpoint, '/v1/' + endpoint)}; remove it.",
                     param=name,
                     code="unsupported_parameter",
                 )

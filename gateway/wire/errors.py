@@ -68,6 +68,18 @@ class PayloadTooLarge(GatewayError):
     type = "invalid_request_error"
 
 
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    type = "invalid_request_error"
+
+
+class UnprocessableEntity(GatewayError):
+    """The request was understood, but what it asks for could not be produced (a retry cannot help)."""
+
+    status = 422
+    type = "invalid_request_error"
+
+
 class AuthenticationFailed(GatewayError):
     status = 401
     type = "authentication_error"
@@ -107,7 +119,8 @@ class GatewayTimeout(GatewayError):
 
 def model_not_found(name: object) -> NotFound:
     return NotFound(
-        f"The model '{name}' does not exist. GET /v1/models lists the models this gateway serves.",
+        # OpenAI's words, the same whether the model does not exist or this caller may not use it.
+        f"The model '{name}' does not exist or you do not have access to it.",
         param="model",
         code="model_not_found",
     )
@@ -120,6 +133,8 @@ _TYPE_BY_STATUS = {
     404: NotFound,
     405: MethodNotAllowed,
     413: PayloadTooLarge,
+    415: UnsupportedMediaType,
+    422: UnprocessableEntity,
     429: RateLimited,
     502: BadGateway,
     503: ServiceUnavailable,
@@ -131,6 +146,27 @@ def error_for_status(status: int, message: str, *, param: str | None = None, cod
     """An error of the class OpenAI uses for ``status``, keeping the status itself."""
     cls: type[GatewayError] = _TYPE_BY_STATUS.get(status) or (InvalidRequest if 400 <= status < 500 else ServerError)
     return cls(message, param=param, code=code, status=status)
+
+
+def endpoint_not_served(status: int, body: bytes, model: str, endpoint: str) -> NotFound | None:
+    """A worker that does not serve ``endpoint`` at all for its model (vLLM registers ``/v1/embeddings``
+    only for embedding models: a generative worker answers the web framework's bare 404
+    ``{"detail": "Not Found"}``, and a 501 where the route exists without a handler) becomes a 404
+    naming the model, with a code; None for any other answer."""
+    if status == 404:
+        try:
+            payload = orjson.loads(body) if body else None
+        except orjson.JSONDecodeError:
+            payload = None
+        if payload != {"detail": "Not Found"}:
+            return None
+    elif status != 501:
+        return None
+    return NotFound(
+        f"The model '{model}' does not support /v1/{endpoint}: none of its workers serves that endpoint.",
+        param="model",
+        code="unsupported_endpoint",
+    )
 
 
 def _param_name(raw: object) -> str | None:

@@ -32,8 +32,31 @@ _URL_PARTS = ("image_url", "audio_url", "video_url", "input_image")
 _INTERNAL_SUFFIXES = (".localhost", ".local", ".internal", ".lan", ".home.arpa", ".svc", ".cluster.local")
 
 
-def check_media_urls(messages: list[Any]) -> None:
-    """Raise a 400 for the first media URL that points inside the network (``messages`` is checked)."""
+def check_request_media(endpoint: str, body: dict[str, Any]) -> None:
+    """``check_media_urls`` on every chat conversation of a request: a chat completion's ``messages``,
+    and on embeddings ``messages`` or ``input`` holding one conversation or a batch of them (vLLM
+    renders those with the chat template and fetches their media just as for chat)."""
+    if endpoint == "chat/completions":
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            check_media_urls(messages)
+        return
+    if endpoint != "embeddings":
+        return
+    for name in ("messages", "input"):
+        value = body.get(name)
+        if not isinstance(value, list) or not value:
+            continue
+        if all(isinstance(item, dict) for item in value):
+            check_media_urls(value, name)
+        elif all(isinstance(item, list) for item in value):
+            for i, conversation in enumerate(value):
+                check_media_urls(conversation, f"{name}[{i}]")
+
+
+def check_media_urls(messages: list[Any], where: str = "messages") -> None:
+    """Raise a 400 for the first media URL that points inside the network (``messages`` is checked;
+    ``where`` is its name in the request, for the error's ``param``)."""
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
@@ -47,7 +70,7 @@ def check_media_urls(messages: list[Any]) -> None:
                 if isinstance(url, str):
                     problem = url_problem(url)
                     if problem is not None:
-                        param = f"messages[{i}].content[{j}].{field}"
+                        param = f"{where}[{i}].content[{j}].{field}"
                         raise InvalidRequest(
                             f"'{param}' is not accepted: {problem}. Send a public https URL or a data: URL.",
                             param=param,

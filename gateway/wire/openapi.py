@@ -137,6 +137,47 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's utility route, answered by a worker of the model): ``prompt`` or ``messages``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="a name or alias from GET /v1/models")
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's utility route, answered by a worker of the model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="a name or alias from GET /v1/models")
+    tokens: _Tokens
+
+
+def documented_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route that reads its body itself: the body's schema, inlined."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    if defs:  # nested models are inlined: the route's schema must stand alone
+        schema = _inline(schema, defs)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+            return _inline(defs[ref.rsplit("/", 1)[1]], defs)
+        return {key: _inline(value, defs) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_inline(item, defs) for item in node]
+    return node
+
+
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
@@ -172,3 +213,42 @@ def placeholder_for(path: str) -> Any:
     served_by_asgi.__annotations__ = {"body": model, "return": None}
     served_by_asgi.__name__ = "create_" + path.removeprefix("/v1/").replace("/", "_")
     return served_by_asgi
+
+
+#: The body ``POST /v1/responses`` documents (for /openapi.json and the schema fuzzer; never used to parse).
+RESPONSES_CREATE_DOC: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["model", "input"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "model": {"type": "string", "minLength": 1},
+                        "input": {
+                            "anyOf": [
+                                {"type": "string"},
+                                {"type": "array", "minItems": 1, "items": {"type": "object"}},
+                            ]
+                        },
+                        "instructions": {"type": "string"},
+                        "max_output_tokens": {"type": "integer", "minimum": 1},
+                        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+                        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+                        "stream": {"type": "boolean"},
+                        "store": {"type": "boolean"},
+                        "previous_response_id": {"type": "string"},
+                        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "tools": {"type": "array", "items": {"type": "object"}},
+                        "tool_choice": {"anyOf": [{"type": "string"}, {"type": "object"}]},
+                        "parallel_tool_calls": {"type": "boolean"},
+                        "text": {"type": "object"},
+                        "user": {"type": "string"},
+                    },
+                }
+            }
+        },
+    }
+}

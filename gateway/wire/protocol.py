@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from gateway.wire.errors import InvalidRequest
+from gateway.wire.errors import InvalidRequest, UnsupportedMediaType
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 #: Deepest nesting accepted. orjson parses up to 1024 levels but serialises only up to 254, and the
@@ -35,6 +35,24 @@ ENDPOINTS = {
     "/v1/completions": Endpoint("completions", "/v1/completions", True),
     "/v1/embeddings": Endpoint("embeddings", "/v1/embeddings", False),
 }
+
+
+def check_content_type(headers: list[tuple[bytes, bytes]]) -> None:
+    """Refuse a body declared as something other than JSON (``text/plain``, a form, multipart) with a
+    415, as OpenAI and vLLM do. ``application/json`` (any parameters) and ``application/*+json`` pass;
+    a request without a content-type is read as JSON."""
+    for name, value in headers:
+        if name == b"content-type":
+            media = value.split(b";", 1)[0].strip().lower()
+            if media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json")):
+                return
+            shown = media.decode("latin-1")[:100] or "(empty)"
+            raise UnsupportedMediaType(
+                f"Unsupported content-type '{shown}': send the request body as JSON with"
+                " 'content-type: application/json'.",
+                code="unsupported_media_type",
+            )
+    return
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -153,6 +171,30 @@ def _check_prompt(prompt: object) -> None:
     )
 
 
+#: Headers that carry a credential: sent twice, a request is refused rather than one of them picked
+#: (two readers picking differently is how one credential gets checked and another used).
+CREDENTIAL_HEADERS = ("authorization", "x-admin-token", "api-key")
+
+
 def header_dict(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """An ASGI scope's headers as the dict plugins see (``ctx.headers``): lower-cased names."""
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
+    """An ASGI scope's headers as the dict plugins see (``ctx.headers``): lower-cased names. A
+    credential header sent more than once is a 400 (``duplicate_credentials``)."""
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
+    if len(headers) != len(raw):
+        check_single_credentials(raw)
+    return headers
+
+
+def check_single_credentials(raw: list[tuple[bytes, bytes]]) -> None:
+    """Raise a 400 when a credential header appears more than once (any spelling of its name)."""
+    seen: set[str] = set()
+    for name, _ in raw:
+        key = name.decode("latin-1").lower()
+        if key in CREDENTIAL_HEADERS:
+            if key in seen:
+                raise InvalidRequest(
+                    f"The request has more than one '{key}' header; send exactly one.",
+                    param=key,
+                    code="duplicate_credentials",
+                )
+            seen.add(key)

@@ -24,6 +24,19 @@ def encode_event(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def delta_tokens(chunk: dict[str, Any]) -> int:
+    """Completion tokens one stream chunk carries, counted the way vLLM streams them: one per choice
+    whose delta has text, reasoning or a tool call (a role-only or finish-only delta carries none)."""
+    count = 0
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta")
+        if delta is None:
+            count += 1 if choice.get("text") else 0
+        elif delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+            count += 1
+    return count
+
+
 class SSEParser:
     """Splits a byte stream into SSE ``data:`` payloads (bytes), across arbitrary chunk boundaries."""
 
@@ -174,6 +187,26 @@ def _merge_logprobs(acc: dict[str, Any], logprobs: dict[str, Any]) -> None:
     for key, value in logprobs.items():
         if isinstance(value, list) and isinstance(current.get(key), list):
             current[key].extend(value)
+
+
+def replay_chunks(payloads: bytes, *, include_usage: bool) -> Iterator[bytes]:
+    """Recorded stream events (JSON payloads, one per line) as they were first sent, then ``[DONE]``,
+    in one piece; without ``include_usage`` the usage-only event is left out and no event has ``usage``."""
+    if not include_usage and b'"usage"' in payloads:
+        kept: list[bytes] = []
+        for payload in payloads.split(b"\n"):
+            if b'"usage"' in payload:
+                chunk = orjson.loads(payload)
+                if not chunk.get("choices"):
+                    continue
+                chunk.pop("usage", None)
+                payload = orjson.dumps(chunk)
+            kept.append(payload)
+        payloads = b"\n".join(kept)
+    if not payloads:
+        yield DONE
+        return
+    yield b"data: " + payloads.replace(b"\n", b"\n\ndata: ") + b"\n\n" + DONE
 
 
 def replay(response: dict[str, Any], *, include_usage: bool) -> Iterator[bytes]:

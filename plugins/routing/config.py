@@ -29,7 +29,7 @@ class AdmissionConfig(_Strict):
 class ModelRouting(_Strict):
     """How the workers of one model are chosen, and where its traffic may go instead."""
 
-    policy: PolicyName = "least_outstanding"
+    policy: PolicyName = Field("least_outstanding", description="how a worker of the model is chosen")
     prefix_chars: int = Field(
         1024, ge=16, le=1 << 20, description="prefix_affinity: how much of the prompt start identifies a prefix"
     )
@@ -52,7 +52,9 @@ class ModelRouting(_Strict):
         default_factory=list,
         description="models tried in order when this one has no healthy worker or fails before the first byte",
     )
-    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="the model's in-flight limit and queue"
+    )
 
     @field_validator("targets")
     @classmethod
@@ -73,27 +75,27 @@ class RetryBudgetConfig(_Strict):
     """Retries may add at most ``ratio`` x recent requests (plus ``min_per_s``), so in an outage they
     cannot multiply the load on the workers that are left."""
 
-    ratio: float = Field(0.2, ge=0.0, le=10.0)
-    min_per_s: float = Field(5.0, ge=0.0)
-    window_s: float = Field(10.0, gt=0)
+    ratio: float = Field(0.2, ge=0.0, le=10.0, description="retries allowed per request seen in the window")
+    min_per_s: float = Field(5.0, ge=0.0, description="retries allowed per second of the window regardless")
+    window_s: float = Field(10.0, gt=0, description="the window over which requests are counted")
 
 
 class DiscoveryConfig(_Strict):
     """``dns://name:port`` worker refs (e.g. a Kubernetes headless Service) are re-resolved this often."""
 
-    dns_interval_s: float = Field(10.0, gt=0)
-    dns_timeout_s: float = Field(2.0, gt=0)
+    dns_interval_s: float = Field(10.0, gt=0, description="how often dns:// workers are re-resolved")
+    dns_timeout_s: float = Field(2.0, gt=0, description="time budget of one resolution")
 
 
 class LoadMetricsConfig(_Strict):
     """Optionally scrape each worker's /metrics in the background and weigh its own queue and KV cache
     use into least_outstanding (score = in_flight + waiting_weight*waiting + kv_weight*kv_usage)."""
 
-    enabled: bool = False
-    interval_s: float = Field(2.0, gt=0)
-    timeout_s: float = Field(1.0, gt=0)
-    waiting_weight: float = Field(1.0, ge=0)
-    kv_weight: float = Field(4.0, ge=0)
+    enabled: bool = Field(False, description="scrape the workers' /metrics")
+    interval_s: float = Field(2.0, gt=0, description="how often each worker is scraped")
+    timeout_s: float = Field(1.0, gt=0, description="time budget of one scrape")
+    waiting_weight: float = Field(1.0, ge=0, description="weight of the worker's waiting requests in the score")
+    kv_weight: float = Field(4.0, ge=0, description="weight of the worker's KV cache use (0..1) in the score")
     max_age_s: float = Field(10.0, gt=0, description="older samples are ignored")
 
 
@@ -101,15 +103,13 @@ class RoutingConfig(_Strict):
     default: ModelRouting = Field(default_factory=ModelRouting, description="for models not listed in `models`")
     models: dict[str, ModelRouting] = Field(default_factory=dict, description="per model name")
     max_attempts: int = Field(3, ge=1, le=10, description="tries per request, each on a different worker")
-    retry_budget: RetryBudgetConfig = Field(default_factory=RetryBudgetConfig)
-    priority_header: str = Field("x-priority", description="integer; higher is admitted first (default 0)")
-    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
-    load_metrics: LoadMetricsConfig = Field(default_factory=LoadMetricsConfig)
-
-    @field_validator("priority_header")
-    @classmethod
-    def _lower(cls, name: str) -> str:
-        return name.lower()
+    retry_budget: RetryBudgetConfig = Field(
+        default_factory=RetryBudgetConfig, description="how many retries an outage may add"
+    )
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig, description="re-resolution of dns:// workers")
+    load_metrics: LoadMetricsConfig = Field(
+        default_factory=LoadMetricsConfig, description="optional: weigh the workers' own queue and KV cache use"
+    )
 
     def for_model(self, name: str) -> ModelRouting:
         return self.models.get(name, self.default)

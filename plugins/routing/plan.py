@@ -66,6 +66,8 @@ class Route(Protocol):
 
     def choose(self, tried: list[Worker], now: float) -> Worker | None: ...
 
+    def has_untried(self, tried: list[Worker], now: float) -> bool: ...
+
 
 class Plan:
     """Implements the core's ``RoutePlan`` protocol for one request: up to ``max_attempts`` tries on
@@ -131,6 +133,13 @@ class Plan:
 
     def finished(self, worker: Worker, *, ok: bool, error: GatewayError | None = None) -> None:
         self._release()
+
+    def has_alternative(self) -> bool:
+        """Another healthy worker of the current model that this request has not tried, with attempts
+        left (a stream cut midway is continued only on the same model, never on a fallback)."""
+        if self._attempts >= self._max_attempts or not self._routes:
+            return False
+        return self._routes[0].has_untried(self._tried, time.monotonic())
 
     def _release(self) -> None:
         if self._gate is not None:

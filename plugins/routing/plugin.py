@@ -3,7 +3,8 @@
 Per request, in ``on_request`` (the terminal plugin): pick the weighted target (canary), skip to a
 fallback model when the target has no healthy worker (503 at once when none has), take an admission
 slot (429 with ``Retry-After`` when the model is full), and hand the core a ``Plan`` that picks the
-worker by the model's policy and the next one after a retryable failure. Everything on this path is
+worker by the model's policy and the next one after a retryable failure. A canary target or fallback
+the request may not use (``ctx.allows_model``: the key's allow-list) is never chosen. Everything on this path is
 in-memory arithmetic; the only waits are the bounded admission queue and none at all when it is empty.
 """
 
@@ -49,6 +50,9 @@ class ModelRoute:
 
     def pool_available(self, now: float) -> bool:
         return self._pool.any_available(now)
+
+    def has_untried(self, tried: list[Worker], now: float) -> bool:
+        return any(w.available(now) and w not in tried for w in self._pool.workers)
 
     def choose(self, tried: list[Worker], now: float) -> Worker | None:
         policy = self._routing.policy
@@ -139,6 +143,8 @@ class RoutingPlugin(Plugin):
         picker = self._targets.get(requested)
         if picker is not None:
             target = picker.pick()
+            if target != requested and not ctx.allows_model(target):
+                target = requested  # the key may not use the canary: it stays on the model it named
             self.shared.targets.labels(requested, target).inc()
             if target != requested:
                 retarget(ctx, self._models[target])
@@ -146,7 +152,7 @@ class RoutingPlugin(Plugin):
         routes = [
             ModelRoute(self._models[name], self.config.for_model(name), self.pool(name), ctx, bias)
             for name in self._chains.get(ctx.model.name, (ctx.model.name,))
-            if name in self._models
+            if name in self._models and (name == ctx.model.name or ctx.allows_model(name))
         ]
         now = time.monotonic()
         while routes and not routes[0].pool_available(now):
@@ -167,7 +173,7 @@ class RoutingPlugin(Plugin):
         gate = self.shared.gate(model, admission) if admission.max_in_flight is not None else None
         if gate is not None:
             try:
-                waited = await gate.acquire(self._priority(ctx))
+                waited = await gate.acquire(ctx.priority, ctx.tenant or "")
             except Exception:
                 self.shared.rejected.labels(model, "over_capacity").inc()
                 raise
@@ -183,15 +189,6 @@ class RoutingPlugin(Plugin):
             on_budget_refused=self._count_budget_refused,
         )
         return None
-
-    def _priority(self, ctx: RequestContext) -> int:
-        raw = ctx.headers.get(self.config.priority_header)
-        if not raw:
-            return 0
-        try:
-            return max(-1000, min(1000, int(raw)))
-        except ValueError:
-            return 0
 
     def _count_fallback(self, model: str, fallback: str) -> None:
         self.shared.fallbacks.labels(model, fallback).inc()

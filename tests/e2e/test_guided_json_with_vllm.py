@@ -1,5 +1,6 @@
 """guided_json end to end: the official openai SDK -> gateway -> a real vLLM CPU worker (outlines
-backend) serving the default model. Every request form is enforced; cut answers never pass as success."""
+backend) serving the default model. Every request form is enforced; a cut answer comes back as OpenAI
+sends it (finish_reason "length", within the client's limit); an answer no retry can fix is not retried."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from plugins.guided_json import GuidedJSONPlugin
 from tests.support.gateways import GatewayFactory
@@ -110,38 +112,165 @@ def test_grammar_is_refused_clearly(gateway_url: str) -> None:
     assert "grammar" in str(info.value)
 
 
-def test_too_small_max_tokens_never_passes_as_success(gateway_factory: GatewayFactory, real_worker: Any) -> None:
+def _counting_client(url: str, sent: list[httpx.Request], max_retries: int = 2) -> openai.OpenAI:
+    """The SDK with its default retries, counting every HTTP request it makes (its own retries too)."""
+    hooks = {"request": [sent.append]}
+    return openai.OpenAI(
+        base_url=url + "/v1",
+        api_key="unused",
+        max_retries=max_retries,
+        timeout=300,
+        http_client=httpx.Client(event_hooks=hooks, timeout=300),
+    )
+
+
+@pytest.mark.parametrize("policy", ["error", "retry"])
+def test_max_tokens_is_a_hard_cap_and_parse_raises_length_finish_reason(
+    gateway_factory: GatewayFactory, real_worker: Any, policy: str
+) -> None:
     schema = {"name": "p", "schema": PERSON, "strict": True}
-    for policy in ("error", "retry"):
-        config = _config(real_worker.url, on_invalid=policy, retry_max_tokens=4)
-        with (
-            gateway_factory(config, plugins={"guided_json": GuidedJSONPlugin}) as (_, server),
-            pytest.raises(openai.BadRequestError) as info,
-        ):
-            _client(server.url).chat.completions.create(
-                model="smollm2",
-                messages=ASK,
-                max_tokens=3,
-                response_format={"type": "json_schema", "json_schema": schema},
-            )
-        body = info.value.body
-        assert isinstance(body, dict) and body["code"] == "guided_output_truncated" and body["param"] == "max_tokens"
-        assert "finish_reason: length" in body["message"]
-
-
-def test_retry_policy_recovers_a_cut_answer(gateway_factory: GatewayFactory, real_worker: Any) -> None:
-    config = _config(real_worker.url, on_invalid="retry", retry_max_tokens=400)
+    sent: list[httpx.Request] = []
+    config = _config(real_worker.url, on_invalid=policy, retry_max_tokens=400)
     with gateway_factory(config, plugins={"guided_json": GuidedJSONPlugin}) as (_, server):
-        reply = _client(server.url).chat.completions.create(
+        client = _counting_client(server.url, sent)
+        reply = client.chat.completions.create(
             model="smollm2",
             messages=ASK,
             max_tokens=6,
             temperature=0,
+            response_format={"type": "json_schema", "json_schema": schema},
+        )
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 6
+        assert reply.choices[0].message.content  # the partial text, as OpenAI returns it
+        with pytest.raises(openai.LengthFinishReasonError):
+            client.chat.completions.parse(
+                model="smollm2", messages=ASK, response_format=Person, max_tokens=6, temperature=0
+            )
+        with pytest.raises(openai.LengthFinishReasonError):
+            client.chat.completions.parse(
+                model="smollm2", messages=ASK, response_format=Person, max_completion_tokens=6, temperature=0
+            )
+    assert len(sent) == 3  # one HTTP request per call: no SDK retry, and the gateway kept the limit
+
+
+def test_a_streamed_cut_answer_ends_with_finish_reason_length(gateway_url: str) -> None:
+    sent: list[httpx.Request] = []
+    client = _counting_client(gateway_url, sent)
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2",
+            messages=ASK,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
             response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
         )
-    # 6 tokens cannot hold the object; after one retry with max_tokens=70 the answer is complete and valid
-    # or the request failed above (never a cut "success").
-    assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
+    )
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 6
+    with (
+        pytest.raises(openai.LengthFinishReasonError),
+        client.chat.completions.stream(
+            model="smollm2", messages=ASK, response_format=Person, max_tokens=6, temperature=0
+        ) as stream,
+    ):
+        for _ in stream:
+            pass
+    assert len(sent) == 2
+
+
+class Bounded(BaseModel):
+    code: int = Field(ge=1000, le=1005)
+
+
+def test_numeric_bounds_are_enforced_by_the_engine(gateway_url: str) -> None:
+    """The report's retry storm: bounds outlines ignores made every answer invalid. Pushed into the
+    grammar, the engine keeps them: one request, a valid answer."""
+    sent: list[httpx.Request] = []
+    completion = _counting_client(gateway_url, sent).chat.completions.parse(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Give a code as JSON."}],
+        response_format=Bounded,
+        max_tokens=60,
+        temperature=0,
+    )
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Bounded) and 1000 <= parsed.code <= 1005
+    assert len(sent) == 1
+
+
+# Only satisfiable with two different items, but the grammar allows only "a": uniqueItems is a
+# keyword checked after generation, so every answer fails it.
+IMPOSSIBLE = {
+    "type": "object",
+    "properties": {
+        "tags": {"type": "array", "items": {"enum": ["a"]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+    },
+    "required": ["tags"],
+}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_an_answer_no_retry_can_fix_is_not_retried_by_the_sdk(gateway_url: str, strict: bool) -> None:
+    sent: list[httpx.Request] = []
+    client = _counting_client(gateway_url, sent, max_retries=2)
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.chat.completions.create(
+            model="smollm2",
+            messages=ASK,
+            max_tokens=40,
+            temperature=0,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "t", "schema": IMPOSSIBLE, "strict": strict},
+            },
+        )
+    body = info.value.body
+    assert isinstance(body, dict) and body["code"] == "guided_output_invalid" and "non-unique" in body["message"]
+    assert info.value.response.headers["x-should-retry"] == "false"
+    assert len(sent) == 1  # the SDK's max_retries=2 did not turn one failure into three generations
+
+
+def test_a_streamed_answer_no_retry_can_fix_ends_with_an_error_event(gateway_url: str) -> None:
+    sent: list[httpx.Request] = []
+    client = _counting_client(gateway_url, sent, max_retries=2)
+    with pytest.raises(openai.APIError) as info:
+        for _ in client.chat.completions.create(
+            model="smollm2",
+            messages=ASK,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": IMPOSSIBLE}},
+        ):
+            pass
+    assert info.value.code == "guided_output_invalid"
+    assert len(sent) == 1
+
+
+def test_a_schema_no_answer_can_satisfy_is_refused_before_generation(gateway_url: str) -> None:
+    sent: list[httpx.Request] = []
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 4}}, "required": ["n"]}
+    with pytest.raises(openai.BadRequestError) as info:
+        _counting_client(gateway_url, sent).chat.completions.create(
+            model="smollm2",
+            messages=ASK,
+            max_tokens=20,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        )
+    body = info.value.body
+    assert isinstance(body, dict) and body["code"] == "invalid_guided_request" and "no integer" in body["message"]
+    assert len(sent) == 1
+
+
+def test_embeddings_on_the_generative_model_name_the_model(gateway_url: str) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        _client(gateway_url).embeddings.create(model="smollm2", input="hello")
+    body = info.value.body
+    assert isinstance(body, dict) and body["code"] == "unsupported_endpoint" and "'smollm2'" in body["message"]
 
 
 def test_streaming_with_a_schema_assembles_to_valid_json(gateway_url: str) -> None:

@@ -1,55 +1,23 @@
 """With two real vLLM CPU workers: prefix affinity raises the prefix-cache hit rate the workers report
 (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``) compared with round robin.
 
-The workers are managed workers started by a gateway's lifespan (``gateway.engine``); set
-``ROUTING_TEST_WORKERS=http://127.0.0.1:8301,http://127.0.0.1:8302`` to use workers started by hand.
+The workers (the ``two_workers`` fixture in ``tests/e2e/conftest.py``) are managed workers started by a
+gateway's lifespan (``gateway.engine``); set ``ROUTING_TEST_WORKERS=http://127.0.0.1:8301,http://127.0.0.1:8302``
+to use workers started by hand.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from gateway.ops.settings import Settings
-from gateway.pipeline.config import GatewayConfig
-from gateway.pipeline.registry import PluginRegistry
-from gateway.server.app import create_app
-from tests.support.fakes import ServerThread, free_port
-from tests.support.gateways import REPO, GatewayFactory, engine_config
+from tests.support.gateways import GatewayFactory
 
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(scope="module")
-def two_workers() -> Iterator[list[str]]:
-    given = os.environ.get("ROUTING_TEST_WORKERS")
-    if given:
-        yield [u.rstrip("/") for u in given.split(",")]
-        return
-    if not (REPO / "models" / "smollm2").is_dir():
-        pytest.skip("the default model is not prepared (models/smollm2)")
-    ports = [free_port(), free_port()]
-    config = engine_config(ports[0])
-    spec = config["engine"]["workers"][0]
-    # One core each: vLLM's default binding ("auto") would put both workers' OpenMP threads on core 0.
-    cores = os.cpu_count() or 1
-    config["engine"]["workers"] = [
-        {**spec, "name": f"cpu-{i}", "port": p, "omp_threads_bind": str(i % cores)} for i, p in enumerate(ports)
-    ]
-    config["models"][0]["workers"] = ["cpu-0", "cpu-1"]
-    app = create_app(
-        Settings(model_dir=REPO / "models"),
-        registry=PluginRegistry(),
-        config=GatewayConfig.model_validate(config),
-    )
-    with ServerThread(app, start_timeout_s=900):
-        yield [f"http://127.0.0.1:{p}" for p in ports]
 
 
 def prefix_counters(urls: list[str]) -> tuple[float, float]:

@@ -2,7 +2,8 @@
 during streams, a worker that accepts connections and never answers, and a slow worker.
 
 What must hold: a plain request that fails before its first byte is retried on another worker and
-succeeds; a stream cut by a dying worker ends with exactly one OpenAI-shaped error event and ``[DONE]``;
+succeeds; a stream cut by a dying worker is continued on the survivor and completes (with stream
+resumption off, it ends with exactly one OpenAI-shaped error event and ``[DONE]``);
 no request waits longer than the configured bounds; a dead or silent worker is taken out of rotation;
 a slow worker delays only its own requests.
 """
@@ -58,18 +59,19 @@ def test_worker_killed_during_plain_requests_every_request_succeeds(gateway_fact
 
 
 def read_stream(url: str, results: list[tuple[int, list[bytes]]], lock: threading.Lock) -> None:
-    body = {**BODY, "stream": True}
+    body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=15) as response:
         text = "".join(response.iter_text())
     with lock:
         results.append((response.status_code, sse_events(text)))
 
 
-def test_worker_killed_during_streams_each_cut_stream_ends_with_one_error(gateway_factory: GatewayFactory) -> None:
-    # 20 chunks 0.1 s apart: streams on both workers are mid-way when one worker dies.
+def killed_during_streams(gateway_factory: GatewayFactory, resumptions: int) -> list[tuple[int, list[bytes]]]:
+    """16 streams over two workers (20 chunks 0.1 s apart, same text), one worker SIGKILLed midway."""
     doomed = WorkerProcess(chunks=20, pace_s=0.1, text="x" * 40)
-    survivor = WorkerProcess(chunks=20, pace_s=0.1, text="y" * 40)
-    with doomed, survivor, gateway_factory(config([doomed.url, survivor.url], policy="round_robin")) as (_, server):
+    survivor = WorkerProcess(chunks=20, pace_s=0.1, text="x" * 40)
+    cfg = config([doomed.url, survivor.url], policy="round_robin", stream_resumptions=resumptions)
+    with doomed, survivor, gateway_factory(cfg) as (_, server):
         results: list[tuple[int, list[bytes]]] = []
         lock = threading.Lock()
         readers = [threading.Thread(target=read_stream, args=(server.url, results, lock)) for _ in range(16)]
@@ -81,11 +83,29 @@ def test_worker_killed_during_streams_each_cut_stream_ends_with_one_error(gatewa
             reader.join(timeout=30)
         assert not any(r.is_alive() for r in readers), "a stream hangs after its worker died"
     assert len(results) == 16
-    cut = complete = 0
     for status, events in results:
         assert status == 200
         assert events[-1] == b"[DONE]"
         assert b"[DONE]" not in events[:-1]
+    return results
+
+
+def test_worker_killed_during_streams_every_stream_completes(gateway_factory: GatewayFactory) -> None:
+    for _, events in killed_during_streams(gateway_factory, resumptions=1):
+        assert error_events(events) == []
+        chunks = [orjson.loads(e) for e in events[:-1]]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert text == "x" * 40  # whole, whether or not it was continued on the survivor
+        assert len({c["id"] for c in chunks}) == 1
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+        assert chunks[-1]["usage"]["completion_tokens"] == 20
+
+
+def test_worker_killed_during_streams_without_resumption_each_cut_stream_ends_with_one_error(
+    gateway_factory: GatewayFactory,
+) -> None:
+    cut = complete = 0
+    for _, events in killed_during_streams(gateway_factory, resumptions=0):
         errors = error_events(events)
         if errors:
             assert len(errors) == 1, errors
@@ -95,7 +115,7 @@ def test_worker_killed_during_streams_each_cut_stream_ends_with_one_error(gatewa
         else:
             chunks = [orjson.loads(e) for e in events[:-1]]
             text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-            assert text == "y" * 40  # every complete stream came whole from the survivor
+            assert text == "x" * 40  # every complete stream came whole from the survivor
             complete += 1
     assert cut >= 1 and complete >= 1, (cut, complete)
 

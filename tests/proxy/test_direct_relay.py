@@ -55,7 +55,7 @@ def stream_body(url: str) -> bytes:
         return response.read()
 
 
-@pytest.mark.parametrize("http", ["httptools", "h11"])
+@pytest.mark.parametrize("http", ["gateway", "httptools", "h11"])
 def test_a_pass_through_stream_arrives_byte_for_byte_either_way(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, ways: dict[str, int], http: str
 ) -> None:
@@ -67,7 +67,7 @@ def test_a_pass_through_stream_arrives_byte_for_byte_either_way(
     assert body == direct  # the worker's own bytes, its SSE comment included
     assert body.startswith(COMMENT) and body.endswith(b"data: [DONE]\n\n")
     # The fallback (PassThrough.chunks) is made only when the direct relay cannot be used.
-    if http == "httptools":
+    if http in ("gateway", "httptools"):
         assert ways["direct"] == 1
     else:
         assert ways == {"direct": 0, "send": 1}

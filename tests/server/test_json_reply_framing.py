@@ -28,7 +28,7 @@ def read_response(stream: Any) -> tuple[dict[bytes, bytes], bytes]:
     return fields, stream.read(int(fields[b"content-length"]))
 
 
-@pytest.mark.parametrize("http", ["httptools", "h11"])
+@pytest.mark.parametrize("http", ["gateway", "httptools", "h11"])
 def test_answers_and_errors_carry_their_length(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, http: str
 ) -> None:

@@ -40,10 +40,12 @@ def fuzz_gateway(gateway_factory: GatewayFactory, upstream: FakeUpstream, upstre
         {"name": "guided_json", "config": {"probe": False, "compile_timeout_ms": 500}},
         {"name": "routing"},
     ]
-    with gateway_factory(base_config([upstream_url], plugins=plugins)) as (_, server):
+    responses = {"redis_prefix": f"test:{namespace}"}  # the Responses the fuzzer creates are stored here
+    with gateway_factory(base_config([upstream_url], plugins=plugins, responses=responses)) as (_, server):
         yield server
     client = redis.Redis()
     names = list(client.scan_iter(match=f"gwcache:{namespace}:*", count=1000))
+    names += list(client.scan_iter(match=f"test:{namespace}:*", count=1000))
     if names:
         client.delete(*names)
     client.close()

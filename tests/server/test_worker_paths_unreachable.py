@@ -38,9 +38,8 @@ WORKER_ONLY = [
     "/server_info",
     "/start_profile",
     "/stop_profile",
-    "/tokenize",
-    "/detokenize",
-    "/v1/responses",
+    # (/v1/responses is the gateway's own: translated to chat completions, never forwarded; see
+    # tests/server/test_responses_api.py)
     "/v1/audio/transcriptions",
     "/v1/rerank",
     "/rerank",
@@ -51,9 +50,9 @@ WORKER_ONLY = [
     "/v1/completions/render",
     "/inference/v1/generate",
     "/get_world_size",
-    "/version",
     "/ping",
 ]
+# /tokenize, /detokenize and /version are the gateway's own routes (tests/server/test_utility_routes.py).
 SPELLINGS = ["{p}", "/v1{p}", "{p}/", "//{p}", "/v1/chat/completions/..{p}", "/v1/../{p}", "/%2e%2e{p}"]
 
 

@@ -33,7 +33,7 @@ class ServerThread:
         *,
         lifespan: str = "on",
         start_timeout_s: float = 30,
-        http: str = "httptools",
+        http: Any = "httptools",
     ) -> None:
         self.start_timeout_s = start_timeout_s
         self.port = port or free_port()
@@ -83,11 +83,17 @@ class Behavior:
     chunks: int = 3  # content chunks in a stream
     pace_s: float = 0.0  # between stream chunks
     cut_after: int | None = None  # close the stream after this many chunks, without [DONE]
+    die_after: int | None = None  # break the connection after this many chunks (no end of the body)
+    hang_after: int | None = None  # after this many chunks send nothing more, until the client goes away
     text: str = "Hello from the fake worker."
     finish_reason: str = "stop"
     # Raw bytes sent before a stream's first event (e.g. an SSE comment): a byte pass-through keeps
     # them, a relay that parses events drops them.
     preamble: bytes = b""
+    system_fingerprint: str | None = None  # sent on the response and on every stream event when set
+    # Chat answers call these tools ([{"id", "name", "arguments"}]) instead of sending ``text``; streamed, each
+    # call's arguments arrive in two deltas.
+    tool_calls: list[dict[str, str]] | None = None
 
 
 @dataclass
@@ -96,6 +102,10 @@ class Seen:
     body: dict[str, Any]
     raw: bytes
     headers: dict[str, str]
+
+
+class WorkerDied(Exception):
+    """Raised by the fake inside a stream: the server drops the connection without ending the body."""
 
 
 @dataclass
@@ -195,16 +205,13 @@ class FakeUpstream:
                 "choices": choices,
                 "usage": usage,
             }
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": b.text},
-                "logprobs": None,
-                "finish_reason": b.finish_reason,
-            }
-            for i in range(n)
-        ]
-        return {
+        message: dict[str, Any] = {"role": "assistant", "content": b.text}
+        finish_reason = b.finish_reason
+        if b.tool_calls is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": [_tool_call(c) for c in b.tool_calls]}
+            finish_reason = "tool_calls"
+        choices = [{"index": i, "message": message, "logprobs": None, "finish_reason": finish_reason} for i in range(n)]
+        out = {
             "id": "chatcmpl-fake",
             "object": "chat.completion",
             "created": 1,
@@ -212,6 +219,9 @@ class FakeUpstream:
             "choices": choices,
             "usage": usage,
         }
+        if b.system_fingerprint is not None:
+            out["system_fingerprint"] = b.system_fingerprint
+        return out
 
     async def _stream(self, path: str, body: dict[str, Any], receive: Any, send: Any) -> None:
         b = self.behavior
@@ -224,7 +234,24 @@ class FakeUpstream:
             "model": body.get("model"),
             "object": "chat.completion.chunk" if chat else "text_completion",
         }
+        if b.system_fingerprint is not None:
+            base["system_fingerprint"] = b.system_fingerprint
         pieces = _split(b.text, b.chunks)
+        # A continuation (the gateway resuming a cut stream) carries the text sent so far at the end of
+        # its prompt: go on from there, deterministically, and count the sent pieces as prompt tokens.
+        skipped = 0
+        prefix = _continued_prefix(chat, body, b.text)
+        if prefix:
+            done = 0
+            while pieces and done + len(pieces[0]) <= len(prefix):
+                done += len(pieces.pop(0))
+                skipped += 1
+            if pieces and done < len(prefix):
+                pieces[0] = pieces[0][len(prefix) - done :]
+        limit = body.get("max_tokens") or body.get("max_completion_tokens")
+        finish_reason = b.finish_reason
+        if isinstance(limit, int) and limit < len(pieces):
+            pieces, finish_reason = pieces[:limit], "length"
         events: list[dict[str, Any]] = []
         if chat:
             events.append(
@@ -240,6 +267,16 @@ class FakeUpstream:
                     ],
                 }
             )
+        if chat and b.tool_calls is not None:
+            pieces = []
+            for i, call in enumerate(b.tool_calls):
+                half = len(call["arguments"]) // 2
+                first = {"index": i, "id": call["id"], "type": "function"}
+                first["function"] = {"name": call["name"], "arguments": call["arguments"][:half]}
+                rest = {"index": i, "function": {"arguments": call["arguments"][half:]}}
+                for delta in (first, rest):
+                    choice = {"index": 0, "delta": {"tool_calls": [delta]}, "logprobs": None, "finish_reason": None}
+                    events.append({**base, "choices": [choice]})
         for piece in pieces:
             if chat:
                 events.append(
@@ -252,7 +289,9 @@ class FakeUpstream:
                 events.append(
                     {**base, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}]}
                 )
-        last = {"index": 0, "logprobs": None, "finish_reason": b.finish_reason}
+        if chat and b.tool_calls is not None:
+            finish_reason = "tool_calls"
+        last = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
         last.update({"delta": {}} if chat else {"text": ""})
         events.append({**base, "choices": [last]})
         if (body.get("stream_options") or {}).get("include_usage"):
@@ -260,7 +299,11 @@ class FakeUpstream:
                 {
                     **base,
                     "choices": [],
-                    "usage": {"prompt_tokens": 5, "completion_tokens": len(pieces), "total_tokens": 5 + len(pieces)},
+                    "usage": {
+                        "prompt_tokens": 5 + skipped,
+                        "completion_tokens": len(pieces),
+                        "total_tokens": 5 + skipped + len(pieces),
+                    },
                 }
             )
         try:
@@ -269,6 +312,12 @@ class FakeUpstream:
             for i, event in enumerate(events):
                 if b.cut_after is not None and i >= b.cut_after:
                     return  # the connection ends without [DONE]
+                if b.die_after is not None and i >= b.die_after:
+                    raise WorkerDied(f"died after {i} chunks")
+                if b.hang_after is not None and i >= b.hang_after:
+                    await watcher
+                    self.disconnects += 1
+                    return
                 if watcher.done():
                     self.disconnects += 1
                     return
@@ -281,6 +330,27 @@ class FakeUpstream:
             self.completed_streams += 1
         finally:
             watcher.cancel()
+
+
+def _continued_prefix(chat: bool, body: dict[str, Any], text: str) -> str:
+    """The part of ``text`` a continuation request says was already sent ("" for a fresh request)."""
+    if chat:
+        messages = body.get("messages") or []
+        if not (body.get("continue_final_message") and messages and messages[-1].get("role") == "assistant"):
+            return ""
+        sent = messages[-1].get("content") or ""
+        return sent if text.startswith(sent) else ""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        return ""
+    for k in range(len(text), 0, -1):
+        if prompt.endswith(text[:k]):
+            return text[:k]
+    return ""
+
+
+def _tool_call(call: dict[str, str]) -> dict[str, Any]:
+    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
 
 
 def _split(text: str, n: int) -> list[str]:

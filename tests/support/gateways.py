@@ -58,6 +58,10 @@ def engine_config(worker_port: int, plugins: list[dict[str, Any]] | None = None)
                     "max_num_seqs": 32,
                     "enforce_eager": True,
                     "structured_outputs_backend": "outlines",
+                    # function calling as config.yaml sets it up (without tools the template changes nothing)
+                    "enable_auto_tool_choice": True,
+                    "tool_call_parser": "xlam",
+                    "chat_template": "smollm2_tools",
                 }
             ],
             "ready_timeout_s": 600,

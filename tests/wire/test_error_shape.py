@@ -150,7 +150,7 @@ def test_request_id_is_kept_when_sane_and_made_otherwise(gateway: ServerThread) 
 def test_health_ready_and_metrics(gateway: ServerThread) -> None:
     assert httpx.get(gateway.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gateway.url + "/ready")
-    assert ready.status_code == 200 and ready.json()["models"]["m1"]["healthy"] == 1
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}  # models only for the admin
     httpx.post(gateway.url + "/v1/chat/completions", json=CHAT)
     text = httpx.get(gateway.url + "/metrics").text
     assert 'gateway_requests_total{model="m1",route="chat/completions",status="200"}' in text
@@ -161,12 +161,13 @@ def test_health_ready_and_metrics(gateway: ServerThread) -> None:
 def test_ready_is_503_when_no_worker_is_healthy(gateway_factory: GatewayFactory) -> None:
     import time
 
-    with gateway_factory(base_config([f"http://127.0.0.1:{free_port()}"])) as (_, server):
+    with gateway_factory(base_config([f"http://127.0.0.1:{free_port()}"]), admin_token="adm") as (_, server):
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             ready = httpx.get(server.url + "/ready")
             if ready.status_code == 503:
                 break
             time.sleep(0.1)
-        assert ready.status_code == 503
-        assert ready.json()["models"]["m1"]["healthy"] == 0
+        assert ready.status_code == 503 and ready.json() == {"status": "not ready"}
+        detail = httpx.get(server.url + "/ready", headers={"authorization": "Bearer adm"})
+        assert detail.status_code == 503 and detail.json()["models"]["m1"]["healthy"] == 0

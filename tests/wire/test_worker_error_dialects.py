@@ -68,8 +68,14 @@ PYDANTIC_DUMP = (
         pytest.param(
             404,
             {"detail": "Not Found"},
-            {"message": "Not Found", "type": "invalid_request_error", "param": None, "code": None},
-            id="fastapi-detail",
+            {
+                "message": "The model 'm1' does not support /v1/chat/completions: none of its workers serves that"
+                " endpoint.",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "unsupported_endpoint",
+            },
+            id="fastapi-detail-is-an-unserved-endpoint",
         ),
         pytest.param(
             400,

@@ -15,8 +15,16 @@ from gateway.wire.protocol import header_dict
 router = APIRouter()
 
 
-def _card(name: str, model: ModelConfig, created: int) -> dict[str, Any]:
-    card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": model.owned_by}
+def model_card(name: str, model: ModelConfig, created: int) -> dict[str, Any]:
+    """The card of ``name`` (the model's own name or an alias). ``root`` names the model it points to,
+    as vLLM's cards do; an alias also keeps ``parent`` (what plugins match a key's allowed models on)."""
+    card: dict[str, Any] = {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": model.owned_by,
+        "root": model.name,
+    }
     if name != model.name:
         card["parent"] = model.name
     if model.max_model_len:
@@ -29,7 +37,7 @@ async def list_models(request: Request) -> JSON:
     state: AppState = request.app.state.gateway
     with state.holder.pin() as snapshot:
         created = int(snapshot.loaded_at)
-        cards = [_card(name, m, created) for m in snapshot.models.models for name in (m.name, *m.aliases)]
+        cards = [model_card(name, m, created) for m in snapshot.models.models for name in (m.name, *m.aliases)]
         # Plugins decide what this caller may see (tenancy: the models its key may use).
         data = await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), cards)
     return JSON({"object": "list", "data": data})
@@ -41,8 +49,9 @@ async def retrieve_model(model_id: str, request: Request) -> JSON:
     with state.holder.pin() as snapshot:
         model = snapshot.models.resolve(model_id)
         if model is None:
+            await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), [])  # caller first
             raise model_not_found(model_id)
-        card = _card(model_id, model, int(snapshot.loaded_at))
+        card = model_card(model_id, model, int(snapshot.loaded_at))
         visible = await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), [card])
     if not visible:
         raise model_not_found(model_id)

@@ -25,8 +25,8 @@ from gateway.pipeline.services import Services
 from gateway.proxy.forward import JSONReply, Proxy, Reply
 from gateway.wire.allowlist import ParamAllowList
 from gateway.wire.errors import GatewayError, PayloadTooLarge, ServerError, model_not_found
-from gateway.wire.media_urls import check_media_urls
-from gateway.wire.protocol import ENDPOINTS, Endpoint, check_request, header_dict, parse_body
+from gateway.wire.media_urls import check_request_media
+from gateway.wire.protocol import ENDPOINTS, Endpoint, check_content_type, check_request, header_dict, parse_body
 from gateway.wire.streaming import SSE_HEADERS
 
 Scope = MutableMapping[str, Any]
@@ -105,6 +105,7 @@ class InferenceEndpoints:
         tracing = self.services.tracing
         span = tracing.start_request(endpoint.name, raw_headers) if tracing is not None else None
         try:
+            check_content_type(raw_headers)
             body = await self._read_body(raw_headers, receive)
             payload = parse_body(body)
             model_name, stream = check_request(endpoint, payload)
@@ -118,10 +119,12 @@ class InferenceEndpoints:
                 raise ServerError("The gateway has no config loaded yet.", code="not_ready", status=503)
             with self.holder.pin() as snapshot:
                 self._allow_list(snapshot.config.limits).check(endpoint.name, payload)
-                if endpoint.name == "chat/completions":
-                    check_media_urls(payload["messages"])
+                check_request_media(endpoint.name, payload)
                 model = snapshot.models.resolve(model_name)
                 if model is None:
+                    # Who is asking comes first (a plugin's on_models may refuse the caller, e.g. 401
+                    # without a valid key), so an unknown model is no answer to someone without a key.
+                    await snapshot.pipeline.run_models(header_dict(raw_headers), [])
                     raise model_not_found(model_name)
                 state["model"] = model.name
                 in_flight = self.metrics.in_flight.labels(model.name)

@@ -160,6 +160,30 @@ async def test_gate_queue_admits_higher_priority_first_and_times_out() -> None:
     assert quick.in_flight == 0
 
 
+async def test_gate_queue_takes_turns_across_tenants_and_forgets_them_when_empty() -> None:
+    """Start-time fair queueing: with three tenants backlogged, admission goes round robin among them
+    whatever their arrival order (one tenant's 20 requests first), FIFO within each."""
+    gate = ModelGate("m", AdmissionConfig(max_in_flight=1, max_queue=100, max_queue_time_s=10))
+    await gate.acquire()
+    order: list[str] = []
+
+    async def wait(tenant: str, i: int) -> None:
+        await gate.acquire(0, tenant)
+        order.append(f"{tenant}{i}")
+        gate.release()
+
+    tasks = [asyncio.create_task(wait("a", i)) for i in range(20)]
+    tasks += [asyncio.create_task(wait("b", i)) for i in range(3)]
+    tasks += [asyncio.create_task(wait("c", i)) for i in range(2)]
+    await asyncio.sleep(0)
+    assert gate.queued == 25
+    gate.release()
+    await asyncio.gather(*tasks)
+    assert order[:7] == ["a0", "b0", "c0", "a1", "b1", "c1", "a2"]
+    assert order[7:9] == ["b2", "a3"] and order[-1] == "a19"
+    assert gate.queued == 0 and gate._last_tag == {}  # nobody waits: no tenant state kept
+
+
 def test_retry_budget_bounds_retries_to_a_fraction_of_requests() -> None:
     now = [100.0]
     budget = RetryBudget(RetryBudgetConfig(ratio=0.1, min_per_s=0.0, window_s=10), clock=lambda: now[0])

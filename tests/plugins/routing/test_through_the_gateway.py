@@ -30,6 +30,8 @@ from tests.support.faults import wait_for
 from tests.support.gateways import GatewayFactory, base_config
 
 CHAT = [{"role": "user", "content": "hi"}]
+ADMIN_TOKEN = "routing-admin"
+AS_ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}  # /ready lists models to the admin only
 Fleet = list[tuple[FakeUpstream, ServerThread]]
 
 
@@ -130,7 +132,30 @@ def test_503_from_a_worker_is_retried_on_another(gateway_factory: GatewayFactory
 
 
 def test_mid_stream_failure_is_one_error_event_and_never_retried(gateway_factory: GatewayFactory) -> None:
+    """With stream resumption off, a stream cut midway is not retried: bytes had reached the client."""
     with fleet(2) as workers:
+        for fake, _ in workers:
+            fake.behavior.cut_after = 2
+            fake.behavior.chunks = 5
+        urls = [s.url for _, s in workers]
+        cfg = base_config(urls, plugins=routing())
+        cfg["upstream"]["stream_resumptions"] = 0
+        with gateway_factory(cfg) as (_, gw):
+            with httpx.Client(timeout=10) as http:
+                r = http.post(gw.url + "/v1/chat/completions", json={"model": "m1", "messages": CHAT, "stream": True})
+            events = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
+            assert r.status_code == 200
+            errors = [e for e in events if '"error"' in e]
+            assert len(errors) == 1 and '"type":"server_error"' in errors[0]
+            assert events.index(errors[0]) == 2  # after the two chunks the worker sent
+            assert events[-1] == "[DONE]" and len(events) == 4
+        assert sum(counts(workers)) == 1  # bytes had reached the client: no second worker was tried
+
+
+def test_mid_stream_failures_are_resumed_at_most_stream_resumptions_times(gateway_factory: GatewayFactory) -> None:
+    """Every worker cuts its streams: the first cut is continued on the other worker (the default, one
+    resumption), the second ends the stream with one error event; no third worker call."""
+    with fleet(3) as workers:
         for fake, _ in workers:
             fake.behavior.cut_after = 2
             fake.behavior.chunks = 5
@@ -142,9 +167,9 @@ def test_mid_stream_failure_is_one_error_event_and_never_retried(gateway_factory
             assert r.status_code == 200
             errors = [e for e in events if '"error"' in e]
             assert len(errors) == 1 and '"type":"server_error"' in errors[0]
-            assert events.index(errors[0]) == 2  # after the two chunks the worker sent
-            assert events[-1] == "[DONE]" and len(events) == 4
-        assert sum(counts(workers)) == 1  # bytes had reached the client: no second worker was tried
+            assert events[-1] == "[DONE]"
+            assert sum('"role"' in e for e in events) == 1  # the continuation's role delta was dropped
+        assert sum(counts(workers)) == 2
 
 
 def test_worker_400_is_passed_through_untouched_and_not_retried(gateway_factory: GatewayFactory, three: Fleet) -> None:
@@ -199,14 +224,14 @@ def test_fallback_when_the_model_fails_before_the_first_byte(gateway_factory: Ga
 
 
 def test_no_healthy_worker_anywhere_is_a_fast_503(gateway_factory: GatewayFactory) -> None:
-    with gateway_factory(base_config([dead_url()], plugins=routing())) as (_, gw):
+    with gateway_factory(base_config([dead_url()], plugins=routing()), admin_token=ADMIN_TOKEN) as (_, gw):
         time.sleep(1.2)  # a health round has marked the worker down
         started = time.perf_counter()
         r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "m1", "messages": CHAT}, timeout=5)
         assert time.perf_counter() - started < 0.5
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "no_healthy_worker"
-        ready = httpx.get(gw.url + "/ready")
+        ready = httpx.get(gw.url + "/ready", headers=AS_ADMIN)
         assert ready.status_code == 503 and ready.json()["models"]["m1"]["healthy"] == 0
 
 
@@ -395,15 +420,15 @@ def test_dns_discovery_picks_up_a_new_address(gateway_factory: GatewayFactory) -
             [f"dns://workers.default.svc:{port}"],
             plugins=routing({"discovery": {"dns_interval_s": 0.2}, "default": {"policy": "round_robin"}}),
         )
-        with gateway_factory(cfg, plugins={"routing": TestRouting}) as (_, gw):
+        with gateway_factory(cfg, plugins={"routing": TestRouting}, admin_token=ADMIN_TOKEN) as (_, gw):
             client = sdk(gw)
             for _ in range(4):
                 client.chat.completions.create(model="m1", messages=CHAT)
             assert (len(first.requests), len(second.requests)) == (4, 0)
-            assert httpx.get(gw.url + "/ready").json()["models"]["m1"] == {"workers": 1, "healthy": 1}
+            assert httpx.get(gw.url + "/ready", headers=AS_ADMIN).json()["models"]["m1"] == {"workers": 1, "healthy": 1}
             answers["workers.default.svc"] = ["127.0.0.1", "127.0.0.2"]
             time.sleep(0.6)
             for _ in range(4):
                 client.chat.completions.create(model="m1", messages=CHAT)
             assert (len(first.requests), len(second.requests)) == (6, 2)
-            assert httpx.get(gw.url + "/ready").json()["models"]["m1"] == {"workers": 2, "healthy": 2}
+            assert httpx.get(gw.url + "/ready", headers=AS_ADMIN).json()["models"]["m1"] == {"workers": 2, "healthy": 2}
