@@ -67,7 +67,7 @@ def test_one_tenant_never_reaches_another_tenants_responses(
         plugins=[tenancy(names["tenancy"]), {"name": "routing"}],
         responses={"redis_prefix": names["responses"]},
     )
-    with gateway_factory(config) as (_, server):
+    with gateway_factory(config, admin_token="adm") as (_, server):
         acme, acme_again, globex = sdk(server, key("acme-1")), sdk(server, key("acme-2")), sdk(server, key("globex-1"))
         mine = acme.responses.create(model="m1", input="acme's secret plan")
         # the same tenant, through another of its keys, sees and continues it
@@ -119,7 +119,7 @@ def test_one_tenant_never_reaches_another_tenants_responses(
             acme_again.responses.retrieve(mine.id)
 
         # tenancy charged the tokens of the Responses requests to acme
-        metrics = httpx.get(server.url + "/metrics").text
+        metrics = httpx.get(server.url + "/metrics", headers={"x-admin-token": "adm"}).text  # per-tenant: admin's
         assert 'gateway_tenancy_tokens_total{kind="completion",tenant="acme"} 6.0' in metrics
 
 

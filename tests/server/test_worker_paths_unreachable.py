@@ -2,7 +2,8 @@
 
 The gateway forwards exactly three paths (chat, completions, embeddings) to workers; everything else
 is answered by the gateway itself. Each worker-only path, in every method and a few spellings, gets an
-OpenAI-shaped 404/405 from the gateway, and the fake worker records no request at all.
+OpenAI-shaped 404/405 from the gateway (a spelling with dot segments a 400 ``invalid_path``:
+gateway/server/paths.py), and the fake worker records no request at all.
 """
 
 from __future__ import annotations
@@ -62,9 +63,12 @@ def test_worker_only_paths_are_not_forwarded(gateway: Any, upstream: FakeUpstrea
         target = spelling.format(p=path).replace("///", "//")
         for method in ("GET", "POST", "PUT", "DELETE"):
             status, payload = raw_request(gateway.port, method, target, {"Content-Type": "application/json"}, b"{}")
-            assert status in (404, 405), (method, target, status, payload[:200])
             error = orjson.loads(payload)["error"]
             assert set(error) == {"message", "type", "param", "code"}
+            if "/." in target or "%2e" in target:
+                assert (status, error["code"]) == (400, "invalid_path"), (method, target, status, payload[:200])
+            else:
+                assert status in (404, 405), (method, target, status, payload[:200])
     assert upstream.requests == []
 
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 import redis
 
-from plugins.cache.keys import make_key
+from plugins.cache.keys import backing_of, make_key
 from plugins.cache.plugin import fresh_answer, stored_body
 from plugins.cache.store import decode_entry
 from tests.support.cache import (
@@ -197,9 +197,10 @@ def test_an_entry_written_before_events_were_kept_is_still_served(
     stream: bool,
 ) -> None:
     body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    config = cache_gateway_config(upstream_url, namespace)
     key = make_key(
         prefix=PREFIX, namespace=namespace, tenant=None, default_scope="public", endpoint="chat/completions",
-        model="m1", body=body,
+        model="m1", body=body, backing=backing_of("m1", config["models"][0]["workers"], {}),
     )  # fmt: skip
     stored = {
         "id": "chatcmpl-old",
@@ -210,7 +211,7 @@ def test_an_entry_written_before_events_were_kept_is_still_served(
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
     }
     redis_client.set(key.entry, b"\x01" + struct.pack(">d", time.time()) + orjson.dumps(stored), px=60_000)
-    with gateway_factory(cache_gateway_config(upstream_url, namespace), plugins=PLUGINS) as (_, server):
+    with gateway_factory(config, plugins=PLUGINS) as (_, server):
         state, reply = sdk_chat(server.url, stream=stream)
     assert state == "hit" and not upstream.requests
     ids = {c.id for c in reply} if stream else {reply.id}
