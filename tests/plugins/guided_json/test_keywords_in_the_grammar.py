@@ -1,6 +1,6 @@
 """Which JSON Schema keywords the engine enforces (they are in the regex the worker decodes under),
 which are only validated after generation, and which are refused up front. The table here is the one
-in docs/_incoming/sdk-behaviours.md: each row is checked against the compiled regex and the checker."""
+in docs/plugins/guided_json.md: each row is checked against the compiled regex and the checker."""
 
 from __future__ import annotations
 
