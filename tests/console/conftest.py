@@ -41,9 +41,11 @@ def page(browser: Any) -> Iterator[Any]:
     errors: list[str] = []
     page.on(
         "console",
-        lambda message: errors.append(message.text)
-        if message.type == "error" and not message.text.startswith("Failed to load resource")
-        else None,
+        lambda message: (
+            errors.append(message.text)
+            if message.type == "error" and not message.text.startswith("Failed to load resource")
+            else None
+        ),
     )
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.console_errors = errors

@@ -33,7 +33,8 @@ def console(
     one in a server this test may stop; its admin port serves the console."""
     spare = ServerThread(FakeUpstream(name="spare"))
     spare.__enter__()
-    plugins = [{"name": "tenancy", "config": {"redis_prefix": prefix, "auth": False}}, {"name": "routing"}]
+    tenancy = {"redis_prefix": prefix, "auth": False, "tenants": {"globex": {"tokens_per_day": 100000}}}
+    plugins = [{"name": "tenancy", "config": tenancy}, {"name": "routing"}]
     config = base_config([upstream_url, spare.url], plugins=plugins)
     admin_port = free_port()
     try:
@@ -128,6 +129,8 @@ def test_create_a_key_shown_once_then_revoke_it(page: Any, console: dict[str, An
     row.wait_for(timeout=WAIT_MS)
     assert "acme" in row.inner_text()
     page.wait_for_selector("#tenants-table tr[data-tenant='acme']", timeout=WAIT_MS)
+    declared = page.locator("#tenants-table tr[data-tenant='globex']")  # in config.yaml, no key yet
+    assert "/ 100000 tokens" in declared.inner_text()
     screenshot(page, "tenancy")
 
     # The key works against the real Redis-backed store: its usage is readable through the plugin.
@@ -150,7 +153,7 @@ def test_create_a_key_shown_once_then_revoke_it(page: Any, console: dict[str, An
     assert page.console_errors == []
 
 
-HOSTILE = "<img src=x onerror=\"window.__xss=1\"><script>window.__xss=2</script>"
+HOSTILE = '<img src=x onerror="window.__xss=1"><script>window.__xss=2</script>'
 
 
 def test_playground_streams_and_shows_what_the_gateway_added(page: Any, console: dict[str, Any]) -> None:

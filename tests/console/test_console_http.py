@@ -110,6 +110,7 @@ def test_workers_show_health_and_load(
                 break
             httpx.get(server.url + "/health")  # let the health loop run
         assert models[0]["model"] == "m1"
+        assert models[0]["in_flight"] == 0 and models[0]["queued"] == 0
         assert rows[upstream_url]["healthy"] and rows[upstream_url]["available"]
         assert rows[dead]["healthy"] is False
         assert rows[dead]["last_error"]

@@ -1,8 +1,8 @@
 """What the operator console reads, on the admin API (admin token required, like every ``/admin`` route).
 
 - ``GET /admin/stats``: live figures by model over the last seconds (``gateway.ops.stats``).
-- ``GET /admin/workers``: each model's workers: health, in flight, ejections, the last error, and the
-  upstream failures counted per worker and kind since start.
+- ``GET /admin/workers``: each model's requests in flight and queued, and its workers: health, in
+  flight, ejections, the last error, and the upstream failures counted per worker and kind since start.
 - ``GET /admin/reloads``: the running version and the last reloads, newest first (when, who, source,
   accepted/unchanged/refused, reason).
 - ``POST /admin/config/diff``: a candidate config (YAML or JSON body) validated without going live
@@ -50,16 +50,25 @@ async def stats(request: Request) -> JSON:
     return JSON(body)
 
 
-def _upstream_errors(state: AppState) -> dict[str, dict[str, float]]:
+_GAUGES = {"gateway_in_flight_requests": "in_flight", "gateway_queued_requests": "queued"}
+
+
+def _read_metrics(state: AppState) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """(worker -> upstream failures by kind since start, model -> in flight and queued now)."""
     errors: dict[str, dict[str, float]] = {}
+    load: dict[str, dict[str, float]] = {}
     for family in state.services.metrics.collect():
-        if family.name.removesuffix("_total") != "gateway_upstream_errors":
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_total") and sample.value:
-                kinds = errors.setdefault(sample.labels["worker"], {})
-                kinds[sample.labels["kind"]] = kinds.get(sample.labels["kind"], 0.0) + sample.value
-    return errors
+        if family.name.removesuffix("_total") == "gateway_upstream_errors":
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.value:
+                    kinds = errors.setdefault(sample.labels["worker"], {})
+                    kinds[sample.labels["kind"]] = kinds.get(sample.labels["kind"], 0.0) + sample.value
+        elif family.name in _GAUGES:
+            field = _GAUGES[family.name]
+            for sample in family.samples:
+                row = load.setdefault(sample.labels["model"], {})
+                row[field] = row.get(field, 0.0) + sample.value
+    return errors, load
 
 
 @router.get("/workers")
@@ -69,7 +78,7 @@ async def workers(request: Request) -> JSON:
         raise ServiceUnavailable("The gateway has no config loaded yet.", code="not_ready")
     snapshot = state.holder.current
     table = state.services.workers
-    errors = _upstream_errors(state)
+    errors, load = _read_metrics(state)
     now = time.monotonic()
     models = []
     for model in snapshot.models.models:
@@ -90,7 +99,15 @@ async def workers(request: Request) -> JSON:
                     "errors": errors.get(url, {}),
                 }
             )
-        models.append({"model": model.name, "workers": rows})
+        now_load = load.get(model.name, {})
+        models.append(
+            {
+                "model": model.name,
+                "in_flight": int(now_load.get("in_flight", 0)),
+                "queued": int(now_load.get("queued", 0)),
+                "workers": rows,
+            }
+        )
     return JSON({"models": models})
 
 

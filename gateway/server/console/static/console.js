@@ -148,7 +148,8 @@
           el("td", {}, Object.entries(w.errors).map(([k, n]) => `${k}: ${n}`).join(", ") || "-"),
           el("td", { class: "num" }, w.checked_ago_s === null ? "-" : `${w.checked_ago_s.toFixed(1)} s ago`)));
       return el("div", { class: "model" },
-        el("h3", {}, model.model),
+        el("h3", {}, model.model, " ",
+          el("span", { class: "muted small model-load" }, `${model.in_flight} in flight, ${model.queued} queued`)),
         el("table", {},
           el("thead", {}, el("tr", {}, ...["worker", "state", "in flight", "ejections", "failures in a row",
             "last error", "upstream errors", "last check"].map((h) => el("th", {}, h)))),
@@ -294,6 +295,10 @@
         el("td", {}, k.source === "redis"
           ? el("button", { type: "button", class: "revoke", onclick: () => revokeKey(k.id) }, "Revoke") : ""))));
     const tenants = new Map();
+    // Tenants declared in the running config, with or without keys yet.
+    const running = await api("GET", "/admin/config").catch(() => null);
+    const section = running && (running.config.plugins || []).find((p) => p.name === "tenancy");
+    for (const name of Object.keys((section && section.config && section.config.tenants) || {})) tenants.set(name, 0);
     for (const k of keys) tenants.set(k.tenant, (tenants.get(k.tenant) || 0) + 1);
     const names = [...tenants.keys()].sort();
     const tenantUsage = await Promise.all(names.map((t) => tenancy("usage", { tenant: t }).then((r) => r.result, () => null)));
