@@ -34,7 +34,7 @@ from gateway.pipeline.reload import Reloader
 from gateway.pipeline.runtime import RuntimeHolder
 from gateway.pipeline.services import Services
 from gateway.server.console.assets import load_assets
-from gateway.server.console.playground import playground_route
+from gateway.server.console.playground import playground_handler, playground_route
 from gateway.server.console.routes import console_router
 from gateway.server.drain import install_sigterm_drain
 from gateway.server.front_door import http_protocol
@@ -186,6 +186,7 @@ def create_app(
     reloader = state.extras["reloader"] = Reloader(state.holder, settings)
     state.extras[admin_views.LIVE_STATS] = LiveStats(services.metrics)
     inference = InferenceEndpoints(state.holder, services)
+    playground = playground_handler(state)
     console_assets = load_assets()
     admin_server: AdminServer | None = None
 
@@ -249,7 +250,7 @@ def create_app(
         api.include_router(admin.router)
         api.include_router(admin_views.router)
         api.include_router(console_router(console_assets, token_required=True))
-        api.router.routes.append(playground_route(state, inference))
+        api.router.routes.append(playground_route(state, playground))
     else:
         # Its own app, not a filter on the public one: the public port has no admin routes at all, so
         # no Host header, path trick or proxy header can reach them there.
@@ -263,7 +264,7 @@ def create_app(
         admin_api.include_router(health.router)
         # The console's page holds no data and asks for the token itself: served here without one.
         admin_api.include_router(console_router(console_assets, token_required=False))
-        admin_api.router.routes.append(playground_route(state, inference))
+        admin_api.router.routes.append(playground_route(state, playground))
         admin_server = AdminServer(
             PathGuard(RequestIdTagger(admin_api)),
             settings.host,

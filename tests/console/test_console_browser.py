@@ -171,6 +171,7 @@ def test_playground_streams_and_shows_what_the_gateway_added(page: Any, console:
     headers = page.inner_text("#chat-headers")
     assert re.search(r"x-request-id\s+console-[0-9a-f]{32}", headers)
     assert "text/event-stream" in headers
+    assert re.search(r"x-gateway-worker\s+http://127\.0\.0\.1:\d+", headers)
     assert re.search(r"time to first token\s+[0-9.]+ ms", headers)
     assert upstream.requests[-1].body["stream"] is True
     screenshot(page, "playground")

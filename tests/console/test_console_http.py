@@ -172,6 +172,9 @@ def test_playground_goes_through_the_real_pipeline(
         assert "Hello" in text or "fake" in text
         assert upstream.requests[-1].path == "/v1/chat/completions"
         assert "x-admin-token" not in upstream.requests[-1].headers
+        assert answer.headers["x-gateway-worker"] == upstream_url  # the playground sees which worker answered
+        client = httpx.post(server.url + "/v1/chat/completions", json=body)
+        assert client.status_code == 200 and "x-gateway-worker" not in client.headers  # a client never does
         wrong = httpx.post(server.url + "/admin/ui/chat", json=body, headers={"x-admin-token": "nope"})
         assert wrong.status_code == 403
-        assert len(upstream.requests) == 1
+        assert len(upstream.requests) == 2

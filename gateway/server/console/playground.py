@@ -4,8 +4,10 @@ The admin token comes in ``x-admin-token`` (checked as every admin call is); the
 client key in ``Authorization`` for the plugins that want one (tenancy). The request is then handed to the
 ``/v1/chat/completions`` handler unchanged but for the path and without the admin token, so it meets the
 same plugins, limits, workers and metrics as any client's, and its answer (JSON or SSE) comes back with
-the headers the gateway added (``x-cache``, ``x-request-id``, ...). Not on the request path of clients:
-only this admin route leads here.
+the headers the gateway added (``x-cache``, ``x-request-id``, ...) and one only the playground gets:
+``x-gateway-worker``, the worker that answered. The playground has its own handler whose proxy adds it,
+so a client's request never pays for it and never learns a worker's address. Not on the request path of
+clients: only this admin route leads here.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from typing import Any
 
 from starlette.routing import Route
 
+from gateway.pipeline.context import RequestContext
+from gateway.proxy.forward import Proxy, Reply
 from gateway.server.admin_auth import check_admin
+from gateway.server.routes.openai import InferenceEndpoints
 from gateway.server.state import AppState
 from gateway.wire.errors import GatewayError
 from gateway.wire.protocol import check_single_credentials
@@ -23,6 +28,28 @@ PLAYGROUND_PATH = "/admin/ui/chat"
 _TARGET = "/v1/chat/completions"
 
 ASGIApp = Any
+
+
+WORKER_HEADER = "x-gateway-worker"
+
+
+class WorkerNamingProxy(Proxy):
+    """The client path's proxy, and the answer names the worker that produced it (a cache hit has none;
+    a stream continued after its worker failed names the first)."""
+
+    async def serve(self, ctx: RequestContext) -> Reply:
+        reply = await super().serve(ctx)
+        if ctx.worker is not None:
+            reply.headers[WORKER_HEADER] = ctx.worker.url
+        return reply
+
+
+def playground_handler(state: AppState) -> InferenceEndpoints:
+    """The inference handler the playground hands its requests to: the clients' (same holder, services,
+    plugins and limits) with the worker-naming proxy."""
+    handler = InferenceEndpoints(state.holder, state.services)
+    handler.proxy = WorkerNamingProxy(state.services)
+    return handler
 
 
 class Playground:
