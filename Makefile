@@ -10,7 +10,12 @@ STAMP  := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_EXTRA   := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: run test lint typecheck docs unit bench audit model clean
+.PHONY: run test lint typecheck docs unit browser bench audit model clean
+
+# The console's browser tests (tests/console, marker `browser`) drive Debian's chromium with Playwright's
+# Python package (in the dev extra); Playwright's own browser download is never used.
+CHROMIUM_STAMP := $(VENV)/.chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # The example plugin is installed as a package (not editable): a change to it must reinstall it.
 $(STAMP): pyproject.toml tests/example_plugin/pyproject.toml $(wildcard tests/example_plugin/gateway_example_plugin/*.py)
@@ -23,6 +28,10 @@ $(STAMP): pyproject.toml tests/example_plugin/pyproject.toml $(wildcard tests/ex
 	# A third-party plugin package, for the test that plugins are found through entry points.
 	$(PY) -m pip install ./tests/example_plugin
 	touch $(STAMP)
+
+$(CHROMIUM_STAMP): $(STAMP)
+	command -v chromium >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium)
+	touch $(CHROMIUM_STAMP)
 
 model: $(STAMP)
 	$(VENV)/bin/gateway model prepare smollm2
@@ -42,8 +51,12 @@ typecheck: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir .site
 
-test: $(STAMP) model lint typecheck docs
+test: $(STAMP) $(CHROMIUM_STAMP) model lint typecheck docs
 	$(PY) -m pytest -q -rfEsxX
+
+# The operator console in a real headless browser only; screenshots in .artifacts/console/.
+browser: $(STAMP) $(CHROMIUM_STAMP)
+	$(PY) -m pytest -q -m browser tests/console
 
 unit: $(STAMP)
 	$(PY) -m pytest -q -m "not engine and not slow"
@@ -62,4 +75,4 @@ audit: $(STAMP)
 	$(VENV)/bin/pip-audit --strict --disable-pip --no-deps -r $(VENV)/audit-requirements.txt
 
 clean:
-	rm -rf $(VENV) models .site .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) models .site .mypy_cache .ruff_cache .pytest_cache .artifacts

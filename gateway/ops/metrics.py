@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -186,12 +187,22 @@ class Metrics:
         for metric in metrics:
             self.private_labels[metric._name] = frozenset(labels)
 
+    def _source(self) -> Any:
+        """The registry to read: this process's, or every process's files in multiprocess mode."""
+        if self.multiprocess_dir is None:
+            return self.registry
+        source = CollectorRegistry()
+        MultiProcessCollector(source, path=self.multiprocess_dir)
+        return source
+
+    def collect(self) -> Iterator[Metric]:
+        """Every metric family with all its series (private labels included): for readers in the process
+        (the console's live figures), which need numbers rather than exposition text."""
+        yield from self._source().collect()
+
     def render(self, *, private: bool = False) -> bytes:
         """The exposition text; without ``private``, private labels are summed away."""
-        source: Any = self.registry
-        if self.multiprocess_dir is not None:
-            source = CollectorRegistry()
-            MultiProcessCollector(source, path=self.multiprocess_dir)
+        source: Any = self._source()
         if not private and self.private_labels:
             source = _PublicView(source, self.private_labels)
         return generate_latest(source)

@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 from gateway.ops.logs import apply_logging
 from gateway.ops.settings import Settings
 from gateway.pipeline.config import ConfigError, GatewayConfig, parse_config
+from gateway.pipeline.reload_history import ReloadHistory
 from gateway.pipeline.runtime import RuntimeHolder
 from gateway.wire.errors import InvalidRequest
 
@@ -90,35 +91,41 @@ class Reloader:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sighup = False
         self.channel: ConfigChannel | None = None
+        #: Every attempt through this reloader, accepted or refused (bounded; the console shows it).
+        self.history = ReloadHistory()
 
     # -- sources ----------------------------------------------------------------------------------
 
-    async def from_file(self, source: str = "file") -> ReloadResult:
-        """Re-read the configured file (never a path from a request)."""
+    async def from_file(self, source: str = "file", *, who: str | None = None) -> ReloadResult:
+        """Re-read the configured file (never a path from a request). ``who`` names the caller in the
+        reload history (the source when not given)."""
         try:
             data = await asyncio.to_thread(self.path.read_bytes)
         except OSError as exc:
             problem = f"{self.path}: cannot read the config file: {exc.strerror or exc}"
-            raise self._refused(ConfigError([problem])) from None
-        result = await self.from_text(data, source, origin=str(self.path))
+            raise self._refused(ConfigError([problem]), source, who) from None
+        result = await self.from_text(data, source, origin=str(self.path), who=who)
         self._file_hash = content_hash(data)
         return result
 
     async def from_text(
-        self, data: bytes, source: str, *, origin: str = "config", announce: bool = True
+        self, data: bytes, source: str, *, origin: str = "config", announce: bool = True, who: str | None = None
     ) -> ReloadResult:
         """Parse YAML or JSON ``data`` and load it. Raises ``ConfigRefused``."""
         try:
             config = parse_config(data, source=origin)
         except ConfigError as exc:
-            raise self._refused(exc) from None
-        return await self.load(config, source, text=data if announce else None)
+            raise self._refused(exc, source, who) from None
+        return await self.load(config, source, text=data if announce else None, who=who)
 
-    async def load(self, config: GatewayConfig, source: str, *, text: bytes | None = None) -> ReloadResult:
+    async def load(
+        self, config: GatewayConfig, source: str, *, text: bytes | None = None, who: str | None = None
+    ) -> ReloadResult:
         try:
             snapshot, changed = await self.holder.load(config)
         except ConfigError as exc:
-            raise self._refused(exc) from None
+            raise self._refused(exc, source, who) from None
+        self.history.record(source, who, "accepted" if changed else "unchanged", snapshot.version)
         if changed:
             self.source = source
             apply_logging(config.logging, override=self.settings.log_level)
@@ -130,10 +137,12 @@ class Reloader:
                     log.exception("could not announce config %s to other replicas", snapshot.version)
         return ReloadResult(snapshot.version, changed, snapshot.loaded_at, self.source)
 
-    def _refused(self, error: ConfigError) -> ConfigRefused:
+    def _refused(self, error: ConfigError, source: str, who: str | None) -> ConfigRefused:
         live = self.holder.current.version if self.holder.loaded else None
         log.warning("config refused: %s", "; ".join(error.problems))
-        return ConfigRefused(error, live)
+        refused = ConfigRefused(error, live)
+        self.history.record(source, who, "refused", live, refused.message)
+        return refused
 
     # -- background triggers ----------------------------------------------------------------------
 

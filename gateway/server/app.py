@@ -26,16 +26,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.ops.logs import apply_logging
 from gateway.ops.metrics import Metrics
 from gateway.ops.settings import Settings
+from gateway.ops.stats import LiveStats
 from gateway.ops.tracing import Tracing
 from gateway.pipeline.config import ConfigError, GatewayConfig, load_config
 from gateway.pipeline.registry import PluginRegistry
 from gateway.pipeline.reload import Reloader
 from gateway.pipeline.runtime import RuntimeHolder
 from gateway.pipeline.services import Services
+from gateway.server.console.assets import load_assets
+from gateway.server.console.playground import playground_handler, playground_route
+from gateway.server.console.routes import console_router
 from gateway.server.drain import install_sigterm_drain
 from gateway.server.front_door import http_protocol
 from gateway.server.paths import path_problem
-from gateway.server.routes import JSON, admin, health, models, responses, utility
+from gateway.server.routes import JSON, admin, admin_views, health, models, responses, utility
 from gateway.server.routes.openai import InferenceEndpoints, Receive, Scope, Send, request_id_from
 from gateway.server.state import AppState
 from gateway.upstream.client import UpstreamClient, UpstreamConfig
@@ -180,6 +184,10 @@ def create_app(
     registry = registry or PluginRegistry()
     state = AppState(settings=settings, services=services, registry=registry, holder=RuntimeHolder(registry, services))
     reloader = state.extras["reloader"] = Reloader(state.holder, settings)
+    state.extras[admin_views.LIVE_STATS] = LiveStats(services.metrics)
+    inference = InferenceEndpoints(state.holder, services)
+    playground = playground_handler(state)
+    console_assets = load_assets()
     admin_server: AdminServer | None = None
 
     @asynccontextmanager
@@ -240,6 +248,9 @@ def create_app(
         )
     if settings.admin_port is None:
         api.include_router(admin.router)
+        api.include_router(admin_views.router)
+        api.include_router(console_router(console_assets, token_required=True))
+        api.router.routes.append(playground_route(state, playground))
     else:
         # Its own app, not a filter on the public one: the public port has no admin routes at all, so
         # no Host header, path trick or proxy header can reach them there.
@@ -249,7 +260,11 @@ def create_app(
         setattr(admin_api.state, health.ADMIN_VIEW, True)  # /ready and /metrics in full here
         _install_error_handlers(admin_api)
         admin_api.include_router(admin.router)
+        admin_api.include_router(admin_views.router)
         admin_api.include_router(health.router)
+        # The console's page holds no data and asks for the token itself: served here without one.
+        admin_api.include_router(console_router(console_assets, token_required=False))
+        admin_api.router.routes.append(playground_route(state, playground))
         admin_server = AdminServer(
             PathGuard(RequestIdTagger(admin_api)),
             settings.host,
@@ -257,7 +272,7 @@ def create_app(
             keepalive_timeout_s=settings.keepalive_timeout_s,
             http=http_protocol(settings),
         )
-    return GatewayApp(api, InferenceEndpoints(state.holder, services), state)
+    return GatewayApp(api, inference, state)
 
 
 class RequestIdTagger:

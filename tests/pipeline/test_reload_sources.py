@@ -90,6 +90,11 @@ async def test_sighup_reloads_the_file_and_a_refused_file_keeps_the_old_config(f
         os.kill(os.getpid(), signal.SIGHUP)
         await until(lambda: not any(t.get_name() == "config-sighup" for t in asyncio.all_tasks()))
         assert file_reloader.holder.current.version == version  # refused quietly: no task error, old config
+        await until(lambda: file_reloader.history.latest()[0].outcome == "refused")
+        refused, accepted = file_reloader.history.latest()[:2]
+        assert (accepted.source, accepted.outcome, accepted.version) == ("sighup", "accepted", version)
+        assert (refused.source, refused.outcome, refused.version) == ("sighup", "refused", version)
+        assert refused.reason is not None and "refused" in refused.reason
     finally:
         await file_reloader.aclose()
     assert signal.getsignal(signal.SIGHUP) == before  # the handler is gone with the reloader
@@ -122,6 +127,9 @@ async def test_watcher_refuses_a_bad_content_once_and_not_again_until_it_changes
     assert aliases(file_reloader) == ["first"]
     file_reloader.path.write_bytes(config_text("fixed"))
     await until(lambda: aliases(file_reloader) == ["fixed"])
+    # The history has the refusal once too, then the fix: what the console's config view lists.
+    outcomes = [(e.who, e.outcome) for e in file_reloader.history.latest()[:2]]
+    assert outcomes == [("watch", "accepted"), ("watch", "refused")]
 
 
 async def test_from_file_on_a_missing_file_is_refused_naming_the_live_version(file_reloader: Reloader) -> None:

@@ -1,5 +1,6 @@
 """HTTP routes: ``openai`` (the /v1 API), ``responses`` (/v1/responses), ``models``, ``health``, ``admin``,
-``utility``. ``JSON`` is the response class every FastAPI route here uses (orjson-rendered).
+``admin_views`` (what the operator console reads), ``utility``. ``JSON`` is the response class every
+FastAPI route here uses (orjson-rendered).
 
 May import the server's own modules and every layer below the server.
 """

@@ -76,6 +76,12 @@ def _reloader(request: Request) -> Reloader:
     return reloader
 
 
+def caller(request: Request) -> str:
+    """Who made an admin call, for the reload history: the admin token's holder at this address."""
+    host = request.client.host if request.client else "unknown address"
+    return f"admin API from {host}"
+
+
 def _live(request: Request) -> RuntimeSnapshot:
     state: AppState = request.app.state.gateway
     if not state.holder.loaded:
@@ -107,7 +113,7 @@ async def get_config(request: Request) -> JSON:
 
 @router.post("/reload")
 async def reload_file(request: Request) -> JSON:
-    result = await _reloader(request).from_file("api")
+    result = await _reloader(request).from_file("api", who=caller(request))
     return JSON(result.as_json())
 
 
@@ -123,7 +129,7 @@ async def put_config(request: Request) -> JSON:
     if not body.strip():
         raise InvalidRequest("Send the new config (YAML or JSON) as the request body.", code="config_invalid")
     # YAML is a superset of JSON, so one safe parser serves both content types; nothing is executed.
-    result = await _reloader(request).from_text(body, "api", origin="request body")
+    result = await _reloader(request).from_text(body, "api", origin="request body", who=caller(request))
     return JSON(result.as_json())
 
 
