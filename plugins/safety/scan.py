@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain, pairwise
@@ -25,7 +26,13 @@ from plugins.safety.normalize import OffsetMap, normalize
 from plugins.safety.rules import Hit, Rule, RuleSet
 
 BASE64_MIN = 16
-_BASE64_RUN = re2.compile(r"[A-Za-z0-9+/_-]{" + str(BASE64_MIN) + r",}={0,2}")
+_BASE64_PATTERN = r"[A-Za-z0-9+/_-]{" + str(BASE64_MIN) + r",}={0,2}"
+# Two engines for one pattern. RE2's scan is the faster on long texts, but its Python wrapper costs a few
+# microseconds per call, most of a short prompt's whole check; Python's re (C code, and safe here: one
+# character class with a repeat cannot backtrack beyond BASE64_MIN steps per start) takes short texts.
+_BASE64_RUN = re2.compile(_BASE64_PATTERN)
+_BASE64_RUN_SHORT = re.compile(_BASE64_PATTERN)
+_SHORT = 512
 _GAP = "\n\x00\n"  # between independent pieces: no rule matches across it
 
 
@@ -47,8 +54,13 @@ class _Doc:
     __slots__ = ("data", "owners", "starts", "text")
 
     def __init__(self, parts: Sequence[str], owners: Sequence[int], sep: str | Sequence[str]) -> None:
-        seps = [sep] * len(parts) if isinstance(sep, str) else sep  # seps[i] follows parts[i]
         self.owners = owners
+        if len(parts) == 1:  # the usual prompt: one text, no separator after the last
+            self.starts = [0]
+            self.text = parts[0]
+            self.data = self.text.encode()
+            return
+        seps = [sep] * len(parts) if isinstance(sep, str) else sep  # seps[i] follows parts[i]
         self.starts = [0, *accumulate(map(len, chain.from_iterable(zip(parts, seps, strict=True))))][:-1:2]
         self.text = "".join(chain.from_iterable(zip(parts, seps, strict=True)))
         if not isinstance(sep, str) and seps and seps[-1]:
@@ -129,7 +141,8 @@ def scan_texts(rules: RuleSet, texts: Sequence[str], groups: Sequence[int] | Non
     # 3. Base64 runs that decode to text.
     decoded: list[str] = []
     runs: list[tuple[int, int, int]] = []  # (slot, original start, original end) per decoded text
-    for match in _BASE64_RUN.finditer(doc.text):
+    finder = _BASE64_RUN_SHORT if len(doc.text) < _SHORT else _BASE64_RUN
+    for match in finder.finditer(doc.text):
         text = _base64_text(match.group())
         if text is None:
             continue
