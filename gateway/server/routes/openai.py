@@ -150,33 +150,10 @@ class InferenceEndpoints:
                     await self._send_reply(reply, request_id, send, state)
                 finally:
                     in_flight.dec()
-        except GatewayError as error:
-            await self._send_error(error, request_id, send, state)
-        except _ClientGone:
-            state["status"] = 499
-        except asyncio.CancelledError:
-            if not state.get("client_gone"):
-                raise
-            task.uncancel()
-            state["status"] = 499  # client closed the request; the upstream was closed with it
-        except Exception:
-            log.exception("request %s failed", request_id)
-            await self._send_error(
-                ServerError("The gateway failed to process the request; it has been logged.", code="internal_error"),
-                request_id,
-                send,
-                state,
-            )
+        except BaseException as exc:  # _answer_failure raises again what it does not answer
+            await self._answer_failure(exc, request_id, send, state)
         finally:
-            state["finished"] = True
-            if watcher is not None:
-                watcher.cancel()
-            # Popped, not just cancelled: the cancelled watcher keeps its CancelledError, whose traceback
-            # holds the watcher's frame and so this dict; with the task still in it, every request would
-            # leave a reference cycle for the garbage collector instead of being freed at once.
-            watch_task = state.pop("watcher", None)
-            if watch_task is not None:
-                watch_task.cancel()
+            self._stop_watching(watcher, state)
             if ctx is not None:
                 ctx.finalize()
             self._record(endpoint, request_id, state, started, ctx)
@@ -184,6 +161,42 @@ class InferenceEndpoints:
                 worker = ctx.worker.url if ctx is not None and ctx.worker is not None else None
                 attributes = {"request_id": request_id, "model": state["model"], "worker": worker}
                 span.end(attributes, state["status"])
+
+    async def _answer_failure(self, exc: BaseException, request_id: str, send: Send, state: dict[str, Any]) -> None:
+        """The answer to a request that raised ``exc``, for every handler built on this one: its
+        OpenAI-shaped error, a 499 for a client that left (the upstream was closed with it), a logged 500
+        for anything unexpected. A cancellation that is not the client leaving is raised again."""
+        if isinstance(exc, GatewayError):
+            await self._send_error(exc, request_id, send, state)
+        elif isinstance(exc, _ClientGone):
+            state["status"] = 499
+        elif isinstance(exc, asyncio.CancelledError):
+            task = asyncio.current_task()
+            if not state.get("client_gone") or task is None:
+                raise exc
+            task.uncancel()
+            state["status"] = 499
+        elif isinstance(exc, Exception):
+            log.error("request %s failed", request_id, exc_info=exc)
+            failure = ServerError(
+                "The gateway failed to process the request; it has been logged.", code="internal_error"
+            )
+            await self._send_error(failure, request_id, send, state)
+        else:
+            raise exc
+
+    @staticmethod
+    def _stop_watching(watcher: asyncio.TimerHandle | None, state: dict[str, Any]) -> None:
+        """End the disconnect watch of a finished request (its timer, and its task if it started)."""
+        state["finished"] = True
+        if watcher is not None:
+            watcher.cancel()
+        # Popped, not just cancelled: the cancelled watcher keeps its CancelledError, whose traceback
+        # holds the watcher's frame and so this dict; with the task still in it, every request would
+        # leave a reference cycle for the garbage collector instead of being freed at once.
+        watch_task = state.pop("watcher", None)
+        if watch_task is not None:
+            watch_task.cancel()
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> bytes:
         limit = self.holder.current.config.limits.max_body_bytes if self.holder.loaded else 4 * 1024 * 1024

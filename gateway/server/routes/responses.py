@@ -34,11 +34,10 @@ from gateway.server.routes.openai import (
     Receive,
     Scope,
     Send,
-    _ClientGone,
 )
 from gateway.server.state import AppState
 from gateway.wire.allowlist import ParamAllowList
-from gateway.wire.errors import GatewayError, InvalidRequest, ServerError, model_not_found
+from gateway.wire.errors import InvalidRequest, ServerError, model_not_found
 from gateway.wire.openapi import RESPONSES_CREATE_DOC
 from gateway.wire.protocol import ENDPOINTS, check_request, header_dict, parse_body
 from gateway.wire.responses_items import output_as_input
@@ -177,28 +176,10 @@ class ResponsesEndpoint(InferenceEndpoints):
             headers = header_dict(raw_headers)
             reply = await self.service.create(body, headers, request_id, started, self._allow_list, state)
             await self._send_reply(reply, request_id, send, state)
-        except GatewayError as error:
-            await self._send_error(error, request_id, send, state)
-        except _ClientGone:
-            state["status"] = 499
-        except asyncio.CancelledError:
-            if not state.get("client_gone"):
-                raise
-            task.uncancel()
-            state["status"] = 499
-        except Exception:
-            log.exception("request %s failed", request_id)
-            failure = ServerError(
-                "The gateway failed to process the request; it has been logged.", code="internal_error"
-            )
-            await self._send_error(failure, request_id, send, state)
+        except BaseException as exc:  # _answer_failure raises again what it does not answer
+            await self._answer_failure(exc, request_id, send, state)
         finally:
-            state["finished"] = True
-            if watcher is not None:
-                watcher.cancel()
-            watch_task = state.pop("watcher", None)
-            if watch_task is not None:
-                watch_task.cancel()
+            self._stop_watching(watcher, state)
             if not state.get("turn"):  # refused before it became a turn (bad body, unknown id or model, 401)
                 self.metrics.requests.labels("-", "responses", str(state["status"])).inc()
 
