@@ -18,6 +18,7 @@ from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.wire.errors import BadGateway
 from plugins.cache import CachePlugin
+from plugins.cache.keys import CacheKey, backing_of, make_key
 from tests.support.fakes import free_port
 from tests.support.gateways import base_config
 
@@ -63,6 +64,22 @@ def cache_gateway_config(
     plugins += [{"name": n} for n in after]
     plugins.append({"name": "routing"})
     return base_config([upstream_url], plugins=plugins)
+
+
+def public_entry_key(config: dict[str, Any], namespace: str, body: dict[str, Any], model: str = "m1") -> CacheKey:
+    """The key under which a gateway running ``config`` (``cache_gateway_config``) keeps the answer to a
+    chat ``body`` for ``model`` asked without a tenant, the model's backing included."""
+    workers = next(m["workers"] for m in config["models"] if m["name"] == model)
+    return make_key(
+        prefix=PREFIX,
+        namespace=namespace,
+        tenant=None,
+        default_scope="public",
+        endpoint="chat/completions",
+        model=model,
+        body=body,
+        backing=backing_of(model, workers, {}),
+    )
 
 
 def delete_namespace(client: redis.Redis, namespace: str) -> None:

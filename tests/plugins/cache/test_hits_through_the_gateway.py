@@ -11,15 +11,14 @@ import redis
 
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
-from plugins.cache.keys import backing_of, make_key
 from plugins.cache.store import decode_entry, encode_entry
 from tests.support.cache import (
     PLUGINS,
-    PREFIX,
     cache_gateway_config,
     chat,
     entry_names,
     namespace,
+    public_entry_key,
     redis_client,
     sdk_chat,
     stream_text,
@@ -266,16 +265,7 @@ def test_max_age_refuses_older_entries(
     with gateway_factory(config, plugins=PLUGINS) as (_, server):
         first = chat(server.url)
         wait_stored(redis_client, namespace)
-        key = make_key(
-            backing=backing_of("m1", config["models"][0]["workers"], {}),
-            prefix=PREFIX,
-            namespace=namespace,
-            tenant=None,
-            default_scope="public",
-            endpoint="chat/completions",
-            model="m1",
-            body={"messages": [{"role": "user", "content": "hi"}], "temperature": 0},
-        )
+        key = public_entry_key(config, namespace, {"messages": [{"role": "user", "content": "hi"}], "temperature": 0})
         redis_client.set(key.entry, encode_entry(first.content, time.time() - 600), px=60_000)  # ten minutes old
         assert chat(server.url, headers={"cache-control": "max-age=3600"}).headers["x-cache"] == "hit"
         assert chat(server.url, headers={"cache-control": "max-age=60"}).headers["x-cache"] == "miss"

@@ -12,16 +12,15 @@ import orjson
 import pytest
 import redis
 
-from plugins.cache.keys import backing_of, make_key
 from plugins.cache.plugin import fresh_answer, stored_body
 from plugins.cache.store import decode_entry
 from tests.support.cache import (
     PLUGINS,
-    PREFIX,
     cache_gateway_config,
     chat,
     entry_names,
     namespace,
+    public_entry_key,
     redis_client,
     sdk,
     sdk_chat,
@@ -198,10 +197,7 @@ def test_an_entry_written_before_events_were_kept_is_still_served(
 ) -> None:
     body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     config = cache_gateway_config(upstream_url, namespace)
-    key = make_key(
-        prefix=PREFIX, namespace=namespace, tenant=None, default_scope="public", endpoint="chat/completions",
-        model="m1", body=body, backing=backing_of("m1", config["models"][0]["workers"], {}),
-    )  # fmt: skip
+    key = public_entry_key(config, namespace, body)
     stored = {
         "id": "chatcmpl-old",
         "object": "chat.completion",
