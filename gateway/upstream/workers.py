@@ -41,16 +41,21 @@ class Worker:
     labels: dict[str, str] = field(default_factory=dict)
     failure_sources: set[str] = field(default_factory=set)  # tenants behind the current failure run
     recent_sources: dict[str, float] = field(default_factory=dict)  # tenant -> last request (monotonic)
+    recent_cap: int = 64  # recent_sources is pruned when it grows past this
 
-    def seen(self, source: str | None, now: float) -> int:
-        """Note a request of ``source``; the number of distinct tenants in the last ``_RECENT_S``."""
+    def seen(self, source: str, now: float) -> None:
+        """Note a request of ``source`` (a tenant). Stale tenants are dropped only when the table has
+        doubled since the last pruning, so a request costs O(1) however many tenants there are."""
         recent = self.recent_sources
-        if source is not None:
-            recent[source] = now
-        if len(recent) > 64:
+        recent[source] = now
+        if len(recent) > self.recent_cap:
             for name in [n for n, at in recent.items() if now - at > _RECENT_S]:
                 del recent[name]
-        return sum(1 for at in recent.values() if now - at <= _RECENT_S)
+            self.recent_cap = max(64, 2 * len(recent))
+
+    def users(self, now: float) -> int:
+        """The distinct tenants with a request in the last ``_RECENT_S`` (asked on failures only)."""
+        return sum(1 for at in self.recent_sources.values() if now - at <= _RECENT_S)
 
     def available(self, now: float | None = None) -> bool:
         if not self.healthy:
@@ -163,9 +168,10 @@ class WorkerTable:
         worker.consecutive_failures += 1
         worker.last_error = reason
         if source is not None:
-            users = worker.seen(source, time.monotonic())
+            now = time.monotonic()
+            worker.seen(source, now)
             worker.failure_sources.add(source)
-            if len(worker.failure_sources) < min(min_sources, users):
+            if len(worker.failure_sources) < min(min_sources, worker.users(now)):
                 return
         if worker.consecutive_failures >= self.eject_after_failures:
             worker.ejections += 1
