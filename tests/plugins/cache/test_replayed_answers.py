@@ -12,7 +12,7 @@ import orjson
 import pytest
 import redis
 
-from plugins.cache.plugin import fresh_answer, stored_body
+from plugins.cache.replay import fresh_answer, stored_body
 from plugins.cache.store import decode_entry
 from tests.support.cache import (
     PLUGINS,
