@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,29 @@ class WorkerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+@contextlib.contextmanager
+def unaccepting_port() -> Iterator[int]:
+    """A port whose listener never accepts and whose accept queue is full: a connection attempt gets
+    no answer at all (a connect timeout, not a refusal)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):  # fill the accept queue: later connection attempts get no answer at all
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield int(port)
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
 
 
 class BlackHole:

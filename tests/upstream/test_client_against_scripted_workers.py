@@ -20,7 +20,7 @@ import pytest
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.upstream.client import UpstreamClient, UpstreamConfig, UpstreamFailure
-from tests.support.faults import error_events, sse_events
+from tests.support.faults import error_events, sse_events, unaccepting_port
 from tests.support.gateways import GatewayFactory, base_config
 from tests.wire.test_error_shape import CHAT, assert_error_shape
 
@@ -333,25 +333,11 @@ async def test_at_the_total_limit_an_idle_connection_to_another_worker_gives_way
 
 
 async def test_a_worker_that_never_accepts_is_a_connect_timeout() -> None:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    for _ in range(4):  # fill the accept queue: later connection attempts get no answer at all
-        filler = socket.socket()
-        filler.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            filler.connect(("127.0.0.1", port))
-        fillers.append(filler)
     upstream = client(connect_timeout_s=0.2)
     try:
-        with pytest.raises(UpstreamFailure) as failed:
+        with unaccepting_port() as port, pytest.raises(UpstreamFailure) as failed:
             await upstream.open(f"http://127.0.0.1:{port}", "/v1/chat/completions", b"{}")
     finally:
-        for filler in fillers:
-            filler.close()
-        listener.close()
         await upstream.aclose()
     assert (failed.value.kind, failed.value.retryable) == ("connect", True)
     assert "ConnectTimeout" in failed.value.error.message and failed.value.error.status_code == 503

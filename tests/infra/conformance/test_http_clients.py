@@ -7,8 +7,6 @@ every failure (refused, connect/first-byte/idle timeouts, reset or cut mid-body,
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -18,6 +16,7 @@ from gateway.infra.http1 import Http1Client
 from gateway.infra.http_aiohttp import AiohttpClient
 from gateway.infra.http_api import ConnectTimeout, HttpClient, HttpResponse, ProtocolError
 from tests.support.fakes import free_port
+from tests.support.faults import unaccepting_port
 from tests.support.scripted_http import ScriptedHTTPServer, pattern
 
 BASE = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
@@ -229,24 +228,8 @@ async def test_a_refused_connection_is_connection_refused(client: HttpClient) ->
 
 
 async def test_a_server_that_never_accepts_is_a_connect_timeout(client: HttpClient) -> None:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    for _ in range(4):  # fill the accept queue: later connection attempts get no answer at all
-        filler = socket.socket()
-        filler.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            filler.connect(("127.0.0.1", port))
-        fillers.append(filler)
-    try:
-        with pytest.raises(ConnectTimeout):
-            await client.post(f"http://127.0.0.1:{port}/echo", b"{}", None, connect_timeout_s=0.2)
-    finally:
-        for filler in fillers:
-            filler.close()
-        listener.close()
+    with unaccepting_port() as port, pytest.raises(ConnectTimeout):
+        await client.post(f"http://127.0.0.1:{port}/echo", b"{}", None, connect_timeout_s=0.2)
 
 
 async def test_the_first_byte_bound_is_the_callers_and_cancelling_closes_the_connection(

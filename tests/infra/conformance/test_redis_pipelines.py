@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -24,7 +23,7 @@ from gateway.infra.redis_api import RedisPipeline
 from gateway.infra.redis_autopipe import AutoPipeline
 from gateway.infra.redis_py import RedisPyPipeline
 from tests.support.fakes import free_port
-from tests.support.faults import BlackHole, SwitchableProxy
+from tests.support.faults import BlackHole, SwitchableProxy, unaccepting_port
 
 REDIS_PORT = 6379
 IMPLEMENTATIONS: dict[str, Callable[[aioredis.Redis], RedisPipeline]] = {
@@ -223,25 +222,10 @@ async def test_a_refused_connection_fails_every_waiting_command_with_connection_
 
 
 async def test_a_connect_that_never_completes_is_a_timeout(kind: str) -> None:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    for _ in range(4):  # fill the accept queue: later connection attempts get no answer at all
-        filler = socket.socket()
-        filler.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            filler.connect(("127.0.0.1", port))
-        fillers.append(filler)
-    try:
+    with unaccepting_port() as port:
         async with pipeline(kind, port=port, timeout_s=0.3) as pipe:
             with pytest.raises(RedisTimeoutError):
                 await pipe.execute("PING")
-    finally:
-        for filler in fillers:
-            filler.close()
-        listener.close()
 
 
 async def test_a_server_that_never_answers_is_a_timeout(kind: str) -> None:
