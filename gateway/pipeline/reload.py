@@ -90,6 +90,9 @@ class Reloader:
         self._file_hash: str | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sighup = False
+        # SIGHUP's disposition before start(), given back by aclose(): asyncio's remove_signal_handler
+        # resets it to SIG_DFL, which under nohup (SIG_IGN) would let a later SIGHUP kill the process.
+        self._sighup_before: Any = None
         self.channel: ConfigChannel | None = None
         #: Every attempt through this reloader, accepted or refused (bounded; the console shows it).
         self.history = ReloadHistory()
@@ -151,8 +154,9 @@ class Reloader:
 
         ``watch=False`` when the running config did not come from the file (tests, embedding)."""
         try:
+            before = signal.getsignal(signal.SIGHUP)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
-            self._sighup = True
+            self._sighup, self._sighup_before = True, before
         except (RuntimeError, ValueError, NotImplementedError):  # not the main thread (tests), or Windows
             log.debug("SIGHUP reload not available in this thread")
         if watch and self.settings.config_watch_s > 0:
@@ -202,8 +206,11 @@ class Reloader:
 
     async def aclose(self) -> None:
         if self._sighup:
+            self._sighup = False
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+                if self._sighup_before is not None:  # None: not set from Python, nothing to give back
+                    signal.signal(signal.SIGHUP, self._sighup_before)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:

@@ -100,6 +100,22 @@ async def test_sighup_reloads_the_file_and_a_refused_file_keeps_the_old_config(f
     assert signal.getsignal(signal.SIGHUP) == before  # the handler is gone with the reloader
 
 
+@pytest.mark.parametrize("disposition", [signal.SIG_IGN, signal.SIG_DFL], ids=["nohup", "default"])
+async def test_closing_gives_sighup_back_as_it_was(file_reloader: Reloader, disposition: signal.Handlers) -> None:
+    """Under nohup SIGHUP is ignored: after the reloader closes it must be ignored again, not reset to the
+    default action (which terminates the process)."""
+    outer = signal.signal(signal.SIGHUP, disposition)
+    try:
+        file_reloader.start(watch=False)
+        assert signal.getsignal(signal.SIGHUP) not in (signal.SIG_IGN, signal.SIG_DFL)  # asyncio's handler
+        await file_reloader.aclose()
+        assert signal.getsignal(signal.SIGHUP) == disposition
+        await file_reloader.aclose()  # a second close changes nothing
+        assert signal.getsignal(signal.SIGHUP) == disposition
+    finally:
+        signal.signal(signal.SIGHUP, outer)
+
+
 # -- the file watcher -----------------------------------------------------------------------------
 
 
