@@ -190,7 +190,7 @@ class Proxy:
         plan = ctx.plan
         if limit <= 0 or plan is None or not resumable(ctx, limit, plan.has_alternative()):
             return None
-        return Resumer(ctx, limit, partial(self._reopen, ctx), self.services.metrics)
+        return Resumer(ctx, limit, partial(self._reopen, ctx), partial(self._count_tokens, ctx), self.services.metrics)
 
     async def _reopen(
         self, ctx: RequestContext, reason: str, error: GatewayError, body: bytes
@@ -215,6 +215,24 @@ class Proxy:
         except GatewayError as refused:
             log.warning("request %s: the stream could not be continued: %s", ctx.request_id, refused.message)
             return None
+
+    async def _count_tokens(self, ctx: RequestContext, body: bytes) -> int | None:
+        """``body``'s token count from ``/tokenize`` on the worker serving ``ctx`` now (a resumed stream's
+        prompt, for its usage); None on any failure, the caller then estimates."""
+        worker = ctx.worker
+        if worker is None:
+            return None
+        try:
+            upstream = await self.services.upstream.open(worker.url, "/tokenize", body)
+            try:
+                raw = await upstream.read()
+            finally:
+                upstream.close()
+            count = orjson.loads(raw).get("count") if upstream.status == 200 else None
+        except (UpstreamFailure, orjson.JSONDecodeError, AttributeError) as exc:
+            log.info("request %s: no prompt count from %s: %s", ctx.request_id, worker.url, exc)
+            return None
+        return count if isinstance(count, int) and count >= 0 else None
 
     def _finish_current(self, ctx: RequestContext, ok: bool) -> None:
         """The stream is over: release the worker serving it (none when a failover found no other one)."""
@@ -310,7 +328,7 @@ class Proxy:
                                 sent.stream_tokens = tokens
                                 return
                             if continuation is not None:
-                                chunk = continuation.rewrite(chunk)
+                                chunk = await continuation.rewrite(chunk)
                                 if chunk is None:
                                     continue
                                 payload = orjson.dumps(chunk)

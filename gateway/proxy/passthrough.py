@@ -199,7 +199,7 @@ class PassThrough:
                             out.append(from_upstream(status if isinstance(status, int) else 500, payload).to_sse())
                             yield b"".join(out)
                             return
-                        rewritten = continuation.rewrite(chunk)
+                        rewritten = await continuation.rewrite(chunk)
                         if rewritten is not None:
                             out.append(encode_event(rewritten))
                     if out:

@@ -12,7 +12,11 @@ answer is continued on another healthy worker of the model, and the client sees 
   plus the text so far; both with the remaining ``max_tokens``/``max_completion_tokens``.
 - ``Continuation``: rewrites the new worker's chunks so that they continue the first stream: the first
   stream's ``id``/``created``/``model``, no second role delta, and a usage chunk that counts every
-  completion token the client received.
+  completion token the client received and the request's prompt once. The continuing worker's prompt
+  holds the text already sent, retokenized, which need not be as many tokens as were generated; so the
+  request's own prompt is counted by that worker's ``/tokenize`` while the continuation streams, and the
+  usage chunk waits for it (at most ``COUNT_WAIT_S``; without it, the continuation's prompt minus the
+  tokens sent, which can be off by the retokenization's difference).
 
 What is not continued (the stream ends as before, with one error event and ``[DONE]``): ``n > 1``,
 ``best_of``, beam search, ``echo``/``suffix``, legacy-completion ``logprobs`` (their text offsets),
@@ -25,8 +29,10 @@ values that are not raised from a frame), never as exception objects kept in lon
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -45,6 +51,27 @@ _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 #: Opens the continuation on another worker: (reason, error, body) -> the new worker's response, or None
 #: when no other healthy worker may take it (the stream then ends with ``error``).
 Reopen = Callable[[str, GatewayError, bytes], Awaitable[UpstreamResponse | None]]
+#: The token count of a ``/tokenize`` body on the worker now serving the request, or None (any failure).
+CountTokens = Callable[[bytes], Coroutine[Any, Any, int | None]]
+
+#: How long a resumed stream's usage chunk waits for its prompt's count (then it uses the estimate).
+COUNT_WAIT_S = 2.0
+#: The fields of a request that vLLM's ``/tokenize`` renders the same way as the request itself.
+_TOKENIZE_FIELDS = {
+    "chat/completions": (
+        "model",
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+        "chat_template",
+        "chat_template_kwargs",
+        "mm_processor_kwargs",
+        "media_io_kwargs",
+    ),
+    "completions": ("model", "prompt", "add_special_tokens"),
+}
 
 
 def resumable(ctx: RequestContext, limit: int, has_alternative: bool) -> bool:
@@ -171,18 +198,44 @@ def continuation_body(ctx: RequestContext, progress: Progress) -> dict[str, Any]
     return body
 
 
+def tokenize_body(ctx: RequestContext) -> bytes:
+    """The ``/tokenize`` request that counts this request's own prompt as its worker would."""
+    body = ctx.body
+    out = {key: body[key] for key in _TOKENIZE_FIELDS[ctx.endpoint] if body.get(key) is not None}
+    prompt = out.get("prompt")
+    if isinstance(prompt, list):  # resumable only with one string prompt
+        out["prompt"] = prompt[0]
+    return orjson.dumps(out)
+
+
+def asks_usage(ctx: RequestContext) -> bool:
+    """Whether the worker will end the stream with a usage chunk."""
+    options = ctx.body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
 class Continuation:
     """Rewrites a continuing worker's chunks into the first stream's (and keeps ``progress`` current)."""
 
-    __slots__ = ("_first_tokens", "progress")
+    __slots__ = ("_first_tokens", "_prompt_count", "_prompt_tokens", "progress")
 
-    def __init__(self, progress: Progress) -> None:
+    def __init__(self, progress: Progress, prompt_count: asyncio.Task[int | None] | None = None) -> None:
         self.progress = progress
         self._first_tokens = progress.tokens  # what the client had received before this continuation
+        self._prompt_count = prompt_count  # the request's own prompt, counted by the continuing worker
+        self._prompt_tokens: int | None = None
 
-    def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+    def cancel(self) -> None:
+        """Stop counting the prompt (this continuation failed too, or the stream is over)."""
+        if self._prompt_count is not None:
+            self._prompt_count.cancel()
+            self._prompt_count = None
+
+    async def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """The chunk as the client should see it, or None to drop it (the continuation's role delta)."""
         progress = self.progress
+        if self._prompt_count is not None and isinstance(chunk.get("usage"), dict):
+            await self._settle()
         if progress.started:
             chunk["id"], chunk["created"], chunk["model"] = progress.id, progress.created, progress.model
             if progress.chat:
@@ -204,14 +257,25 @@ class Continuation:
         progress.add(chunk)
         return chunk
 
+    async def _settle(self) -> None:
+        """The prompt's count, waited for (bounded) when the usage chunk comes."""
+        task, self._prompt_count = self._prompt_count, None
+        if task is None:
+            return
+        with contextlib.suppress(TimeoutError):  # wait_for cancels the count: the estimate stands
+            self._prompt_tokens = await asyncio.wait_for(task, COUNT_WAIT_S)
+
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        """Prompt tokens counted once (the continuation's prompt holds the text already sent, which is
-        taken off again), completion tokens = what was sent before + what the continuation generated."""
+        """Prompt tokens counted once (the request's own prompt, as the continuing worker counted it; else
+        the continuation's prompt less the tokens already sent), completion tokens = what was sent before +
+        what the continuation generated."""
         before = self._first_tokens
         prompt = usage.get("prompt_tokens")
         completion = usage.get("completion_tokens")
         out = dict(usage)
-        if isinstance(prompt, int):
+        if self._prompt_tokens is not None:
+            out["prompt_tokens"] = self._prompt_tokens
+        elif isinstance(prompt, int):
             out["prompt_tokens"] = max(0, prompt - before)
         if isinstance(completion, int):
             out["completion_tokens"] = completion + before
@@ -237,13 +301,15 @@ class Continuation:
 class Resumer:
     """One request's resumptions: the progress so far, the count, and the way to the next worker."""
 
-    __slots__ = ("_ctx", "_limit", "_metrics", "_reopen", "progress")
+    __slots__ = ("_count", "_ctx", "_current", "_limit", "_metrics", "_reopen", "progress")
 
-    def __init__(self, ctx: RequestContext, limit: int, reopen: Reopen, metrics: Metrics) -> None:
+    def __init__(self, ctx: RequestContext, limit: int, reopen: Reopen, count: CountTokens, metrics: Metrics) -> None:
         self._ctx = ctx
         self._limit = limit
         self._reopen = reopen
+        self._count = count
         self._metrics = metrics
+        self._current: Continuation | None = None
         self.progress = Progress(chat=ctx.endpoint == "chat/completions")
 
     async def resume(self, reason: str, error: GatewayError) -> tuple[UpstreamResponse | None, Continuation | None]:
@@ -252,6 +318,9 @@ class Resumer:
         (the token limit was reached: ``continuation.length_end()``); (None, None) when it cannot be
         continued (the caller ends the stream with ``error`` as before)."""
         ctx, progress = self._ctx, self.progress
+        if self._current is not None:  # the continuation before this one failed too
+            self._current.cancel()
+            self._current = None
         if ctx.resumed >= self._limit or progress.finished or progress.tool_calls:
             return None, None
         body = continuation_body(ctx, progress)
@@ -274,7 +343,9 @@ class Resumer:
             progress.tokens,
             worker,
         )
-        return upstream, Continuation(progress)
+        counting = asyncio.create_task(self._count(tokenize_body(ctx))) if asks_usage(ctx) else None
+        self._current = Continuation(progress, counting)
+        return upstream, self._current
 
 
 def reason_of(kind: str | None) -> str:

@@ -189,6 +189,62 @@ def test_the_continuation_gets_the_remaining_max_tokens(
     assert chunks[-1]["usage"]["completion_tokens"] == 9
 
 
+@pytest.mark.parametrize("parsed", [False, True], ids=["bytes", "parsed"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("tokenize", ["count", "missing", "hang"])
+def test_the_usage_counts_the_request_prompt_not_the_retokenized_continuation(
+    gateway_factory: GatewayFactory,
+    doomed: FakeUpstream,
+    survivor: FakeUpstream,
+    upstream_url: str,
+    survivor_server: tuple[FakeUpstream, ServerThread],
+    parsed: bool,
+    endpoint: str,
+    tokenize: str,
+) -> None:
+    """The continuation's prompt holds the sent text retokenized, here 2 tokens more than were generated:
+    the usage's prompt is the request's own (the continuing worker's /tokenize of the request as sent), or,
+    when that worker cannot count it (no route, or no answer within resume.COUNT_WAIT_S), the
+    continuation's prompt less the tokens sent (off by those 2)."""
+    chat = endpoint == "chat"
+    doomed.behavior.die_after = 5
+    survivor.behavior.retokenized_extra = 2
+    survivor.behavior.tokenize = tokenize
+    urls = [upstream_url, survivor_server[1].url]
+    body, path = (CHAT, "/v1/chat/completions") if chat else (COMPLETION, "/v1/completions")
+    with gateway_factory(config(urls, parsed=parsed), plugins={"inspect": Inspect}) as (_, server):
+        events = post_stream(server.url, path, {**body, **USAGE, "temperature": 0})
+    chunks = events[:-1]
+    assert text_of(chunks, chat) == TEXT
+    usage = chunks[-1]["usage"]
+    assert usage["prompt_tokens"] == (5 if tokenize == "count" else 7)
+    assert usage["completion_tokens"] == len(_pieces())
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    # The count was asked of the survivor for the request as the first worker got it, in /tokenize's terms.
+    (asked,) = survivor.tokenized
+    if chat:
+        assert asked == {"model": "m1", "messages": CHAT["messages"]}
+    else:
+        assert asked == {"model": "m1", "prompt": COMPLETION["prompt"]}
+    assert not doomed.tokenized
+
+
+def test_no_prompt_count_is_asked_when_the_client_wants_no_usage(
+    gateway_factory: GatewayFactory,
+    doomed: FakeUpstream,
+    survivor: FakeUpstream,
+    upstream_url: str,
+    survivor_server: tuple[FakeUpstream, ServerThread],
+) -> None:
+    doomed.behavior.die_after = 5
+    urls = [upstream_url, survivor_server[1].url]
+    with gateway_factory(config(urls, parsed=False)) as (_, server):
+        events = post_stream(server.url, "/v1/chat/completions", CHAT)
+    assert text_of(events[:-1], True) == TEXT
+    assert not [c for c in events[:-1] if c.get("usage")]
+    assert survivor.tokenized == [] and len(survivor.requests) == 1
+
+
 def test_resumption_is_logged_naming_both_workers(
     gateway_factory: GatewayFactory,
     doomed: FakeUpstream,

@@ -94,6 +94,12 @@ class Behavior:
     # Chat answers call these tools ([{"id", "name", "arguments"}]) instead of sending ``text``; streamed, each
     # call's arguments arrive in two deltas.
     tool_calls: list[dict[str, str]] | None = None
+    # /tokenize: "count" (a prompt counts 5 tokens, as in the usage the fake reports), "missing" (404, as
+    # from a worker without the route) or "hang" (no answer until the client goes away).
+    tokenize: str = "count"
+    # A continuation's prompt counts this many more tokens than the pieces it carries (a retokenized text
+    # need not split as the generated tokens did).
+    retokenized_extra: int = 0
 
 
 @dataclass
@@ -118,10 +124,12 @@ class FakeUpstream:
     completed_streams: int = 0
     healthy: bool = True
     name: str = "fake"
+    tokenized: list[dict[str, Any]] = field(default_factory=list)  # /tokenize bodies (not in ``requests``)
 
     def reset(self) -> None:
         self.behavior = Behavior()
         self.requests.clear()
+        self.tokenized.clear()
         self.disconnects = 0
         self.completed_streams = 0
 
@@ -145,9 +153,18 @@ class FakeUpstream:
             if not message.get("more_body"):
                 break
         body = orjson.loads(raw) if raw else {}
+        b = self.behavior
+        if path == "/tokenize":
+            self.tokenized.append(body)
+            if b.tokenize == "count":
+                await _send_json(send, 200, {"count": 5, "max_model_len": 2048, "tokens": [1, 2, 3, 4, 5]})
+            elif b.tokenize == "hang":
+                await _wait_disconnect(receive)
+            else:
+                await _send_json(send, 404, {"detail": "Not Found"})
+            return
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.requests.append(Seen(path, body, raw, headers))
-        b = self.behavior
         try:
             if b.hang:
                 await _wait_disconnect(receive)
@@ -242,6 +259,7 @@ class FakeUpstream:
         skipped = 0
         prefix = _continued_prefix(chat, body, b.text)
         if prefix:
+            skipped = b.retokenized_extra
             done = 0
             while pieces and done + len(pieces[0]) <= len(prefix):
                 done += len(pieces.pop(0))
