@@ -54,9 +54,13 @@ def two_workers() -> Iterator[TwoWorkers]:
     config = engine_config(ports[0])
     spec = config["engine"]["workers"][0]
     # One core each: vLLM's default binding ("auto") would put both workers' OpenMP threads on core 0.
+    # float32, not bfloat16: the failover test compares answers at temperature 0 across workers and batch
+    # sizes, and bf16's 8-bit mantissa makes near-tied tokens flip with the batch's shape (two answers to
+    # the same prompt then part from the first flip on); in float32 such ties are rare.
     cores = os.cpu_count() or 1
     config["engine"]["workers"] = [
-        {**spec, "name": f"cpu-{i}", "port": p, "omp_threads_bind": str(i % cores)} for i, p in enumerate(ports)
+        {**spec, "name": f"cpu-{i}", "port": p, "omp_threads_bind": str(i % cores), "dtype": "float32"}
+        for i, p in enumerate(ports)
     ]
     config["models"][0]["workers"] = ["cpu-0", "cpu-1"]
     app = create_app(

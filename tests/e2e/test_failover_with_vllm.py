@@ -1,6 +1,7 @@
 """Mid-stream failover with two real vLLM CPU workers: streams are running on both when one worker is
 SIGKILLed (with its engine core) after ~40 chunks. Every stream finishes with ``[DONE]`` and no error
-event, keeps one ``id``, and at temperature 0 its text equals the uninterrupted answer's.
+event, keeps one ``id``, counts the request's prompt exactly, and at temperature 0 its text is the
+uninterrupted answer's (bounded as a similarity: docs/failover.md says how close the runs came).
 
 The workers are the package's ``two_workers`` (tests/e2e/conftest.py); the killed one is restarted by
 the engine supervisor, and the test waits for it so that later tests get both workers back.
@@ -112,12 +113,12 @@ def test_a_killed_worker_costs_the_streams_nothing(
         assert usage["prompt_tokens"] == reference["usage"]["prompt_tokens"]
         assert abs(usage["completion_tokens"] - reference["usage"]["completion_tokens"]) <= 2, usage
         text = text_of(chunks)
-        similarity = difflib.SequenceMatcher(None, text, expected).ratio()
-        report.append((i in resumed, round(similarity, 3)))
-        # Temperature 0: the same answer. Equal in our runs; bf16 on CPU in a batch of other streams may
-        # flip a near-tie token (then the texts part from there), so the bound is a similarity.
-        assert similarity >= 0.6, (text, expected)
-    print(f"\n(resumed, similarity to the uninterrupted answer) per stream: {report}")
+        assert text.count(text[:40]) == 1, text  # its opening once: the resumption did not start over
+        report.append((i in resumed, round(difflib.SequenceMatcher(None, text, expected).ratio(), 3), text))
+    print(f"\n(resumed, similarity to the uninterrupted answer) per stream: {[r[:2] for r in report]}")
+    # Temperature 0: the same answer as the uninterrupted one (float32 workers, see conftest.py; a near-tie
+    # token flipped by the batch's numerics would make the texts part from there, hence a ratio, not ==).
+    assert all(similarity >= 0.75 for _, similarity, _ in report), (report, expected)
     two_workers.wait_healthy(900)
 
 
