@@ -32,6 +32,7 @@ from gateway.wire.streaming import (
     encode_event,
     replay,
     replay_chunks,
+    wants_usage,
 )
 
 log = logging.getLogger("gateway.proxy")
@@ -190,7 +191,7 @@ class Proxy:
         plan = ctx.plan
         if limit <= 0 or plan is None or not resumable(ctx, limit, plan.has_alternative()):
             return None
-        return Resumer(ctx, limit, partial(self._reopen, ctx), partial(self._count_tokens, ctx), self.services.metrics)
+        return Resumer(ctx, limit, partial(self._reopen, ctx), self.services.upstream, self.services.metrics)
 
     async def _reopen(
         self, ctx: RequestContext, reason: str, error: GatewayError, body: bytes
@@ -216,24 +217,6 @@ class Proxy:
             log.warning("request %s: the stream could not be continued: %s", ctx.request_id, refused.message)
             return None
 
-    async def _count_tokens(self, ctx: RequestContext, body: bytes) -> int | None:
-        """``body``'s token count from ``/tokenize`` on the worker serving ``ctx`` now (a resumed stream's
-        prompt, for its usage); None on any failure, the caller then estimates."""
-        worker = ctx.worker
-        if worker is None:
-            return None
-        try:
-            upstream = await self.services.upstream.open(worker.url, "/tokenize", body)
-            try:
-                raw = await upstream.read()
-            finally:
-                upstream.close()
-            count = orjson.loads(raw).get("count") if upstream.status == 200 else None
-        except (UpstreamFailure, orjson.JSONDecodeError, AttributeError) as exc:
-            log.info("request %s: no prompt count from %s: %s", ctx.request_id, worker.url, exc)
-            return None
-        return count if isinstance(count, int) and count >= 0 else None
-
     def _finish_current(self, ctx: RequestContext, ok: bool) -> None:
         """The stream is over: release the worker serving it (none when a failover found no other one)."""
         worker = ctx.worker
@@ -253,8 +236,7 @@ class Proxy:
         response = await ctx.snapshot.pipeline.run_response(ctx, early)
         ctx.delivered = Delivered(response.status)
         if ctx.stream and response.status == 200:
-            options = ctx.body.get("stream_options") or {}
-            include_usage = bool(options.get("include_usage"))
+            include_usage = wants_usage(ctx.body)
             if response.chunks is not None:  # the events the answer first streamed as, kept by the plugin
                 events = replay_chunks(response.chunks, include_usage=include_usage)
             else:

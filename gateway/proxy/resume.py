@@ -15,8 +15,8 @@ answer is continued on another healthy worker of the model, and the client sees 
   completion token the client received and the request's prompt once. The continuing worker's prompt
   holds the text already sent, retokenized, which need not be as many tokens as were generated; so the
   request's own prompt is counted by that worker's ``/tokenize`` while the continuation streams, and the
-  usage chunk waits for it (at most ``COUNT_WAIT_S``; without it, the continuation's prompt minus the
-  tokens sent, which can be off by the retokenization's difference).
+  usage chunk waits for it (the count takes at most ``COUNT_WAIT_S``; without it, the continuation's
+  prompt minus the tokens sent, which can be off by the retokenization's difference).
 
 What is not continued (the stream ends as before, with one error event and ``[DONE]``): ``n > 1``,
 ``best_of``, beam search, ``echo``/``suffix``, legacy-completion ``logprobs`` (their text offsets),
@@ -30,18 +30,17 @@ values that are not raised from a frame), never as exception objects kept in lon
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 
 from gateway.ops.metrics import Metrics
 from gateway.pipeline.context import RequestContext
-from gateway.upstream.client import UpstreamResponse
+from gateway.upstream.client import UpstreamClient, UpstreamResponse
 from gateway.wire.errors import GatewayError
-from gateway.wire.streaming import SSEParser
+from gateway.wire.streaming import SSEParser, wants_usage
 
 log = logging.getLogger("gateway.proxy")
 
@@ -51,10 +50,7 @@ _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 #: Opens the continuation on another worker: (reason, error, body) -> the new worker's response, or None
 #: when no other healthy worker may take it (the stream then ends with ``error``).
 Reopen = Callable[[str, GatewayError, bytes], Awaitable[UpstreamResponse | None]]
-#: The token count of a ``/tokenize`` body on the worker now serving the request, or None (any failure).
-CountTokens = Callable[[bytes], Coroutine[Any, Any, int | None]]
-
-#: How long a resumed stream's usage chunk waits for its prompt's count (then it uses the estimate).
+#: How long counting a resumed stream's prompt may take (then its usage chunk uses the estimate).
 COUNT_WAIT_S = 2.0
 #: The fields of a request that vLLM's ``/tokenize`` renders the same way as the request itself.
 _TOKENIZE_FIELDS = {
@@ -208,12 +204,6 @@ def tokenize_body(ctx: RequestContext) -> bytes:
     return orjson.dumps(out)
 
 
-def asks_usage(ctx: RequestContext) -> bool:
-    """Whether the worker will end the stream with a usage chunk."""
-    options = ctx.body.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
-
-
 class Continuation:
     """Rewrites a continuing worker's chunks into the first stream's (and keeps ``progress`` current)."""
 
@@ -222,20 +212,17 @@ class Continuation:
     def __init__(self, progress: Progress, prompt_count: asyncio.Task[int | None] | None = None) -> None:
         self.progress = progress
         self._first_tokens = progress.tokens  # what the client had received before this continuation
-        self._prompt_count = prompt_count  # the request's own prompt, counted by the continuing worker
+        # The request's own prompt, counted by the continuing worker: a task bounded by COUNT_WAIT_S that
+        # never raises, so one left behind by a continuation that failed too ends by itself.
+        self._prompt_count = prompt_count
         self._prompt_tokens: int | None = None
-
-    def cancel(self) -> None:
-        """Stop counting the prompt (this continuation failed too, or the stream is over)."""
-        if self._prompt_count is not None:
-            self._prompt_count.cancel()
-            self._prompt_count = None
 
     async def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """The chunk as the client should see it, or None to drop it (the continuation's role delta)."""
         progress = self.progress
         if self._prompt_count is not None and isinstance(chunk.get("usage"), dict):
-            await self._settle()
+            self._prompt_tokens = await self._prompt_count
+            self._prompt_count = None
         if progress.started:
             chunk["id"], chunk["created"], chunk["model"] = progress.id, progress.created, progress.model
             if progress.chat:
@@ -256,14 +243,6 @@ class Continuation:
             chunk["usage"] = self._usage(usage)
         progress.add(chunk)
         return chunk
-
-    async def _settle(self) -> None:
-        """The prompt's count, waited for (bounded) when the usage chunk comes."""
-        task, self._prompt_count = self._prompt_count, None
-        if task is None:
-            return
-        with contextlib.suppress(TimeoutError):  # wait_for cancels the count: the estimate stands
-            self._prompt_tokens = await asyncio.wait_for(task, COUNT_WAIT_S)
 
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """Prompt tokens counted once (the request's own prompt, as the continuing worker counted it; else
@@ -301,15 +280,16 @@ class Continuation:
 class Resumer:
     """One request's resumptions: the progress so far, the count, and the way to the next worker."""
 
-    __slots__ = ("_count", "_ctx", "_current", "_limit", "_metrics", "_reopen", "progress")
+    __slots__ = ("_ctx", "_limit", "_metrics", "_reopen", "_upstream", "progress")
 
-    def __init__(self, ctx: RequestContext, limit: int, reopen: Reopen, count: CountTokens, metrics: Metrics) -> None:
+    def __init__(
+        self, ctx: RequestContext, limit: int, reopen: Reopen, upstream: UpstreamClient, metrics: Metrics
+    ) -> None:
         self._ctx = ctx
         self._limit = limit
         self._reopen = reopen
-        self._count = count
+        self._upstream = upstream  # counts the prompt on the continuing worker
         self._metrics = metrics
-        self._current: Continuation | None = None
         self.progress = Progress(chat=ctx.endpoint == "chat/completions")
 
     async def resume(self, reason: str, error: GatewayError) -> tuple[UpstreamResponse | None, Continuation | None]:
@@ -318,9 +298,6 @@ class Resumer:
         (the token limit was reached: ``continuation.length_end()``); (None, None) when it cannot be
         continued (the caller ends the stream with ``error`` as before)."""
         ctx, progress = self._ctx, self.progress
-        if self._current is not None:  # the continuation before this one failed too
-            self._current.cancel()
-            self._current = None
         if ctx.resumed >= self._limit or progress.finished or progress.tool_calls:
             return None, None
         body = continuation_body(ctx, progress)
@@ -343,9 +320,11 @@ class Resumer:
             progress.tokens,
             worker,
         )
-        counting = asyncio.create_task(self._count(tokenize_body(ctx))) if asks_usage(ctx) else None
-        self._current = Continuation(progress, counting)
-        return upstream, self._current
+        counting = None
+        if ctx.worker is not None and wants_usage(ctx.body):
+            count = self._upstream.count_tokens(ctx.worker.url, tokenize_body(ctx), COUNT_WAIT_S)
+            counting = asyncio.create_task(count)
+        return upstream, Continuation(progress, counting)
 
 
 def reason_of(kind: str | None) -> str:

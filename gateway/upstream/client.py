@@ -17,15 +17,19 @@ before headers, 502/503).
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.infra.http1 import Http1Client
 from gateway.infra.http_api import HttpClient, HttpResponse, ProtocolError
 from gateway.wire.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
+
+log = logging.getLogger("gateway.upstream")
 
 _BASE_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
 
@@ -240,6 +244,19 @@ class UpstreamClient:
                 kind="protocol",
             ) from None
         return UpstreamResponse(http, cfg.idle_timeout_s)
+
+    async def count_tokens(self, base_url: str, body: bytes, timeout_s: float) -> int | None:
+        """The token count vLLM's ``/tokenize`` gives for ``body`` on the worker at ``base_url``, within
+        ``timeout_s``; None on any failure (no such route, an error, no answer in time)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                response = await self.open(base_url, "/tokenize", body)
+                raw = await response.read()
+            count = orjson.loads(raw).get("count") if response.status == 200 else None
+        except (TimeoutError, UpstreamFailure, orjson.JSONDecodeError, AttributeError) as exc:
+            log.info("no token count from %s: %s", base_url, exc)
+            return None
+        return count if isinstance(count, int) and count >= 0 else None
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         """A small bounded GET (health checks, model listings)."""

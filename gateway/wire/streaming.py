@@ -24,6 +24,12 @@ def encode_event(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def wants_usage(body: dict[str, Any]) -> bool:
+    """Whether a stream request asks for the usage chunk (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
 def delta_tokens(chunk: dict[str, Any]) -> int:
     """Completion tokens one stream chunk carries, counted the way vLLM streams them: one per choice
     whose delta has text, reasoning or a tool call (a role-only or finish-only delta carries none)."""

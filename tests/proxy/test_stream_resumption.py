@@ -63,6 +63,12 @@ def doomed(upstream: FakeUpstream) -> FakeUpstream:
 
 
 @pytest.fixture
+def urls(upstream_url: str, survivor_server: tuple[FakeUpstream, ServerThread]) -> list[str]:
+    """The two workers in routing order: the doomed one first, then the survivor."""
+    return [upstream_url, survivor_server[1].url]
+
+
+@pytest.fixture
 def survivor(survivor_server: tuple[FakeUpstream, ServerThread]) -> Iterator[FakeUpstream]:
     fake, _ = survivor_server
     fake.reset()
@@ -119,8 +125,7 @@ def test_a_cut_stream_is_continued_on_another_worker_as_one_stream(
     gateway_factory: GatewayFactory,
     doomed: FakeUpstream,
     survivor: FakeUpstream,
-    upstream_url: str,
-    survivor_server: tuple[FakeUpstream, ServerThread],
+    urls: list[str],
     parsed: bool,
     failure: str,
     endpoint: str,
@@ -129,7 +134,6 @@ def test_a_cut_stream_is_continued_on_another_worker_as_one_stream(
     setattr(doomed.behavior, f"{failure}_after", 5)  # chat: the role chunk and 4 pieces; completions: 5 pieces
     sent_before = 4 if chat else 5
     Inspect.seen, Inspect.resumed = [], []
-    urls = [upstream_url, survivor_server[1].url]
     with gateway_factory(config(urls, parsed=parsed), plugins={"inspect": Inspect}) as (app, server):
         body, path = (CHAT, "/v1/chat/completions") if chat else (COMPLETION, "/v1/completions")
         events = post_stream(server.url, path, {**body, **USAGE})
@@ -174,12 +178,10 @@ def test_the_continuation_gets_the_remaining_max_tokens(
     gateway_factory: GatewayFactory,
     doomed: FakeUpstream,
     survivor: FakeUpstream,
-    upstream_url: str,
-    survivor_server: tuple[FakeUpstream, ServerThread],
+    urls: list[str],
     parsed: bool,
 ) -> None:
     doomed.behavior.die_after = 5
-    urls = [upstream_url, survivor_server[1].url]
     with gateway_factory(config(urls, parsed=parsed), plugins={"inspect": Inspect}) as (_, server):
         events = post_stream(server.url, "/v1/chat/completions", {**CHAT, **USAGE, "max_tokens": 9})
     chunks = events[:-1]
@@ -196,8 +198,7 @@ def test_the_usage_counts_the_request_prompt_not_the_retokenized_continuation(
     gateway_factory: GatewayFactory,
     doomed: FakeUpstream,
     survivor: FakeUpstream,
-    upstream_url: str,
-    survivor_server: tuple[FakeUpstream, ServerThread],
+    urls: list[str],
     parsed: bool,
     endpoint: str,
     tokenize: str,
@@ -210,7 +211,6 @@ def test_the_usage_counts_the_request_prompt_not_the_retokenized_continuation(
     doomed.behavior.die_after = 5
     survivor.behavior.retokenized_extra = 2
     survivor.behavior.tokenize = tokenize
-    urls = [upstream_url, survivor_server[1].url]
     body, path = (CHAT, "/v1/chat/completions") if chat else (COMPLETION, "/v1/completions")
     with gateway_factory(config(urls, parsed=parsed), plugins={"inspect": Inspect}) as (_, server):
         events = post_stream(server.url, path, {**body, **USAGE, "temperature": 0})
@@ -233,11 +233,9 @@ def test_no_prompt_count_is_asked_when_the_client_wants_no_usage(
     gateway_factory: GatewayFactory,
     doomed: FakeUpstream,
     survivor: FakeUpstream,
-    upstream_url: str,
-    survivor_server: tuple[FakeUpstream, ServerThread],
+    urls: list[str],
 ) -> None:
     doomed.behavior.die_after = 5
-    urls = [upstream_url, survivor_server[1].url]
     with gateway_factory(config(urls, parsed=False)) as (_, server):
         events = post_stream(server.url, "/v1/chat/completions", CHAT)
     assert text_of(events[:-1], True) == TEXT
@@ -249,13 +247,11 @@ def test_resumption_is_logged_naming_both_workers(
     gateway_factory: GatewayFactory,
     doomed: FakeUpstream,
     survivor: FakeUpstream,
-    upstream_url: str,
-    survivor_server: tuple[FakeUpstream, ServerThread],
+    urls: list[str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO)
     doomed.behavior.die_after = 5
-    urls = [upstream_url, survivor_server[1].url]
     with gateway_factory(config(urls, parsed=False), plugins={"inspect": Inspect}) as (_, server):
         post_stream(server.url, "/v1/chat/completions", CHAT)
     warnings = [r.getMessage() for r in caplog.records if r.name == "gateway.proxy" and r.levelno == logging.WARNING]
@@ -268,13 +264,12 @@ def test_no_resumption_beyond_the_retry_budget(
     gateway_factory: GatewayFactory,
     doomed: FakeUpstream,
     survivor: FakeUpstream,
-    upstream_url: str,
-    survivor_server: tuple[FakeUpstream, ServerThread],
+    urls: list[str],
 ) -> None:
     """A resumption is a retry: with routing's retry budget spent (here: none at all), streams cut midway
     end with one error event instead of adding load to the workers that are left."""
     doomed.behavior.die_after = 5
-    cfg = config([upstream_url, survivor_server[1].url], parsed=False)
+    cfg = config(urls, parsed=False)
     cfg["plugins"][-1]["config"]["retry_budget"] = {"ratio": 0, "min_per_s": 0}
     with gateway_factory(cfg, plugins={"inspect": Inspect}) as (app, server):
         events = post_stream(server.url, "/v1/chat/completions", CHAT)
@@ -288,12 +283,10 @@ def test_no_resumption_when_the_limit_is_zero(
     gateway_factory: GatewayFactory,
     doomed: FakeUpstream,
     survivor: FakeUpstream,
-    upstream_url: str,
-    survivor_server: tuple[FakeUpstream, ServerThread],
+    urls: list[str],
     parsed: bool,
 ) -> None:
     doomed.behavior.die_after = 5
-    urls = [upstream_url, survivor_server[1].url]
     with gateway_factory(config(urls, parsed=parsed, resumptions=0), plugins={"inspect": Inspect}) as (app, server):
         events = post_stream(server.url, "/v1/chat/completions", CHAT)
         assert resumptions(app, "reset") == 0
@@ -345,12 +338,10 @@ def test_requests_a_continuation_would_change_end_as_before(
     gateway_factory: GatewayFactory,
     doomed: FakeUpstream,
     survivor: FakeUpstream,
-    upstream_url: str,
-    survivor_server: tuple[FakeUpstream, ServerThread],
+    urls: list[str],
     extra: dict[str, Any],
 ) -> None:
     doomed.behavior.die_after = 5
-    urls = [upstream_url, survivor_server[1].url]
     with gateway_factory(config(urls, parsed=False), plugins={"inspect": Inspect}) as (_, server):
         events = post_stream(server.url, "/v1/chat/completions", {**CHAT, **extra})
     assert len([e for e in events[:-1] if "error" in e]) == 1
@@ -453,14 +444,12 @@ def test_resumption_through_a_server_without_the_direct_writer(
     gateway_factory: GatewayFactory,
     doomed: FakeUpstream,
     survivor: FakeUpstream,
-    upstream_url: str,
-    survivor_server: tuple[FakeUpstream, ServerThread],
+    urls: list[str],
     failure: str,
 ) -> None:
     """Under h11 the pass-through stream is sent as ASGI body pieces (``PassThrough.chunks``), not by the
     direct writer: it is continued the same way."""
     setattr(doomed.behavior, f"{failure}_after", 5)
-    urls = [upstream_url, survivor_server[1].url]
     with gateway_factory(config(urls, parsed=False), plugins={"inspect": Inspect}, http="h11") as (_, server):
         events = post_stream(server.url, "/v1/chat/completions", {**CHAT, **USAGE})
     chunks = events[:-1]
