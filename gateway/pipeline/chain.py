@@ -45,14 +45,14 @@ class Pipeline:
     async def run_request(self, ctx: RequestContext) -> ModelResponse | None:
         """``on_request`` in order. Returns an early answer or None. Records in ``ctx`` who ran and did
         not step aside: the plugins whose ``on_response`` / ``on_chunk`` this request calls."""
-        ran: list[BoundPlugin] = []
-        ctx.state["_ran"] = ran
+        ran: list[BoundPlugin] = ctx.returning
         for bound in self.plugins:
             if bound in self._request_hooks:
                 early = await self._call(bound, "on_request", bound.plugin.on_request, ctx)
                 if early is not None:
                     return early
-                if ctx._aside is not None and bound.plugin in ctx._aside:
+                aside = ctx.stepped_aside
+                if aside is not None and bound.plugin in aside:
                     continue
             ran.append(bound)
         return None
@@ -60,7 +60,7 @@ class Pipeline:
     def inspects_stream(self, ctx: RequestContext) -> bool:
         """Whether this request's stream must be parsed chunk by chunk (False: byte pass-through)."""
         watchers = self._stream_watchers
-        return any(bound in watchers for bound in ctx.state.get("_ran", ()))
+        return any(bound in watchers for bound in ctx.returning)
 
     async def run_models(self, headers: dict[str, str], models: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``on_models`` in order: the model cards this caller may see."""
@@ -70,7 +70,7 @@ class Pipeline:
 
     async def run_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse:
         """``on_response`` in reverse order over the plugins whose ``on_request`` ran."""
-        ran: list[BoundPlugin] = ctx.state.get("_ran", [])
+        ran: list[BoundPlugin] = ctx.returning
         for bound in reversed(ran):
             if bound in self.response_plugins:
                 replaced = await self._call(bound, "on_response", bound.plugin.on_response, ctx, response)
@@ -79,7 +79,7 @@ class Pipeline:
         return response
 
     async def run_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
-        ran: list[BoundPlugin] = ctx.state.get("_ran", [])
+        ran: list[BoundPlugin] = ctx.returning
         current: dict[str, Any] | None = chunk
         for bound in reversed(ran):
             if bound not in self.chunk_plugins:

@@ -151,7 +151,8 @@ class RequestContext:
 
     ``body`` is the parsed JSON the client sent; a plugin that changes it calls ``mark_body_changed``
     so the core re-serializes it once before the upstream call (unchanged bodies go upstream as the
-    bytes the client sent). ``state`` is per-plugin scratch space, keyed by plugin name.
+    bytes the client sent). ``state`` is per-plugin scratch space, keyed by plugin name, and nothing else:
+    what the core and the contract define are typed fields.
     """
 
     request_id: str
@@ -179,16 +180,23 @@ class RequestContext:
     log: dict[str, Any] = field(default_factory=dict)  # extra fields for the access log line
     body_changed: bool = False
     resumed: int = 0  # times a cut stream was continued on another worker (plugins see one stream)
+    #: Set by a chunk hook that must end the stream early (an output check that fired): the core stops
+    #: reading the worker after that chunk and ends the stream with ``[DONE]``.
+    close_stream: bool = False
+    #: The pipeline's own record (``gateway.pipeline.chain``): the plugins whose ``on_request`` ran and did
+    #: not step aside, i.e. whose ``on_response`` / ``on_chunk`` this request calls. Not for plugins.
+    returning: list[Any] = field(default_factory=list)
+    #: Plugins that called ``step_aside`` for this request (None: none did).
+    stepped_aside: set[object] | None = None
     _finalizers: list[Callable[[], None]] = field(default_factory=list)
-    _aside: set[object] | None = None
 
     def step_aside(self, plugin: object) -> None:
         """Called by a plugin's ``on_request`` (``ctx.step_aside(self)``) when it has nothing more to do
         for this request: its ``on_chunk`` and ``on_response`` are then not called. When every plugin
         that would look at a stream has stepped aside, the worker's SSE bytes pass through unparsed."""
-        if self._aside is None:
-            self._aside = set()
-        self._aside.add(plugin)
+        if self.stepped_aside is None:
+            self.stepped_aside = set()
+        self.stepped_aside.add(plugin)
 
     def add_finalizer(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once when the request is over, whatever the outcome (answered, refused,

@@ -1,6 +1,9 @@
-"""The model table of one config: the names and aliases clients use, and each model's worker URLs."""
+"""The model table of one config: the names and aliases clients use, each model's worker URLs, and the
+graph of where a request for a model may be served (the moves plugins declare: canaries, fallbacks)."""
 
 from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
 
 from gateway.pipeline.config import GatewayConfig, ModelConfig, is_url
 
@@ -8,7 +11,7 @@ from gateway.pipeline.config import GatewayConfig, ModelConfig, is_url
 class ModelTable:
     """Client-facing model names and aliases -> model entries and their worker URLs."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, moves: Iterable[Mapping[str, Collection[str]]] = ()) -> None:
         managed = {w.name: w.url for w in config.engine.workers}
         self.models: list[ModelConfig] = list(config.models)
         self._by_name: dict[str, ModelConfig] = {}
@@ -17,6 +20,7 @@ class ModelTable:
             for name in (model.name, *model.aliases):
                 self._by_name[name] = model
             self.worker_urls[model.name] = [ref if is_url(ref) else managed[ref] for ref in model.workers]
+        self._reachable = _closure([m.name for m in config.models], moves)
 
     def resolve(self, name: str) -> ModelConfig | None:
         return self._by_name.get(name)
@@ -26,3 +30,25 @@ class ModelTable:
 
     def all_worker_urls(self) -> list[str]:
         return [url for urls in self.worker_urls.values() for url in urls if not url.startswith("dns://")]
+
+    def reachable(self, name: str) -> frozenset[str]:
+        """Model ``name`` and every model a request for it may end up served by (the plugins' declared
+        moves, followed transitively)."""
+        return self._reachable.get(name) or frozenset((name,))
+
+
+def _closure(models: list[str], moves: Iterable[Mapping[str, Collection[str]]]) -> dict[str, frozenset[str]]:
+    step: dict[str, set[str]] = {name: set() for name in models}
+    for declared in moves:
+        for name, targets in declared.items():
+            step.setdefault(name, set()).update(targets)
+    out: dict[str, frozenset[str]] = {}
+    for name in models:
+        seen, todo = {name}, [name]
+        while todo:
+            for nxt in step.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        out[name] = frozenset(seen)
+    return out

@@ -28,7 +28,7 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   this request (the cache bypassing it, no output rules, no constraint to check) says so; those hooks
   are then skipped for it, and a stream that no remaining plugin watches passes through as bytes.
   A chunk hook that must end the stream early (e.g. an output check that fired) returns the last chunk
-  it wants sent and sets ``ctx.state["close_stream"] = True``: the core stops reading the worker
+  it wants sent and sets ``ctx.close_stream = True``: the core stops reading the worker
   (closing the connection makes vLLM abort the generation) and ends the stream with ``[DONE]``.
 - ``ctx.add_finalizer(callback)`` runs ``callback`` once when the request is over, whatever the outcome;
   there ``ctx.delivered`` (``Delivered``, set by the core) says what the client was given: an answer
@@ -42,6 +42,10 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   ``/v1/models/{id}``) is about to list, in list order, with the request's lower-cased headers, and
   returns the cards this caller may see (e.g. tenancy: only the models a key may use), or raises a
   ``GatewayError`` (e.g. 401 without a key).
+- ``model_moves()``: optional; a plugin that moves requests to other models (routing: canary targets,
+  fallbacks) declares where, after ``prepare``: ``{model: models a request for it may be served by}``.
+  The core publishes the whole graph as ``ctx.snapshot.models.reachable(name)`` (e.g. for tenancy, whose
+  reservation must cover wherever a request may go).
 - ``async on_admin(action, body)``: optional operator actions served at
   ``POST /admin/plugins/{name}/{action}`` (e.g. the cache's ``purge``); returns a JSON-able dict or
   raises a ``GatewayError``. Only the live snapshot's instance is called. Never loads code or files
@@ -56,6 +60,7 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -103,6 +108,9 @@ class Plugin:
 
     async def on_models(self, headers: dict[str, str], models: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return models
+
+    def model_moves(self) -> Mapping[str, Collection[str]]:
+        return {}
 
     async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
         raise NotFound(f"The '{self.name}' plugin has no admin action '{action}'.", param="action")

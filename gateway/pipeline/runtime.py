@@ -69,7 +69,7 @@ async def build_snapshot(config: GatewayConfig, registry: PluginRegistry, servic
         version=config_version(config),
         loaded_at=time.time(),
         pipeline=Pipeline(bound, observe=_hook_observer(services)),
-        models=ModelTable(config),
+        models=ModelTable(config, [b.plugin.model_moves() for b in bound]),
     )
 
 

@@ -330,7 +330,7 @@ class Proxy:
                                 changed = await pipeline.run_chunk(ctx, chunk)
                                 if changed is not None:
                                     out.append(encode_event(changed))
-                                if ctx.state.get("close_stream"):
+                                if ctx.close_stream:
                                     done = True
                                     break
                             else:
@@ -363,7 +363,7 @@ class Proxy:
                         yield encode_event(changed)
                     break
                 upstream, parser = nxt, SSEParser()
-            if not (assembler.complete or ctx.state.get("close_stream")):
+            if not (assembler.complete or ctx.close_stream):
                 yield cut_short().to_sse()
                 return
             ok = sent.complete = True

@@ -182,9 +182,16 @@ def create_app(
         tracing=Tracing.from_settings(settings),
     )
     registry = registry or PluginRegistry()
-    state = AppState(settings=settings, services=services, registry=registry, holder=RuntimeHolder(registry, services))
-    reloader = state.extras["reloader"] = Reloader(state.holder, settings)
-    state.extras[admin_views.LIVE_STATS] = LiveStats(services.metrics)
+    holder = RuntimeHolder(registry, services)
+    reloader = Reloader(holder, settings)
+    state = AppState(
+        settings=settings,
+        services=services,
+        registry=registry,
+        holder=holder,
+        reloader=reloader,
+        live_stats=LiveStats(services.metrics),
+    )
     inference = InferenceEndpoints(state.holder, services)
     playground = playground_handler(state)
     console_assets = load_assets()

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.ops.settings import Settings
+from gateway.ops.stats import LiveStats
 from gateway.pipeline.registry import PluginRegistry
+from gateway.pipeline.reload import Reloader
 from gateway.pipeline.runtime import RuntimeHolder
 from gateway.pipeline.services import Services
 
@@ -17,7 +19,12 @@ class AppState:
     services: Services
     registry: PluginRegistry
     holder: RuntimeHolder
+    #: Config reloads (admin API, SIGHUP, the file watcher, the pub/sub channel) and their history.
+    reloader: Reloader
+    #: The live figures the console's dashboard samples (``/admin/stats``).
+    live_stats: LiveStats
     draining: bool = False
     #: Managed engine workers (``gateway.engine``), when the gateway starts its own.
     engine: Any = None
+    #: Services a route makes on first use (the Responses store, worker versions), by the route's own key.
     extras: dict[str, Any] = field(default_factory=dict)

@@ -118,6 +118,14 @@ class RoutingPlugin(Plugin):
             resolver=self.resolver,
         )
 
+    def model_moves(self) -> dict[str, list[str]]:
+        """Where a request for each model may be served: its canary targets and its fallbacks."""
+        moves: dict[str, list[str]] = {}
+        for name, chain in self._chains.items():
+            targets = list(self.config.for_model(name).targets) if name in self._targets else []
+            moves[name] = [*targets, *chain[1:]]
+        return moves
+
     async def start(self) -> None:
         if self._discovery is not None:
             await self._discovery.start()

@@ -232,7 +232,7 @@ class OutputSafetyPlugin(SafetyPlugin):
                 keep = keep or bool(release.text)
             if blocked is not None:
                 choice["finish_reason"] = "content_filter"
-                ctx.state["close_stream"] = True
+                ctx.close_stream = True
             keep = keep or choice.get("finish_reason") is not None
         return chunk if keep else None
 

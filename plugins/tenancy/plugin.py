@@ -53,7 +53,6 @@ from plugins.tenancy.metrics import TenancyMetrics
 
 log = logging.getLogger("gateway.tenancy")
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)
-VERIFY_KEY = "tenancy.verify_key"
 _NO_LIMITS = TenantConfig()
 CLAMP_HEADER = "x-gateway-max-tokens"
 _RATE_NAMES = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
@@ -111,33 +110,38 @@ class TenancyPlugin(Plugin):
         self.local = LocalLimiter(config.fail_open_share)
         self.metrics = TenancyMetrics.of(services)
         self.admin = TenancyAdmin(config, self.redis, self.keys, type(self).clock)
-        self._context: dict[str, int] = {}  # model name -> context tokens
+        self._own_context: dict[str, int] = {}  # model name -> its own context tokens
+        self._context: dict[str, int] = {}  # model name -> the longest context a request for it may reach
         self._names: dict[str, tuple[str, ...]] = {}  # model name -> it and its aliases
         self._settling: set[asyncio.Task[None]] = set()
 
     def prepare(self, config: GatewayConfig) -> None:
-        """Learn each model's context (its max_model_len, else its managed workers', else the default),
-        as the longest among the models a request for it may end up on (the canary targets and
-        fallbacks in the routing section): a reservation must cover wherever the request goes."""
+        """Learn each model's context: its max_model_len, else its managed workers', else the default."""
         self._names = {model.name: (model.name, *model.aliases) for model in config.models}
         managed = {w.name: w.max_model_len for w in config.engine.workers}
-        own: dict[str, int] = {}
         for model in config.models:
             lengths = [managed[ref] for ref in model.workers if managed.get(ref)]
             context = model.max_model_len or (min(lengths) if lengths else None)  # type: ignore[type-var]
-            own[model.name] = int(context or self.config.default_context_tokens)
-        reach = _reachable(config, list(own))
-        self._context = {name: max(own.get(m, own[name]) for m in reach[name]) for name in own}
+            self._own_context[model.name] = int(context or self.config.default_context_tokens)
+
+    def _context_of(self, ctx: RequestContext) -> int:
+        """The longest context among the models a request for ``ctx.model`` may end up on (canary targets
+        and fallbacks, as the snapshot's model graph says): a reservation must cover wherever it goes.
+        Kept per model: this instance serves one snapshot."""
+        name = ctx.model.name
+        context = self._context.get(name)
+        if context is None:
+            own, default = self._own_context, self.config.default_context_tokens
+            context = max(own.get(m, default) for m in ctx.snapshot.models.reachable(name))
+            self._context[name] = context
+        return context
 
     async def start(self) -> None:
         if self.config.auth and not self._pepper_set:
             log.warning("tenancy: %s is not set; key digests are unpeppered HMACs", self.config.pepper_env)
-        self.services.shared[VERIFY_KEY] = self.verify_key
         self.services.shared[TENANT_OF] = self.tenant_of
 
     async def aclose(self) -> None:
-        if self.services.shared.get(VERIFY_KEY) == self.verify_key:
-            del self.services.shared[VERIFY_KEY]
         if self.services.shared.get(TENANT_OF) == self.tenant_of:
             del self.services.shared[TENANT_OF]
         await self.settled()
@@ -153,14 +157,6 @@ class TenancyPlugin(Plugin):
         if not self.config.auth:
             return self.config.anonymous_tenant
         return (await self._authenticate(headers)).tenant
-
-    async def verify_key(self, token: str) -> dict[str, str] | None:
-        """For the admin routes: the id and tenant of a valid client key, else None (never raises)."""
-        try:
-            info = await self.keys.lookup(self.keys.digest(token))
-        except REDIS_ERRORS:
-            return None
-        return {"id": info.id, "tenant": info.tenant} if info is not None else None
 
     async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.admin.handle(action, body)
@@ -211,7 +207,7 @@ class TenancyPlugin(Plugin):
         if given:
             return prompt + given, prompt + given, False
         choices = estimate.choices(ctx.body)
-        context = self._context.get(ctx.model.name, self.config.default_context_tokens)
+        context = self._context_of(ctx)
         worst = prompt + max(1, context - prompt) * choices
         if self.config.without_max_tokens == "clamp":
             return worst, prompt + choices, True
@@ -397,25 +393,3 @@ class TenancyPlugin(Plugin):
             await self.limiter.charge(admitted.plan, delta, prompt, completion)
         except REDIS_ERRORS as exc:  # the answer is already on its way: count the miss
             self._redis_failed("charge", exc)
-
-
-def _reachable(config: GatewayConfig, models: list[str]) -> dict[str, set[str]]:
-    """Each model and every model a request for it may be moved to by the routing section (canary
-    targets and fallbacks, followed transitively). Read from the raw section: routing owns its schema."""
-    section: dict[str, Any] = next((p.config for p in config.plugins if p.name == "routing" and p.enabled), {})
-    default = section.get("default") or {}
-    per_model = section.get("models") or {}
-    moves: dict[str, set[str]] = {}
-    for name in models:
-        routing = per_model.get(name) or default
-        moves[name] = set(routing.get("targets") or {}) | set(routing.get("fallbacks") or [])
-    out: dict[str, set[str]] = {}
-    for name in models:
-        seen, todo = {name}, [name]
-        while todo:
-            for nxt in moves.get(todo.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        out[name] = seen
-    return out

@@ -48,7 +48,7 @@ def test_replicas_converge_and_refuse_bad_announcements(
         gateway_factory(start, **settings) as (app_b, b),
     ):
         for app in (app_a, app_b):  # both subscribed before anything is published
-            channel_of = app.state.extras["reloader"].channel
+            channel_of = app.state.reloader.channel
             assert eventually(channel_of.ready.is_set)
         new = with_alias(upstream_url, "second")
         r = httpx.put(a.url + "/admin/config", headers=ADMIN, content=orjson.dumps(new))

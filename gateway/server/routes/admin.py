@@ -72,8 +72,7 @@ def redact(value: Any, key: str = "") -> Any:
 
 def _reloader(request: Request) -> Reloader:
     state: AppState = request.app.state.gateway
-    reloader: Reloader = state.extras["reloader"]
-    return reloader
+    return state.reloader
 
 
 def caller(request: Request) -> str:

@@ -19,7 +19,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
-from gateway.ops.stats import LiveStats
 from gateway.pipeline.config import ConfigError, GatewayConfig, parse_config
 from gateway.pipeline.config_diff import config_diff
 from gateway.pipeline.reload import Reloader
@@ -32,9 +31,6 @@ from gateway.wire.errors import InvalidRequest, PayloadTooLarge, ServiceUnavaila
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
 
-#: ``AppState.extras`` key of the app's ``LiveStats`` (made by ``create_app``).
-LIVE_STATS = "live_stats"
-
 
 def _state(request: Request) -> AppState:
     state: AppState = request.app.state.gateway
@@ -44,8 +40,7 @@ def _state(request: Request) -> AppState:
 @router.get("/stats")
 async def stats(request: Request) -> JSON:
     state = _state(request)
-    live: LiveStats = state.extras[LIVE_STATS]
-    body = live.sample()
+    body = state.live_stats.sample()
     body["config_version"] = state.holder.current.version if state.holder.loaded else None
     return JSON(body)
 
@@ -112,8 +107,7 @@ async def workers(request: Request) -> JSON:
 
 
 def _reloader(request: Request) -> Reloader:
-    reloader: Reloader = _state(request).extras["reloader"]
-    return reloader
+    return _state(request).reloader
 
 
 @router.get("/reloads")

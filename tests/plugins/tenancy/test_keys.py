@@ -13,6 +13,8 @@ import openai
 import pytest
 
 from gateway.ops.logs import JSONFormatter
+from gateway.pipeline.services import TENANT_OF
+from gateway.wire.errors import AuthenticationFailed
 from plugins.tenancy.keys import hash_key
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
@@ -114,11 +116,13 @@ def test_config_key_by_hash_with_patterns_and_aliases(
         assert chat(server, key, model="alias-1").status_code == 200  # an alias of an allowed model
         # a key defined in config.yaml cannot be revoked through the API
         assert admin(server, "revoke_key", {"id": "c1"}).json()["error"]["code"] == "config_key"
-        verify = app.state.services.shared["tenancy.verify_key"]
+        tenant_of = app.state.services.shared[TENANT_OF]
         loop = server.server.servers[0].get_loop()
-        found = asyncio.run_coroutine_threadsafe(verify(key), loop).result(timeout=5)
-        assert found == {"id": "c1", "tenant": "team-c"}
-        assert asyncio.run_coroutine_threadsafe(verify("sk-nope"), loop).result(timeout=5) is None
+        found = asyncio.run_coroutine_threadsafe(tenant_of({"authorization": f"Bearer {key}"}), loop)
+        assert found.result(timeout=5) == "team-c"
+        refused = asyncio.run_coroutine_threadsafe(tenant_of({"authorization": "Bearer sk-nope"}), loop)
+        with pytest.raises(AuthenticationFailed):
+            refused.result(timeout=5)
         # the admin API tells a client key apart from the admin token
         as_client = httpx.post(
             f"{server.url}/admin/plugins/tenancy/list_keys", json={}, headers={"authorization": f"Bearer {key}"}
