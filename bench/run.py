@@ -3,7 +3,9 @@
 Proxies are pinned to core 0; the mock upstream, the load generators and this runner to core 1.
 Peers (each a real process): ``direct`` (the mock itself), ``nginx`` (reverse proxy, keep-alive
 upstream, no buffering), ``gateway`` (routing only), ``gateway-full-miss`` and ``gateway-full-hit``
-(the default plugin set, with a new prompt per request or the same prompt every time) and ``litellm``
+(the default plugin set, with a new prompt per request or the same prompt every time),
+``gateway-production`` (tenancy with a key, limits and budgets before the default set, every request a
+miss: what deploy/k8s runs) and ``litellm``
 (when installed in /tmp/litellm-venv). Every scenario is repeated ``--reps`` times, interleaved (each
 repetition goes over every peer before the next begins) and the medians are reported.
 
@@ -39,16 +41,31 @@ import load
 import peers
 import report
 
-ALL_PEERS = ["direct", "nginx", "python-hop", "gateway", "gateway-full-miss", "gateway-full-hit", "litellm"]
+ALL_PEERS = [
+    "direct",
+    "nginx",
+    "python-hop",
+    "gateway",
+    "gateway-full-miss",
+    "gateway-full-hit",
+    "gateway-production",
+    "litellm",
+]
+#: The production set (deploy/k8s): tenancy with a key (limits and budgets too high to refuse) before the
+#: full set, each request a cache miss. The key and pepper are this run's own.
+PRODUCTION_KEY = "sk-gw-bench-" + os.urandom(12).hex()
+PRODUCTION_PEPPER = "bench-production-pepper"
+_HIGH = 1_000_000_000
 #: The default plugin set in the order DESIGN.md gives; plugins not installed yet are skipped.
 DEFAULT_PLUGINS = ["safety", "cache", "guided_json", "routing"]
 CACHE_PREFIX = "gwbench"
 ADMISSION_IN_FLIGHT = 100_000
 CACHE_NAMESPACE = f"run{os.getpid()}"
+TENANCY_PREFIX = f"{CACHE_PREFIX}:tenancy:run{os.getpid()}"  # deleted with the cache entries after the run
 
 
 def delete_cache_entries(redis_url: str) -> int:
-    """Remove what the cache plugin stored during the run (its keys carry the bench's prefix)."""
+    """Remove what the cache and tenancy plugins stored during the run (their keys carry the bench's prefix)."""
     import redis
 
     client = redis.Redis.from_url(redis_url, socket_timeout=5)
@@ -188,12 +205,33 @@ def measure_memory(tmp: Path, mock: peers.Peer, args: argparse.Namespace) -> dic
     }
 
 
+def production_plugins(full: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tenancy (auth on, one key, requests and tokens per minute, daily and monthly budgets) first, then
+    ``full``, as deploy/k8s runs them."""
+    from plugins.tenancy.keys import hash_key
+
+    limits = {
+        "requests_per_minute": _HIGH,
+        "tokens_per_minute": _HIGH,
+        "tokens_per_day": _HIGH,
+        "tokens_per_month": _HIGH,
+    }
+    key = {
+        "id": "bench",
+        "tenant": "bench",
+        "hash": hash_key(PRODUCTION_KEY, PRODUCTION_PEPPER.encode()),
+        "limits": limits,
+    }
+    section = {"redis_prefix": TENANCY_PREFIX, "keys": [key], "tenants": {"bench": limits}}
+    return [{"name": "tenancy", "config": section}, *(e for e in full if e["name"] != "tenancy")]
+
+
 def start_peers(tmp: Path, mock: peers.Peer, args: argparse.Namespace) -> tuple[list[peers.Peer], list[str]]:
     started: list[peers.Peer] = []
     notes: list[str] = []
     full, skipped = resolve_plugins(args.plugins, args.plugin_config)
     full_names = ",".join(e["name"] for e in full)
-    if skipped and any(p.startswith("gateway-full") for p in args.peers):
+    if skipped and any(p.startswith(("gateway-full", "gateway-production")) for p in args.peers):
         notes.append("plugins skipped (not installed or config refused): " + "; ".join(skipped))
     for name in args.peers:
         peer: peers.Peer | None
@@ -217,6 +255,12 @@ def start_peers(tmp: Path, mock: peers.Peer, args: argparse.Namespace) -> tuple[
         elif base_name == "gateway-full-hit":
             note = full_names + code
             peer = peers.start_gateway(tmp, name, mock.url, full, mode="fixed", note=note, source=source)
+        elif base_name == "gateway-production":
+            note = "tenancy (key, limits, budgets)," + full_names + code
+            env = {"GATEWAY_TENANCY_PEPPER": PRODUCTION_PEPPER}
+            plugins = production_plugins(full)
+            peer = peers.start_gateway(tmp, name, mock.url, plugins, mode="unique", note=note, source=source, env=env)
+            peer.token = PRODUCTION_KEY
         elif name == "litellm":
             peer = peers.start_litellm(tmp, mock.url)
         else:
@@ -288,9 +332,9 @@ def main() -> None:
                     results.setdefault(peer.name, {}).setdefault(scenario, []).append(result)
                     print(f"rep {rep + 1} {scenario:>5} {peer.name:<18} {orjson.dumps(result).decode()}", flush=True)
         memory = {} if args.no_memory else measure_memory(tmp, mock, args)
-    if any(p.startswith("gateway-full") for p in args.peers):
+    if any(p.startswith(("gateway-full", "gateway-production")) for p in args.peers):
         deleted = delete_cache_entries(os.environ.get("GATEWAY_REDIS_URL", "redis://127.0.0.1:6379/0"))
-        notes.append(f"deleted {deleted} cache entries the run stored in Redis")
+        notes.append(f"deleted {deleted} cache and tenancy entries the run stored in Redis")
     medians = {peer: {s: report.median_of(runs) for s, runs in scen.items()} for peer, scen in results.items()}
     print()
     print(report.main_table(medians, args.concurrency, args.stream_counts))

@@ -39,8 +39,11 @@ class Pipeline:
         self._model_hooks = [p for p in plugins if type(p.plugin).overrides("on_models")]
         self.chunk_plugins = [p for p in plugins if type(p.plugin).overrides("on_chunk")]
         self.response_plugins = [p for p in plugins if type(p.plugin).overrides("on_response")]
+        reads_text = [p for p in self.response_plugins if type(p.plugin).reads_stream_text]
         #: The plugins that make a stream be parsed chunk by chunk (when they ran and did not step aside).
-        self._stream_watchers = frozenset(self.chunk_plugins + self.response_plugins)
+        self._stream_watchers = frozenset(self.chunk_plugins + reads_text)
+        #: The plugins that need only a stream's usage (``Plugin.reads_stream_text = False``).
+        self._usage_watchers = frozenset(p for p in self.response_plugins if p not in self._stream_watchers)
 
     async def run_request(self, ctx: RequestContext) -> ModelResponse | None:
         """``on_request`` in order. Returns an early answer or None. Records in ``ctx`` who ran and did
@@ -61,6 +64,11 @@ class Pipeline:
         """Whether this request's stream must be parsed chunk by chunk (False: byte pass-through)."""
         watchers = self._stream_watchers
         return any(bound in watchers for bound in ctx.returning)
+
+    def settles_from_usage(self, ctx: RequestContext) -> bool:
+        """Whether a pass-through stream of this request must find its usage for an ``on_response``."""
+        watchers = self._usage_watchers
+        return bool(watchers) and any(bound in watchers for bound in ctx.returning)
 
     async def run_models(self, headers: dict[str, str], models: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``on_models`` in order: the model cards this caller may see."""

@@ -31,6 +31,8 @@ class HookChain(Protocol):
 
     def inspects_stream(self, ctx: RequestContext) -> bool: ...
 
+    def settles_from_usage(self, ctx: RequestContext) -> bool: ...
+
     async def run_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse: ...
 
     async def run_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None: ...
@@ -135,8 +137,9 @@ class Delivered:
       carried text, reasoning or a tool call: vLLM sends one per generated token; text a chunk hook
       held back counts once a later piece went out), ``usage`` is the worker's
       usage when the stream carried it (``stream_options.include_usage``), ``complete`` whether it
-      ended with ``[DONE]``. A byte pass-through stream (no plugin watches it) is not counted
-      (``stream_tokens`` None).
+      ended with ``[DONE]``. A byte pass-through stream is counted only when a plugin needs its usage
+      (``Plugin.reads_stream_text = False``): its usage event, else its events less the role event;
+      otherwise ``stream_tokens`` is None.
     """
 
     status: int = 200

@@ -21,6 +21,11 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   ``ModelResponse``; raise a ``GatewayError`` to turn it into an error. For a stream it runs once,
   after the last chunk, with the assembled response: it may raise (the stream then ends with one error
   event instead of ``[DONE]``) but not replace what was already sent.
+- ``reads_stream_text``: class attribute, True by default. A plugin whose ``on_response`` needs only a
+  stream's usage (tenancy, to bill) sets it False: such a stream still passes through as bytes when no
+  other plugin reads it, and its ``on_response`` gets a response whose JSON is ``{"usage": ...}`` (the
+  worker's usage event, which the core asks for and hides from a client that did not), called before
+  ``[DONE]`` goes out; ``ctx.delivered`` then counts the tokens sent.
 - ``async on_chunk(ctx, chunk)``: streams only, reverse order; return the chunk, a changed chunk, or
   None to hold it back. When no enabled plugin overrides ``on_chunk`` or ``on_response``, the worker's
   SSE bytes pass through untouched, with no per-chunk parsing.
@@ -86,6 +91,7 @@ class Plugin:
     Config: ClassVar[type[BaseModel]] = EmptyConfig
     default_on_error: ClassVar[OnError] = "fail_closed"
     default_timeout_ms: ClassVar[float | None] = None
+    reads_stream_text: ClassVar[bool] = True
 
     def __init__(self, config: Any, services: Services) -> None:
         self.config = config

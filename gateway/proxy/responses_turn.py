@@ -18,8 +18,8 @@ import orjson
 
 from gateway.ops.metrics import Metrics
 from gateway.pipeline.context import RequestContext
+from gateway.proxy.answer import cut_short
 from gateway.proxy.forward import JSONReply, Proxy, StreamReply
-from gateway.proxy.passthrough import cut_short
 from gateway.wire.errors import GatewayError
 from gateway.wire.responses_items import new_id
 from gateway.wire.responses_output import EventStream, response_from_chat, response_object

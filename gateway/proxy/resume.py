@@ -225,19 +225,8 @@ class Continuation:
             self._prompt_count = None
         if progress.started:
             chunk["id"], chunk["created"], chunk["model"] = progress.id, progress.created, progress.model
-            if progress.chat:
-                for choice in chunk.get("choices") or ():
-                    delta = choice.get("delta")
-                    if isinstance(delta, dict) and "role" in delta:
-                        del delta["role"]
-                        if (
-                            not delta.get("content")
-                            and len(delta) <= 1
-                            and choice.get("finish_reason") is None
-                            and not choice.get("logprobs")
-                            and not chunk.get("usage")
-                        ):
-                            return None
+            if progress.chat and not _without_role(chunk):
+                return None
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             chunk["usage"] = self._usage(usage)
@@ -325,6 +314,20 @@ class Resumer:
             count = self._upstream.count_tokens(ctx.worker.url, tokenize_body(ctx), COUNT_WAIT_S)
             counting = asyncio.create_task(count)
         return upstream, Continuation(progress, counting)
+
+
+def _without_role(chunk: dict[str, Any]) -> bool:
+    """Drop the continuation's role from its deltas (the client had one already); False when that leaves
+    the chunk with nothing to say (then it is not sent)."""
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta")
+        if not isinstance(delta, dict) or "role" not in delta:
+            continue
+        del delta["role"]
+        empty = not delta.get("content") and len(delta) <= 1 and choice.get("finish_reason") is None
+        if empty and not choice.get("logprobs") and not chunk.get("usage"):
+            return False
+    return True
 
 
 def reason_of(kind: str | None) -> str:

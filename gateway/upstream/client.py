@@ -172,15 +172,16 @@ def make_http_client(kind: str, config: UpstreamConfig) -> HttpClient:
 class UpstreamClient:
     """The process-wide connection pool to workers.
 
-    Requests on the hot path go over an ``HttpClient`` (``gateway.infra.http_api``; ``http1`` unless
-    ``client`` says ``aiohttp``); the occasional GET (health checks, metrics scrapes) over an aiohttp
-    session.
+    Requests on the hot path go over ``transport``, an ``HttpClient`` (``gateway.infra.http_api``):
+    ``make_http_client(settings.upstream_client, config)`` in the app, ``http1`` when none is given, or an
+    in-process fake in tests (``tests/support/transport.py``), as httpx takes a ``MockTransport``. The
+    occasional GET (health checks, metrics scrapes) goes over an aiohttp session.
     """
 
-    def __init__(self, config: UpstreamConfig, client: str = "http1") -> None:
+    def __init__(self, config: UpstreamConfig, transport: HttpClient | None = None) -> None:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
-        self._http = make_http_client(client, config)
+        self._http = transport if transport is not None else make_http_client("http1", config)
         self._urls: dict[tuple[str, str], str] = {}
 
     @property

@@ -85,6 +85,8 @@ class TenancyPlugin(Plugin):
     name = "tenancy"
     Config = TenancyConfig
     default_on_error = "fail_closed"
+    #: Billing needs a stream's usage, not its text: streams keep the byte pass-through.
+    reads_stream_text = False
     #: Wall clock (epoch seconds) that decides budget periods; a test subclass may replace it.
     clock: ClassVar[Callable[[], float]] = staticmethod(time.time)
 

@@ -15,7 +15,7 @@ from gateway.infra.redis_py import RedisPyPipeline
 from gateway.ops.metrics import Metrics
 from gateway.ops.settings import Settings
 from gateway.pipeline.services import Services
-from gateway.upstream.client import UpstreamClient, UpstreamConfig
+from gateway.upstream.client import UpstreamClient, UpstreamConfig, make_http_client
 from gateway.upstream.workers import WorkerTable
 from tests.support.cache import (
     PLUGINS,
@@ -69,7 +69,7 @@ def test_an_unknown_client_name_is_refused() -> None:
     with pytest.raises(ValidationError):
         Settings(redis_client="aioredis")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown upstream client"):
-        UpstreamClient(UpstreamConfig(), "httpx")
+        make_http_client("httpx", UpstreamConfig())
 
 
 async def test_services_build_the_pipeline_the_settings_name() -> None:

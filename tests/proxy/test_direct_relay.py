@@ -20,6 +20,7 @@ import pytest
 
 from gateway.infra.chunked_writer import ChunkedWriter
 from gateway.pipeline.context import RequestContext
+from gateway.proxy.answer import AnswerStream
 from gateway.proxy.passthrough import PassThrough
 from tests.proxy.test_stream_relay import Inspect
 from tests.support.fakes import FakeUpstream, ServerThread
@@ -321,7 +322,7 @@ async def test_closing_a_stream_that_was_never_relayed_releases_the_worker_once(
     with raw_worker(paced_stream(0.2)) as worker:
         response = await upstream.open(worker.url, "/v1/chat/completions", b"{}")
         ctx: Any = RequestContext.__new__(RequestContext)
-        stream = PassThrough(ctx, response, Metrics(), ends.append)
+        stream = PassThrough(ctx, AnswerStream(response, None), Metrics(), ends.append)
         stream.close()
         stream.close()
         for _ in range(250):  # bounded: 5 s

@@ -11,11 +11,13 @@ import httpx
 import pytest
 import redis
 
+from plugins.tenancy.keys import hash_key
 from tests.support.cache import namespace, redis_client
 from tests.support.fakes import FakeUpstream
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.tenancy import PEPPER, prefix
 
-__all__ = ["namespace", "redis_client"]  # fixtures used by name below
+__all__ = ["namespace", "prefix", "redis_client"]  # fixtures used by name below
 
 COMMENT = b": from the worker\n\n"
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
@@ -105,3 +107,59 @@ def test_a_refused_prompt_is_still_refused_before_any_stream(
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "content_filter"
     assert worker.requests == []
+
+
+# -- the production set: tenancy bills a stream from its usage, which keeps the pass-through ----------
+
+KEY = "sk-gw-passthrough-production"
+
+
+def production_set(upstream_url: str, namespace: str, prefix: str) -> dict[str, Any]:
+    config = default_set(upstream_url, namespace)
+    key = {"id": "k1", "tenant": "t1", "hash": hash_key(KEY, PEPPER.encode()), "limits": {"tokens_per_day": 1000}}
+    config["plugins"].insert(0, {"name": "tenancy", "config": {"redis_prefix": prefix, "keys": [key]}})
+    return config
+
+
+def day_usage(server_url: str) -> dict[str, Any]:
+    reply = httpx.post(
+        server_url + "/admin/plugins/tenancy/usage", json={"key_id": "k1"}, headers={"authorization": "Bearer adm"}
+    )
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json()["result"]["day"])
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_billed_stream_passes_through_and_is_charged_its_usage_before_done(
+    gateway_factory: GatewayFactory,
+    worker: FakeUpstream,
+    upstream_url: str,
+    namespace: str,
+    prefix: str,
+    include_usage: bool,
+) -> None:
+    """Tenancy needs a stream's usage, not its text: the worker is asked for its usage event, the bytes
+    pass through, the usage event reaches only a client that asked for it, and the charge is the
+    worker's usage, settled before [DONE] (the next read of the counters sees it at once)."""
+    worker.behavior.chunks = 6
+    extra: dict[str, Any] = {"stream_options": {"include_usage": True}} if include_usage else {}
+    with gateway_factory(production_set(upstream_url, namespace, prefix), admin_token="adm") as (_, server):
+        headers = {"authorization": f"Bearer {KEY}"}
+        body = {
+            "model": "m1",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "temperature": 0.7,
+            "max_tokens": 20,
+        }
+        with httpx.stream(
+            "POST", server.url + "/v1/chat/completions", json={**body, **extra}, headers=headers
+        ) as response:
+            assert response.status_code == 200
+            sent = response.read()
+        day = day_usage(server.url)
+    assert sent.startswith(COMMENT) and sent.endswith(b"data: [DONE]\n\n")  # the worker's own bytes
+    assert (b'"usage":{' in sent) is include_usage
+    upstream_body = worker.requests[-1].body
+    assert upstream_body["stream_options"]["include_usage"] is True  # asked of the worker either way
+    assert (day["prompt_tokens"], day["completion_tokens"]) == (5, 6)  # the fake's usage: 5 + chunks

@@ -29,6 +29,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.pipeline.services import Services
+from gateway.proxy.lease import WorkerLease
 from gateway.server.routes import JSON
 from gateway.server.routes.models import model_card
 from gateway.server.state import AppState
@@ -129,18 +130,17 @@ async def _call_worker(services: Services, urls: list[str], path: str, payload: 
     body = orjson.dumps(payload)
     error: UpstreamFailure | None = None
     for worker in candidates:
-        worker.in_flight += 1
-        try:
-            upstream = await services.upstream.open(worker.url, path, body)
-            answer = await upstream.read()
-        except UpstreamFailure as failure:
-            table.report_failure(worker, failure.kind)
-            error = failure
-            if failure.retryable:
-                continue
-            raise failure.error from None
-        finally:
-            worker.in_flight -= 1
+        with WorkerLease(worker, None, table, None) as lease:  # no verdict on success: it generates nothing
+            try:
+                upstream = await services.upstream.open(worker.url, path, body)
+                answer = await upstream.read()
+            except UpstreamFailure as failure:
+                table.report_failure(worker, failure.kind)
+                error = failure
+                if failure.retryable:
+                    continue
+                raise failure.error from None
+            lease.declined()
         return upstream.status, answer
     assert error is not None
     raise error.error

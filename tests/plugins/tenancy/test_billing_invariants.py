@@ -3,9 +3,9 @@ clients on three keys of two tenants; random n, max_tokens, streaming, usage, cl
 worker faults: 500, 503, streams cut by the worker):
 
 - each key and tenant is charged exactly what its clients were delivered: an answer's usage; a
-  stream's tokens that went out (between what the client read and what the worker sent when the
-  client hung up), with the prompt estimate where the stream carried no usage (the only estimate);
-  nothing for refusals and failures;
+  stream's usage when it ended (the gateway asks the worker for it, whether the client did or not);
+  a cut stream's tokens that went out (between what the client read and what the worker sent when the
+  client hung up), with the prompt estimate (the only estimate); nothing for refusals and failures;
 - no key or tenant ever gets more than its budget or its per-minute limit allows (GCRA: the limit at
   once, then the limit per minute), beyond what prompt estimates below the true prompt let through.
 """
@@ -137,6 +137,10 @@ def bounds(outcome: Outcome, worker: MeteredWorker) -> tuple[int, int, int]:
     if outcome.usage is not None:  # read to the end, usage included
         total = outcome.usage["prompt_tokens"] + outcome.usage["completion_tokens"]
         assert outcome.usage["completion_tokens"] == outcome.read
+        return total, total, max(0, meter.prompt - estimate)
+    if outcome.complete:  # read to the end: charged the usage the gateway asked the worker for
+        assert meter.generated == outcome.read
+        total = meter.prompt + meter.generated
         return total, total, max(0, meter.prompt - estimate)
     if outcome.client_cut:
         return estimate + outcome.read, estimate + meter.sent, 0
