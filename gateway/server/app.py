@@ -36,13 +36,14 @@ from gateway.pipeline.services import Services
 from gateway.server.console.assets import load_assets
 from gateway.server.console.playground import playground_handler, playground_route
 from gateway.server.console.routes import console_router
+from gateway.server.cycle import Receive, Scope, Send, request_id_from
 from gateway.server.drain import install_sigterm_drain
 from gateway.server.front_door import http_protocol
 from gateway.server.paths import path_problem
 from gateway.server.routes import JSON, admin, admin_views, health, models, responses, utility
-from gateway.server.routes.openai import InferenceEndpoints, Receive, Scope, Send, request_id_from
+from gateway.server.routes.openai import InferenceEndpoints
 from gateway.server.state import AppState
-from gateway.upstream.client import UpstreamClient, UpstreamConfig
+from gateway.upstream.client import UpstreamClient, UpstreamConfig, make_http_client
 from gateway.upstream.workers import WorkerTable
 from gateway.wire.errors import GatewayError, InvalidRequest, ServerError, error_for_status
 from gateway.wire.openapi import ERROR_RESPONSES, placeholder_for
@@ -174,9 +175,10 @@ def create_app(
 ) -> GatewayApp:
     """Build the app. ``config`` overrides reading ``settings.config_path``; ``engine_factory=None``
     never starts managed workers (tests, or workers given by URL only)."""
+    upstream_config = config.upstream if config else UpstreamConfig()
     services = Services(
         settings=settings,
-        upstream=UpstreamClient(config.upstream if config else UpstreamConfig(), settings.upstream_client),
+        upstream=UpstreamClient(upstream_config, make_http_client(settings.upstream_client, upstream_config)),
         workers=WorkerTable(),
         metrics=Metrics(),
         tracing=Tracing.from_settings(settings),

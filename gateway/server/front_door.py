@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import functools
 import http
 import logging
@@ -37,10 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httptools
-import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.ops.settings import Settings
+from gateway.wire.errors import error_for_status
 
 log = logging.getLogger("gateway.front_door")
 
@@ -72,10 +73,46 @@ class FrontDoorLimits:
         )
 
 
+#: What the protocol uses of uvicorn beyond its public API (``HttpToolsProtocol`` and the request cycle's
+#: attributes). uvicorn is pinned to a minor range in pyproject.toml; ``missing_internals`` (checked by
+#: tests/server/test_front_door_internals.py and when the protocol is made) names any that a new uvicorn lost.
+PROTOCOL_INTERNALS = (
+    "_unset_keepalive_if_required",
+    "_should_upgrade",
+    "_unsupported_upgrade_warning",
+    "handle_websocket_upgrade",
+    "on_headers_complete",
+    "on_message_begin",
+    "on_message_complete",
+    "send_400_response",
+)
+INSTANCE_INTERNALS = ("flow", "cycle", "pipeline", "connections", "parser", "url", "headers", "logger", "loop")
+CYCLE_INTERNALS = ("on_response", "response_complete", "response_started", "disconnected", "message_event", "more_body")
+
+
+def missing_internals() -> list[str]:
+    """The uvicorn internals the front door relies on that this uvicorn does not have (empty: all there)."""
+    missing = [f"HttpToolsProtocol.{name}" for name in PROTOCOL_INTERNALS if not hasattr(HttpToolsProtocol, name)]
+    # Instance attributes are set in the methods: the names every method of the class uses.
+    used = {n for f in vars(HttpToolsProtocol).values() if hasattr(f, "__code__") for n in f.__code__.co_names}
+    missing += [f"HttpToolsProtocol().{name}" for name in INSTANCE_INTERNALS if name not in used]
+    cycle = RequestResponseCycle.__init__.__code__.co_names
+    missing += [f"RequestResponseCycle().{name}" for name in CYCLE_INTERNALS if name not in cycle]
+    return missing
+
+
+class Phase(enum.Enum):
+    """Where a connection is in its current request, as the parser has seen it."""
+
+    BETWEEN = "between requests"  # no byte of the next request yet
+    HEAD = "in a head"  # the parser began a request's head
+    BODY = "in a body"  # the head is complete; its body (if any) is being read
+
+
 def error_response(status: int, message: str, code: str, *, extra: bytes = b"") -> bytes:
-    """A complete HTTP/1.1 answer in OpenAI's error shape that closes the connection."""
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    body = orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    """A complete HTTP/1.1 answer in the gateway's error shape (``gateway.wire.errors``) that closes the
+    connection."""
+    body = error_for_status(status, message, code=code).to_json()
     phrase = http.HTTPStatus(status).phrase.encode()
     return (
         b"HTTP/1.1 %d %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n%b\r\n%b"
@@ -150,7 +187,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._max_head = limits.max_header_bytes
         self._max_line = limits.max_request_line_bytes
         self._max_headers = limits.max_headers
-        self._phase = 0  # 0: between requests, 1: in a head (the parser began it), 2: in a body
+        self._phase = Phase.BETWEEN
         self._head_checked = False  # the head being parsed went through _check_head
         self._head: bytearray | None = None  # a head that spans reads, until it is complete
         self._fed = 0  # how much of _head the parser has seen (complete lines only)
@@ -197,8 +234,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._head is not None:
             self._collect(data)
             return
-        if self._phase != 2:
-            end = data.find(_CRLF2) if self._phase == 0 else -1
+        if self._phase is not Phase.BODY:
+            end = data.find(_CRLF2) if self._phase is Phase.BETWEEN else -1
             if end == -1 or end + 4 > self._max_head:
                 self._start_collecting()
                 self._collect(data)
@@ -215,7 +252,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def _start_collecting(self) -> None:
         self._head = bytearray()
         self._fed = 0
-        self._from_start = self._phase == 0
+        self._from_start = self._phase is Phase.BETWEEN
         self._set_deadline(self.limits.header_timeout_s, self._head_expired)
 
     def _collect(self, data: bytes) -> None:
@@ -252,7 +289,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         self._feed(bytes(head[self._fed : cut]))
         self._fed = cut
-        if self._head is not None and self._phase == 2:  # a continued head ended on a line boundary
+        if self._head is not None and self._phase is Phase.BODY:  # a continued head ended on a line boundary
             self._finish_collecting()
 
     def _finish_collecting(self) -> None:
@@ -295,7 +332,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self._unsupported_upgrade_warning()
             return
         # A body still to come: it has body_timeout_s from the end of its head.
-        if self._phase == 2 and self._deadline is None and not self._refused and self.cycle.more_body:
+        if self._phase is Phase.BODY and self._deadline is None and not self._refused and self.cycle.more_body:
             self._set_deadline(self.limits.body_timeout_s, self._body_expired)
 
     # -- parser callbacks -------------------------------------------------------------------------
@@ -313,16 +350,16 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             if self.parser.get_http_version() not in ("1.0", "1.1"):
                 raise HeadRefused(self.answers.bad_version)
         self._head_checked = False
-        self._phase = 2
+        self._phase = Phase.BODY
         self._deadline = None
         super().on_headers_complete()
 
     def on_message_begin(self) -> None:
-        self._phase = 1
+        self._phase = Phase.HEAD
         super().on_message_begin()
 
     def on_message_complete(self) -> None:
-        self._phase = 0
+        self._phase = Phase.BETWEEN
         self._deadline = None
         super().on_message_complete()
 
@@ -341,7 +378,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.pipeline.clear()
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
-            if self._phase != 2 and not cycle.disconnected:
+            if self._phase is not Phase.BODY and not cycle.disconnected:
                 # Refusing a pipelined head while the request before it is still being answered:
                 # that answer goes first (a client matches answers to requests by their order).
                 cycle.on_response = functools.partial(self._answer_and_linger, answer)
@@ -401,7 +438,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
 def http_protocol(settings: Settings) -> Any:
     """What to give uvicorn as ``http``: the protocol with this process's limits (picklable, for
-    ``--workers``)."""
+    ``--workers``). Refuses to start on a uvicorn that lacks an internal the protocol relies on."""
+    missing = missing_internals()
+    if missing:
+        raise RuntimeError(
+            "this uvicorn lacks what the gateway's front door relies on (" + ", ".join(missing) + "); install the "
+            "uvicorn version pyproject.toml pins"
+        )
     return functools.partial(GatewayHttpProtocol, limits=FrontDoorLimits.from_settings(settings))
 
 

@@ -98,6 +98,35 @@ def test_layers_import_only_downwards() -> None:
     assert not upward, "\n".join(upward)
 
 
+def side_by_side_imports(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Imports between packages that share a layer (``infra`` and ``engine``): each must stand alone."""
+    found = []
+    for module, path in modules.items():
+        own = layer_of(module)
+        if own is None or len(LAYERS[own]) < 2:
+            continue
+        mine = next(p for p in LAYERS[own] if module == p or module.startswith(p + "."))
+        for target, line in imported_modules(module, path):
+            other = next((p for p in LAYERS[own] if target == p or target.startswith(p + ".")), None)
+            if other is not None and other != mine:
+                found.append(f"{path.relative_to(root)}:{line} imports {target} (beside it, not below)")
+    return found
+
+
+def test_infra_and_engine_never_import_each_other() -> None:
+    found = side_by_side_imports(MODULES)
+    assert not found, "\n".join(found)
+
+
+def test_the_side_by_side_check_finds_such_an_import(tmp_path: Path) -> None:
+    fake = tmp_path / "gateway" / "engine" / "uses_infra.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("from gateway.infra import http1\n")
+    assert side_by_side_imports({"gateway.engine.uses_infra": fake}, tmp_path) == [
+        "gateway/engine/uses_infra.py:1 imports gateway.infra.http1 (beside it, not below)"
+    ]
+
+
 def test_the_core_never_imports_a_plugin() -> None:
     found = [
         f"{path.relative_to(ROOT)}:{line} imports {target}"

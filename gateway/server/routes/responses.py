@@ -26,15 +26,10 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.runtime import RuntimeSnapshot
 from gateway.proxy.forward import JSONReply, Proxy, Reply, StreamReply
 from gateway.proxy.responses_turn import ResponsesTurn
+from gateway.server.cycle import Receive, RequestCycle, Scope, Send
 from gateway.server.responses_store import ResponseStore, not_found
 from gateway.server.routes import JSON
-from gateway.server.routes.openai import (
-    _WATCH_AFTER_S,
-    InferenceEndpoints,
-    Receive,
-    Scope,
-    Send,
-)
+from gateway.server.routes.openai import _WATCH_AFTER_S, InferenceEndpoints
 from gateway.server.state import AppState
 from gateway.wire.allowlist import ParamAllowList
 from gateway.wire.errors import InvalidRequest, ServerError, model_not_found
@@ -80,10 +75,8 @@ class ResponsesService:
         self,
         body: bytes,
         headers: dict[str, str],
-        request_id: str,
-        started: float,
+        cycle: RequestCycle,
         allow: AllowListOf,
-        record: dict[str, Any],
     ) -> Reply:
         """One ``POST /v1/responses`` body: a whole JSON reply (or error), or the translated stream."""
         config = self.config()
@@ -105,7 +98,7 @@ class ResponsesService:
             allow(snapshot.config.limits).check(_CHAT.name, chat)
             check_request(_CHAT, chat)
             ctx = RequestContext(
-                request_id=request_id,
+                request_id=cycle.request_id,
                 endpoint=_CHAT.name,
                 path=_CHAT.path,
                 body=chat,
@@ -115,7 +108,7 @@ class ResponsesService:
                 requested_model=req.model,
                 snapshot=snapshot,
                 stream=req.stream,
-                started=started,
+                started=cycle.started,
             )
             ctx.log["api"] = "responses"
             conversation = [*history, *req.input_items]  # what the response answers: stored as its input
@@ -124,7 +117,7 @@ class ResponsesService:
                 await self.store.save(config, scope, response, conversation)
 
             turn = ResponsesTurn(self.proxy, self.state.services.metrics, req, ctx, save if req.store else None)
-            record["turn"] = True  # from here on the turn records its own metrics and access log line
+            cycle.self_recorded = True  # from here on the turn records its own metrics and access log line
             reply = await turn.start()
             if isinstance(reply, JSONReply):
                 return reply
@@ -163,25 +156,20 @@ class ResponsesEndpoint(InferenceEndpoints):
         self.service = ResponsesService.of_state(state)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = time.perf_counter()
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
-        request_id = self.request_ids(raw_headers)
-        state: dict[str, Any] = {"status": 0, "model": "-", "sent": False, "finished": False}
-        task = asyncio.current_task()
-        assert task is not None
-        watcher: asyncio.TimerHandle | None = None
+        cycle = RequestCycle(self.request_ids(raw_headers), time.perf_counter(), task=asyncio.current_task())
         try:
             body = await self._read_body(raw_headers, receive)
-            watcher = asyncio.get_running_loop().call_later(_WATCH_AFTER_S, self._start_watcher, receive, task, state)
+            self._watch(receive, cycle, _WATCH_AFTER_S)
             headers = header_dict(raw_headers)
-            reply = await self.service.create(body, headers, request_id, started, self._allow_list, state)
-            await self._send_reply(reply, request_id, send, state)
+            reply = await self.service.create(body, headers, cycle, self._allow_list)
+            await self._send_reply(reply, send, cycle)
         except BaseException as exc:  # _answer_failure raises again what it does not answer
-            await self._answer_failure(exc, request_id, send, state)
+            await self._answer_failure(exc, send, cycle)
         finally:
-            self._stop_watching(watcher, state)
-            if not state.get("turn"):  # refused before it became a turn (bad body, unknown id or model, 401)
-                self.metrics.requests.labels("-", "responses", str(state["status"])).inc()
+            self._stop_watching(cycle)
+            if not cycle.self_recorded:  # refused before it became a turn (bad body, unknown id or model, 401)
+                self.metrics.requests.labels("-", "responses", str(cycle.status)).inc()
 
 
 @router.get("/v1/responses/{response_id}")
