@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.ops.logs import apply_logging
 from gateway.ops.metrics import Metrics
+from gateway.ops.series import LiveSeries
 from gateway.ops.settings import Settings
 from gateway.ops.stats import LiveStats
 from gateway.ops.tracing import Tracing
@@ -185,6 +186,11 @@ def create_app(
     state = AppState(settings=settings, services=services, registry=registry, holder=RuntimeHolder(registry, services))
     reloader = state.extras["reloader"] = Reloader(state.holder, settings)
     state.extras[admin_views.LIVE_STATS] = LiveStats(services.metrics)
+    series = state.extras[admin_views.LIVE_SERIES] = LiveSeries(
+        services.metrics,
+        lambda: {w.url: w.in_flight for w in services.workers.all()},
+        interval_s=settings.console_sample_s,
+    )
     inference = InferenceEndpoints(state.holder, services)
     playground = playground_handler(state)
     console_assets = load_assets()
@@ -204,6 +210,7 @@ def create_app(
                 lambda url: _probe(services, url), state.holder.current.config.upstream.health_interval_s
             )
             reloader.start(watch=config is None)  # watch the file only when the config came from it
+            series.start()
             if admin_server is not None:
                 await admin_server.start()
             gc.collect()
@@ -218,6 +225,7 @@ def create_app(
             if restore_sigterm is not None:
                 restore_sigterm()
             await reloader.aclose()
+            await series.aclose()
             if admin_server is not None:
                 await admin_server.stop()
             await state.holder.aclose()

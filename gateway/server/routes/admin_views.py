@@ -1,6 +1,8 @@
 """What the operator console reads, on the admin API (admin token required, like every ``/admin`` route).
 
 - ``GET /admin/stats``: live figures by model over the last seconds (``gateway.ops.stats``).
+- ``GET /admin/series``: the last minutes of those figures by model, and of each worker's in-flight
+  requests and errors, sampled on a timer into bounded rings (``gateway.ops.series``).
 - ``GET /admin/workers``: each model's requests in flight and queued, and its workers: health, in
   flight, ejections, the last error, and the upstream failures counted per worker and kind since start.
 - ``GET /admin/reloads``: the running version and the last reloads, newest first (when, who, source,
@@ -19,6 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
+from gateway.ops.series import LiveSeries
 from gateway.ops.stats import LiveStats
 from gateway.pipeline.config import ConfigError, GatewayConfig, parse_config
 from gateway.pipeline.config_diff import config_diff
@@ -34,6 +37,8 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], inclu
 
 #: ``AppState.extras`` key of the app's ``LiveStats`` (made by ``create_app``).
 LIVE_STATS = "live_stats"
+#: ``AppState.extras`` key of the app's ``LiveSeries`` (made and started by ``create_app``).
+LIVE_SERIES = "live_series"
 
 
 def _state(request: Request) -> AppState:
@@ -48,6 +53,12 @@ async def stats(request: Request) -> JSON:
     body = live.sample()
     body["config_version"] = state.holder.current.version if state.holder.loaded else None
     return JSON(body)
+
+
+@router.get("/series")
+async def series(request: Request) -> JSON:
+    live: LiveSeries = _state(request).extras[LIVE_SERIES]
+    return JSON(live.as_json())
 
 
 _GAUGES = {"gateway_in_flight_requests": "in_flight", "gateway_queued_requests": "queued"}
