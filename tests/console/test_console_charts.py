@@ -20,11 +20,10 @@ import redis
 
 from gateway.server.console import assets
 from plugins.tenancy.budgets import usage_key
-from plugins.tenancy.keys import hash_key
 from tests.console.conftest import screenshot
 from tests.support.fakes import FakeUpstream, ServerThread, free_port
 from tests.support.gateways import GatewayFactory, base_config
-from tests.support.tenancy import PEPPER, prefix
+from tests.support.tenancy import USAGE_KEYS, prefix, usage_plugins
 
 __all__ = ["prefix"]  # the fixture, imported to be used here
 
@@ -33,7 +32,7 @@ pytestmark = pytest.mark.browser
 TOKEN = "console-charts-token-7c1d"
 ADMIN = {"authorization": f"Bearer {TOKEN}"}
 WAIT_MS = 20_000
-KEYS = {"k1": "sk-gw-console-one", "k2": "sk-gw-console-two", "other": "sk-gw-console-other"}
+KEYS = USAGE_KEYS
 BLUE = (0x1F, 0x6F, 0xEB)  # the first series' stroke in charts.js
 
 
@@ -43,17 +42,7 @@ def console(
 ) -> Iterator[dict[str, Any]]:
     """Tenancy with three keys of two tenants (k1 limited to 3 requests a minute), routing to the fake
     worker; the console on the admin port; the live series sampled every 0.2 s."""
-    keys = [
-        {
-            "id": "k1",
-            "tenant": "acme",
-            "hash": hash_key(KEYS["k1"], PEPPER.encode()),
-            "limits": {"requests_per_minute": 3},
-        },
-        {"id": "k2", "tenant": "acme", "hash": hash_key(KEYS["k2"], PEPPER.encode())},
-        {"id": "other", "tenant": "globex", "hash": hash_key(KEYS["other"], PEPPER.encode())},
-    ]
-    plugins = [{"name": "tenancy", "config": {"redis_prefix": prefix, "keys": keys}}, {"name": "routing"}]
+    plugins = usage_plugins(prefix)
     admin_port = free_port()
     settings = {"admin_token": TOKEN, "admin_port": admin_port, "console_sample_s": 0.2}
     with gateway_factory(base_config([upstream_url], plugins=plugins), **settings) as (app, server):

@@ -13,30 +13,18 @@ import redis
 
 from plugins.tenancy.budgets import usage_key
 from plugins.tenancy.history import periods
-from plugins.tenancy.keys import hash_key
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
-from tests.support.tenancy import PEPPER, prefix
+from tests.support.tenancy import USAGE_KEYS, prefix, usage_plugins
 
 __all__ = ["prefix"]  # the fixture, used by name
 
 ADMIN = {"authorization": "Bearer adm"}
-KEYS = {"k1": "sk-gw-history-one", "k2": "sk-gw-history-two", "other": "sk-gw-history-other"}
+KEYS = USAGE_KEYS
 
 
 def config(prefix: str, upstream_url: str) -> dict[str, Any]:
-    keys = [
-        {
-            "id": "k1",
-            "tenant": "acme",
-            "hash": hash_key(KEYS["k1"], PEPPER.encode()),
-            "limits": {"requests_per_minute": 3},
-        },
-        {"id": "k2", "tenant": "acme", "hash": hash_key(KEYS["k2"], PEPPER.encode())},
-        {"id": "other", "tenant": "globex", "hash": hash_key(KEYS["other"], PEPPER.encode())},
-    ]
-    plugins = [{"name": "tenancy", "config": {"redis_prefix": prefix, "keys": keys}}, {"name": "routing"}]
-    return base_config([upstream_url], plugins=plugins)
+    return base_config([upstream_url], plugins=usage_plugins(prefix))
 
 
 def history(server: ServerThread, **query: Any) -> dict[str, Any]:
