@@ -15,6 +15,7 @@ model's ring is 180 x 15 doubles: ``bench/bench_series_memory.py`` measures it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from array import array
@@ -44,6 +45,7 @@ MODEL_FIELDS = (
 #: fields (``cached_blocks``, ``adapters``) when it does, and the console's workers view shows them.
 WORKER_FIELDS = ("in_flight", "errors_per_s")
 _NAN = math.nan
+log = logging.getLogger("gateway.console")
 _UPSTREAM_ERRORS = "gateway_upstream_errors"
 
 
@@ -159,7 +161,10 @@ class LiveSeries:
 
     async def run(self) -> None:
         while True:
-            self.tick()
+            try:
+                self.tick()
+            except Exception:  # a failed read (say, a multiprocess file mid-write) must not end the charts
+                log.exception("console series: a sample failed; the next one is taken as usual")
             await asyncio.sleep(self.interval_s)
 
     def start(self) -> None:

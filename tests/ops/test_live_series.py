@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.ops.metrics import Metrics
@@ -102,3 +104,27 @@ def test_a_model_gone_quiet_leaves_a_gap_not_its_old_value() -> None:
     body = series.as_json()
     assert body["t"][-1] == now[0]
     assert body["workers"]["http://w1"]["in_flight"] == [3.0, 3.0, None]
+
+
+async def test_a_failed_sample_does_not_stop_the_timer() -> None:
+    _, series, _ = make()
+    calls: list[int] = []
+    third = asyncio.Event()
+    original = series.tick
+
+    def flaky() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("a multiprocess file mid-write")
+        original()
+        if len(calls) >= 3:
+            third.set()
+
+    series.tick = flaky  # type: ignore[method-assign]
+    series.interval_s = 0.001
+    series.start()
+    try:
+        await asyncio.wait_for(third.wait(), timeout=10)
+    finally:
+        await series.aclose()
+    assert series._task is None
