@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_EXTRA   := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: run test lint typecheck docs unit browser bench audit model clean
+.PHONY: run test lint typecheck docs unit browser bench audit model clean vendor
 
 # The console's browser tests (tests/console, marker `browser`) drive Debian's chromium with Playwright's
 # Python package (in the dev extra); Playwright's own browser download is never used.
@@ -33,10 +33,30 @@ $(CHROMIUM_STAMP): $(STAMP)
 	command -v chromium >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium)
 	touch $(CHROMIUM_STAMP)
 
+# The console's charting library, uPlot (MIT), fetched from the npm registry at build time and copied
+# into the console's static folder (gitignored): served from this origin, so the strict CSP holds and
+# nothing is downloaded at run time. The tarball is checked against its pinned SHA-256.
+UPLOT_VERSION := 1.6.32
+UPLOT_SHA256  := 4b8a8191e425658e3ea8c8c1314b0fc679c861ee3a1af2b20c7b16ba50b5133d
+VENDOR_DIR    := gateway/server/console/static/vendor
+UPLOT_STAMP   := $(VENDOR_DIR)/.uplot-$(UPLOT_VERSION)
+
+$(UPLOT_STAMP):
+	command -v npm >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y npm)
+	rm -rf $(VENDOR_DIR) .cache/uplot && mkdir -p $(VENDOR_DIR) .cache/uplot
+	cd .cache/uplot && npm pack --silent uplot@$(UPLOT_VERSION)
+	echo "$(UPLOT_SHA256)  .cache/uplot/uplot-$(UPLOT_VERSION).tgz" | sha256sum -c -
+	tar -xzf .cache/uplot/uplot-$(UPLOT_VERSION).tgz -C .cache/uplot
+	cp .cache/uplot/package/dist/uPlot.iife.min.js .cache/uplot/package/dist/uPlot.min.css \
+		.cache/uplot/package/LICENSE $(VENDOR_DIR)/
+	touch $(UPLOT_STAMP)
+
+vendor: $(UPLOT_STAMP)
+
 model: $(STAMP)
 	$(VENV)/bin/gateway model prepare smollm2
 
-run: $(STAMP) model
+run: $(STAMP) $(UPLOT_STAMP) model
 	$(VENV)/bin/gateway serve
 
 lint: $(STAMP)
@@ -51,11 +71,11 @@ typecheck: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir .site
 
-test: $(STAMP) $(CHROMIUM_STAMP) model lint typecheck docs
+test: $(STAMP) $(CHROMIUM_STAMP) $(UPLOT_STAMP) model lint typecheck docs
 	$(PY) -m pytest -q -rfEsxX
 
 # The operator console in a real headless browser only; screenshots in .artifacts/console/.
-browser: $(STAMP) $(CHROMIUM_STAMP)
+browser: $(STAMP) $(CHROMIUM_STAMP) $(UPLOT_STAMP)
 	$(PY) -m pytest -q -m browser tests/console
 
 unit: $(STAMP)
@@ -75,4 +95,4 @@ audit: $(STAMP)
 	$(VENV)/bin/pip-audit --strict --disable-pip --no-deps -r $(VENV)/audit-requirements.txt
 
 clean:
-	rm -rf $(VENV) models .site .mypy_cache .ruff_cache .pytest_cache .artifacts
+	rm -rf $(VENV) $(VENDOR_DIR) models .site .mypy_cache .ruff_cache .pytest_cache .artifacts

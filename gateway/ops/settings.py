@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     config_watch_s: float = Field(
         2.0, ge=0, description="re-read the config file this often and reload when its content changed (0: off)"
     )
+    console_sample_s: float = Field(
+        5.0, gt=0, le=60, description="the console's live charts: seconds between samples (each model keeps 180)"
+    )
     config_channel: str | None = Field(
         None, description="Redis pub/sub channel on which replicas share config changes (unset: off)"
     )

@@ -7,7 +7,8 @@ recent samples. Each answer compares the newest sample with the oldest one insid
 the last few seconds, not the process's lifetime. Before a second sample exists they are computed since
 start.
 
-By model: requests/s, errors/s (status >= 400), tokens/s, in-flight, queued, TTFT p50/p95/p99, latency
+By model: requests/s, errors/s (status >= 400), refusals/s (status 429: rate limits, budgets, a full
+queue), tokens/s, in-flight, queued, TTFT p50/p95/p99, latency
 p50/p95/p99, cache hits and misses (the cache plugin's ``gateway_cache_*``). Safety refusals are counted
 in total (block actions and limits): the safety plugin's metrics have no model label.
 """
@@ -32,6 +33,7 @@ _COUNTED = (
     "gateway_cache_misses",
     "gateway_safety_rule_hits",
     "gateway_safety_limit_refusals",
+    "gateway_upstream_errors",  # by worker: the workers view's errors/s (``gateway.ops.series``)
 )
 _GAUGES = ("gateway_in_flight_requests", "gateway_queued_requests")
 _HISTOGRAMS = {"ttft": "gateway_time_to_first_token_seconds", "latency": "gateway_request_duration_seconds"}
@@ -133,8 +135,8 @@ def report(old: Sample, new: Sample) -> dict[str, Any]:
     def row(model: str) -> dict[str, Any]:
         return models.setdefault(
             model,
-            {"requests": 0.0, "errors": 0.0, "tokens": 0.0, "in_flight": 0, "queued": 0, "cache_hits": 0.0,
-             "cache_misses": 0.0, "buckets": {"ttft": {}, "latency": {}}},
+            {"requests": 0.0, "errors": 0.0, "refusals": 0.0, "tokens": 0.0, "in_flight": 0, "queued": 0,
+             "cache_hits": 0.0, "cache_misses": 0.0, "buckets": {"ttft": {}, "latency": {}}},
         )  # fmt: skip
 
     refusals = 0.0
@@ -145,6 +147,7 @@ def report(old: Sample, new: Sample) -> dict[str, Any]:
             entry["requests"] += delta(key)
             if labels[-1].isdigit() and int(labels[-1]) >= 400:
                 entry["errors"] += delta(key)
+                entry["refusals"] += delta(key) if labels[-1] == "429" else 0.0
         elif name == "gateway_tokens":
             row(labels[0])["tokens"] += delta(key)
         elif name == "gateway_in_flight_requests":
@@ -173,6 +176,7 @@ def report(old: Sample, new: Sample) -> dict[str, Any]:
         out[model] = {
             "requests_per_s": entry["requests"] / seconds,
             "errors_per_s": entry["errors"] / seconds,
+            "refusals_per_s": entry["refusals"] / seconds,
             "tokens_per_s": entry["tokens"] / seconds,
             "in_flight": entry["in_flight"],
             "queued": entry["queued"],

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.ops.logs import apply_logging
 from gateway.ops.metrics import Metrics
+from gateway.ops.series import LiveSeries
 from gateway.ops.settings import Settings
 from gateway.ops.stats import LiveStats
 from gateway.ops.tracing import Tracing
@@ -186,6 +187,11 @@ def create_app(
     registry = registry or PluginRegistry()
     holder = RuntimeHolder(registry, services)
     reloader = Reloader(holder, settings)
+    series = LiveSeries(
+        services.metrics,
+        lambda: {w.url: w.in_flight for w in services.workers.all()},
+        interval_s=settings.console_sample_s,
+    )
     state = AppState(
         settings=settings,
         services=services,
@@ -193,6 +199,7 @@ def create_app(
         holder=holder,
         reloader=reloader,
         live_stats=LiveStats(services.metrics),
+        live_series=series,
     )
     inference = InferenceEndpoints(state.holder, services)
     playground = playground_handler(state)
@@ -213,6 +220,7 @@ def create_app(
                 lambda url: _probe(services, url), state.holder.current.config.upstream.health_interval_s
             )
             reloader.start(watch=config is None)  # watch the file only when the config came from it
+            series.start()
             if admin_server is not None:
                 await admin_server.start()
             gc.collect()
@@ -227,6 +235,7 @@ def create_app(
             if restore_sigterm is not None:
                 restore_sigterm()
             await reloader.aclose()
+            await series.aclose()
             if admin_server is not None:
                 await admin_server.stop()
             await state.holder.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.ops.series import LiveSeries
 from gateway.ops.settings import Settings
 from gateway.ops.stats import LiveStats
 from gateway.pipeline.registry import PluginRegistry
@@ -23,6 +24,8 @@ class AppState:
     reloader: Reloader
     #: The live figures the console's dashboard samples (``/admin/stats``).
     live_stats: LiveStats
+    #: The last minutes of those figures, per model and worker, for the console's charts (``/admin/series``).
+    live_series: LiveSeries
     draining: bool = False
     #: Managed engine workers (``gateway.engine``), when the gateway starts its own.
     engine: Any = None

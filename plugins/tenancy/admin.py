@@ -6,13 +6,16 @@
 - ``list_keys``: ids, tenants and where each key is defined (never keys or digests).
 - ``usage`` ``{"key_id"}`` or ``{"tenant"}``: tokens and requests in the current UTC day and month,
   with the budgets and when they reset.
+- ``usage_history`` ``{"key_id"}`` or ``{"tenant"}``, ``"period": "hour" | "day"``, ``"days": 1..30``:
+  requests, refusals, prompt and completion tokens per UTC hour or day, oldest first (the console's
+  usage charts and CSV).
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -22,6 +25,7 @@ from gateway.pipeline.config import format_validation_error
 from gateway.wire.errors import InvalidRequest, NotFound, ServiceUnavailable
 from plugins.tenancy.budgets import usage_report
 from plugins.tenancy.config import NAME_PATTERN, Limits, TenancyConfig
+from plugins.tenancy.history import MAX_DAYS, usage_history
 from plugins.tenancy.keys import KeyExists, KeyStore
 
 _REDIS_ERRORS = (RedisError, OSError, TimeoutError)
@@ -50,6 +54,11 @@ class UsageQuery(BaseModel):
     tenant: str | None = Field(None, pattern=NAME_PATTERN)
 
 
+class HistoryQuery(UsageQuery):
+    period: Literal["hour", "day"] = "day"
+    days: int = Field(MAX_DAYS, ge=1, le=MAX_DAYS)
+
+
 def _parse(model: type[M], body: dict[str, Any]) -> M:
     try:
         return model.model_validate(body)
@@ -73,6 +82,7 @@ class TenancyAdmin:
             "revoke_key": self.revoke_key,
             "list_keys": self.list_keys,
             "usage": self.usage,
+            "usage_history": self.usage_history,
         }
         handler = handlers.get(action)
         if handler is None:
@@ -117,16 +127,24 @@ class TenancyAdmin:
     async def list_keys(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"keys": await self._keys.list()}
 
-    async def usage(self, body: dict[str, Any]) -> dict[str, Any]:
-        query = _parse(UsageQuery, body)
-        prefix = self._config.redis_prefix
+    async def _scope(self, query: UsageQuery) -> tuple[str, str, str, Limits]:
+        """(tenant, scope, name, limits) of the key or tenant a usage query names."""
         if (query.key_id is None) == (query.tenant is None):
             raise InvalidRequest("Give exactly one of 'key_id' or 'tenant'.", param="key_id")
         if query.key_id is not None:
             info = await self._keys.by_id(query.key_id)
             if info is None:
                 raise NotFound(f"No key with id '{query.key_id}'.", param="key_id", code="key_not_found")
-            return await usage_report(self._redis, prefix, info.tenant, "key", info.id, info.limits, self._clock)
+            return info.tenant, "key", info.id, info.limits
         assert query.tenant is not None
-        limits = self._config.tenants.get(query.tenant, Limits())
-        return await usage_report(self._redis, prefix, query.tenant, "tenant", query.tenant, limits, self._clock)
+        return query.tenant, "tenant", query.tenant, self._config.tenants.get(query.tenant, Limits())
+
+    async def usage(self, body: dict[str, Any]) -> dict[str, Any]:
+        tenant, scope, name, limits = await self._scope(_parse(UsageQuery, body))
+        return await usage_report(self._redis, self._config.redis_prefix, tenant, scope, name, limits, self._clock)
+
+    async def usage_history(self, body: dict[str, Any]) -> dict[str, Any]:
+        query = _parse(HistoryQuery, body)
+        tenant, scope, name, _ = await self._scope(query)
+        prefix = self._config.redis_prefix
+        return await usage_history(self._redis, prefix, tenant, scope, name, query.period, query.days, self._clock())

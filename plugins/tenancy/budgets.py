@@ -1,10 +1,15 @@
-"""Token budgets per key and per tenant, per UTC day and UTC month.
+"""Token budgets per key and per tenant, per UTC day and UTC month, and the hourly usage counters.
 
 Usage is counted in Redis hashes named after the period they cover
 (``{prefix}:{t:TENANT}:usage:key:ID:d20250131``), so a budget resets by itself at the UTC boundary:
 the first request of a new day or month counts into a new, empty hash. Old hashes expire after a
 while (35 days / 400 days) so usage stays queryable for that long. The admission script
 (``plugins.tenancy.limits``) checks and counts budgets atomically with the rate limits.
+
+An hour is a counter of the same shape with no limit (``...:h2025013114``, kept 31 days), counted by
+the same scripts in the same call: the usage history (``plugins.tenancy.history``) reads hours and days.
+Each hash holds ``requests`` (admitted), ``refusals`` (refused by a limit or budget), ``prompt_tokens``
+and ``completion_tokens`` (charged), and ``tokens`` (reserved, then settled to their sum).
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import redis.asyncio as aioredis
 from gateway.wire.errors import RateLimited
 from plugins.tenancy.config import Limits
 
-Period = Literal["day", "month"]
-_TTL_S = {"day": 35 * 86400, "month": 400 * 86400}
+Period = Literal["day", "month", "hour"]
+_TTL_S = {"day": 35 * 86400, "month": 400 * 86400, "hour": 31 * 86400}
 _FIELDS = ("requests", "tokens", "prompt_tokens", "completion_tokens")
+#: What the usage history shows of each hash.
+HISTORY_FIELDS = ("requests", "refusals", "prompt_tokens", "completion_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +44,12 @@ class Budget:
     ttl_s: int
 
 
-def window(period: Period, now: float) -> tuple[str, float]:
+def window(period: Period, now: float | datetime) -> tuple[str, float]:
     """(id of the period containing ``now``, epoch seconds when it ends), both in UTC."""
-    at = datetime.fromtimestamp(now, UTC)
+    at = now if isinstance(now, datetime) else datetime.fromtimestamp(now, UTC)
+    if period == "hour":
+        start = at.replace(minute=0, second=0, microsecond=0)
+        return start.strftime("h%Y%m%d%H"), start.timestamp() + 3600
     if period == "day":
         start = at.replace(hour=0, minute=0, second=0, microsecond=0)
         return start.strftime("d%Y%m%d"), start.timestamp() + 86400
@@ -53,11 +63,17 @@ def scope_prefix(prefix: str, tenant: str) -> str:
     return f"{prefix}:{{t:{tenant}}}"
 
 
+def usage_key(prefix: str, tenant: str, scope: str, name: str, period_id: str) -> str:
+    return f"{scope_prefix(prefix, tenant)}:usage:{scope}:{name}:{period_id}"
+
+
 def budgets_for(prefix: str, tenant: str, scope: str, name: str, limits: Limits, now: float) -> list[Budget]:
+    """The day and month budgets of one scope, then its hour (never limited: counted for the history)."""
     out = []
-    for period, limit in (("day", limits.tokens_per_day), ("month", limits.tokens_per_month)):
-        period_id, resets_at = window(period, now)  # type: ignore[arg-type]
-        key = f"{scope_prefix(prefix, tenant)}:usage:{scope}:{name}:{period_id}"
+    at = datetime.fromtimestamp(now, UTC)
+    for period, limit in (("day", limits.tokens_per_day), ("month", limits.tokens_per_month), ("hour", None)):
+        period_id, resets_at = window(period, at)  # type: ignore[arg-type]
+        key = usage_key(prefix, tenant, scope, name, period_id)
         out.append(Budget(scope, name, period, limit, key, resets_at, _TTL_S[period]))  # type: ignore[arg-type]
     return out
 
@@ -100,7 +116,7 @@ async def usage_report(
 ) -> dict[str, Any]:
     """Usage of one key or tenant in the current day and month, with its budgets and reset times."""
     now = clock()
-    budgets = budgets_for(prefix, tenant, scope, name, limits, now)
+    budgets = [b for b in budgets_for(prefix, tenant, scope, name, limits, now) if b.period != "hour"]
     async with redis.pipeline(transaction=False) as pipe:
         for budget in budgets:
             pipe.hmget(budget.redis_key, list(_FIELDS))

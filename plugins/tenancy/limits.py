@@ -11,7 +11,8 @@ Admission reserves a request's worst case (``admit``); asked to clamp, the same 
 many tokens as every bucket and budget has left, but no fewer than the request's least, in one step.
 The charge is settled later by a second script (``charge``): it moves the token buckets by the
 difference between what was reserved and what was delivered (a refund when negative) and adds the
-usage to the budget counters. So a limit is passed at most by the difference between a request's
+usage to the budget counters (an hourly counter among them, for the usage history; a refusal is
+counted there too, by the same call). So a limit is passed at most by the difference between a request's
 reservation and its true cost, which only a prompt longer than its estimate can make positive.
 """
 
@@ -93,6 +94,13 @@ for j = 1, #KEYS - nb do
     used[j] = used[j] + grant
   end
   out[#out + 1] = used[j]
+end
+-- a refusal is counted in every usage hash of the request (key and tenant; hour, day, month)
+if status ~= 0 then
+  for j = 1, #KEYS - nb do
+    redis.call('HINCRBY', KEYS[nb + j], 'refusals', 1)
+    redis.call('EXPIRE', KEYS[nb + j], tonumber(ARGV[base + 2*j]))
+  end
 end
 return out
 """

@@ -73,8 +73,8 @@ def test_sign_in_then_a_stopped_worker_shows_unhealthy(page: Any, console: dict[
 
     console["spare"].__exit__()  # the worker's server stops
     row.locator("td.state:has-text('unhealthy')").wait_for(timeout=WAIT_MS)
-    assert row.locator("td").nth(5).inner_text() != "-"  # the health check's reason
-    screenshot(page, "workers")
+    assert row.locator("td").nth(6).inner_text() != "-"  # the health check's reason
+    screenshot(page, "workers-unhealthy")
 
     for i in range(6):
         body = {"model": "m1", "messages": [{"role": "user", "content": f"hi {i}"}], "stream": i % 2 == 0}
@@ -83,7 +83,7 @@ def test_sign_in_then_a_stopped_worker_shows_unhealthy(page: Any, console: dict[
     live = page.locator("#live-table tr[data-model='m1']")
     live.wait_for(timeout=WAIT_MS)
     assert float(live.locator("td").nth(1).inner_text()) >= 0
-    screenshot(page, "live")
+    screenshot(page, "live-table")
     assert page.console_errors == []
 
 

@@ -10,13 +10,13 @@ import httpx
 import orjson
 import pytest
 
-from gateway.server.console.assets import CONTENT_SECURITY_POLICY
+from gateway.server.console.assets import CONTENT_SECURITY_POLICY, FILES
 from tests.support.fakes import FakeUpstream, free_port
 from tests.support.gateways import GatewayFactory, base_config
 
 TOKEN = "console-admin-token-9d2e"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-PAGES = ["/admin/ui", "/admin/ui/console.js", "/admin/ui/console.css"]
+PAGES = list(FILES)  # the page, its scripts and stylesheets, the vendored chart library
 
 
 def test_public_port_answers_the_page_like_any_admin_path(
@@ -51,7 +51,7 @@ def test_with_an_admin_port_the_public_port_has_no_console(
         page = httpx.get(admin + "/admin/ui")
         assert page.status_code == 200
         assert page.headers["content-type"].startswith("text/html")
-        for path in ("/admin/stats", "/admin/workers", "/admin/reloads"):
+        for path in ("/admin/stats", "/admin/series", "/admin/workers", "/admin/reloads"):
             assert httpx.get(admin + path).status_code == 401, path
         assert httpx.post(admin + "/admin/config/diff", content=b"models: []").status_code == 401
 
@@ -74,8 +74,10 @@ def test_every_console_file_carries_a_strict_policy(
         page = httpx.get(server.url + "/admin/ui", headers=AUTH).text
         assert "<script>" not in page and "<style" not in page and " style=" not in page
         assert not re.search(r"<[^>]*\son[a-z]+\s*=", page)  # no inline event handlers
-        script = httpx.get(server.url + "/admin/ui/console.js", headers=AUTH).text
-        assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "eval(" not in script
+        for path in (p for p in PAGES if p.endswith(".js")):  # the console's scripts and the vendored uPlot
+            script = httpx.get(server.url + path, headers=AUTH).text
+            assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "eval(" not in script, path
+            assert "new Function" not in script and "document.write" not in script, path
 
 
 def test_stats_report_the_requests_just_served(

@@ -1,6 +1,8 @@
 """What the operator console reads, on the admin API (admin token required, like every ``/admin`` route).
 
 - ``GET /admin/stats``: live figures by model over the last seconds (``gateway.ops.stats``).
+- ``GET /admin/series``: the last minutes of those figures by model, and of each worker's in-flight
+  requests and errors, sampled on a timer into bounded rings (``gateway.ops.series``).
 - ``GET /admin/workers``: each model's requests in flight and queued, and its workers: health, in
   flight, ejections, the last error, and the upstream failures counted per worker and kind since start.
 - ``GET /admin/reloads``: the running version and the last reloads, newest first (when, who, source,
@@ -43,6 +45,12 @@ async def stats(request: Request) -> JSON:
     body = state.live_stats.sample()
     body["config_version"] = state.holder.current.version if state.holder.loaded else None
     return JSON(body)
+
+
+@router.get("/series")
+async def series(request: Request) -> JSON:
+    live = _state(request).live_series
+    return JSON(live.as_json())
 
 
 _GAUGES = {"gateway_in_flight_requests": "in_flight", "gateway_queued_requests": "queued"}

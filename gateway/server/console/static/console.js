@@ -1,4 +1,6 @@
-// The operator console. Plain JavaScript, no dependencies, loaded from this origin only (see the CSP).
+// The operator console. Plain JavaScript, loaded from this origin only (see the CSP): this file (sign-in,
+// tabs, config, tenancy, playground), charts.js (workers and live views, on uPlot, vendored at build time)
+// and usage.js (usage over time).
 //
 // Rules this file keeps: the admin token lives in one variable (never in storage or a cookie) and goes out as
 // the x-admin-token header; every value from the gateway (tenant names, errors, model output) is put on the
@@ -94,14 +96,13 @@
     $("version").textContent = "";
   }
 
+  // The views defined here; charts.js (workers, live) and usage.js add theirs through window.GatewayConsole.
   const refreshers = {
-    workers: refreshWorkers,
-    live: refreshLive,
     config: refreshConfig,
     tenancy: refreshTenancy,
     playground: refreshPlayground,
   };
-  const polled = new Set(["workers", "live", "config"]);
+  const polled = new Set(["config"]);
 
   function show(name) {
     view = name;
@@ -126,60 +127,16 @@
 
   const stamp = (id) => { $(id).textContent = `updated ${new Date().toLocaleTimeString()}`; };
 
-  // -- workers -------------------------------------------------------------------------------------
-
-  function workerState(w) {
-    if (!w.healthy) return el("span", { class: "bad" }, "unhealthy");
-    if (!w.available) return el("span", { class: "warn" }, `ejected (${w.ejected_for_s.toFixed(1)} s)`);
-    return el("span", { class: "ok" }, "healthy");
-  }
-
-  async function refreshWorkers() {
-    const data = await api("GET", "/admin/workers");
-    const blocks = data.models.map((model) => {
-      const rows = model.workers.map((w) =>
-        el("tr", { dataset: { worker: w.url } },
-          el("td", {}, el("code", {}, w.url)),
-          el("td", { class: "state" }, workerState(w)),
-          el("td", { class: "num" }, w.in_flight),
-          el("td", { class: "num" }, w.ejections),
-          el("td", { class: "num" }, w.consecutive_failures),
-          el("td", {}, w.last_error || "-"),
-          el("td", {}, Object.entries(w.errors).map(([k, n]) => `${k}: ${n}`).join(", ") || "-"),
-          el("td", { class: "num" }, w.checked_ago_s === null ? "-" : `${w.checked_ago_s.toFixed(1)} s ago`)));
-      return el("div", { class: "model" },
-        el("h3", {}, model.model, " ",
-          el("span", { class: "muted small model-load" }, `${model.in_flight} in flight, ${model.queued} queued`)),
-        el("table", {},
-          el("thead", {}, el("tr", {}, ...["worker", "state", "in flight", "ejections", "failures in a row",
-            "last error", "upstream errors", "last check"].map((h) => el("th", {}, h)))),
-          el("tbody", {}, ...rows)));
-    });
-    $("workers").replaceChildren(...blocks);
-    stamp("workers-updated");
-  }
-
-  // -- live figures --------------------------------------------------------------------------------
-
-  async function refreshLive() {
-    const data = await api("GET", "/admin/stats");
-    $("live-window").textContent = data.window_s.toFixed(1);
-    $("live-refusals").textContent = fmt.num(data.safety_refusals_per_s);
-    const rows = Object.entries(data.models).map(([model, s]) =>
-      el("tr", { dataset: { model } },
-        el("td", {}, model),
-        el("td", { class: "num" }, fmt.num(s.requests_per_s)),
-        el("td", { class: "num" }, fmt.num(s.errors_per_s)),
-        el("td", { class: "num" }, fmt.num(s.tokens_per_s, 1)),
-        el("td", { class: "num" }, s.in_flight),
-        el("td", { class: "num" }, s.queued),
-        el("td", { class: "num" }, fmt.pct(s.cache_hit_rate)),
-        ...["ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "latency_p50_s", "latency_p95_s", "latency_p99_s"]
-          .map((k) => el("td", { class: "num" }, fmt.ms(s[k])))));
-    replaceRows($("live-table").tBodies[0], rows);
-    $("version").textContent = data.config_version ? `config ${data.config_version.slice(0, 12)}` : "";
-    stamp("live-updated");
-  }
+  // What the other scripts of the page use: they load after this one, before the page is wired.
+  window.GatewayConsole = Object.freeze({
+    $, el, api, fmt, stamp, replaceRows,
+    addView(name, refresher, { poll = false } = {}) {
+      refreshers[name] = refresher;
+      if (poll) polled.add(name);
+    },
+    setVersion(version) { $("version").textContent = version ? `config ${version.slice(0, 12)}` : ""; },
+    tenancy: (action, body) => api("POST", `/admin/plugins/tenancy/${action}`, body || {}),
+  });
 
   // -- config --------------------------------------------------------------------------------------
 
@@ -188,7 +145,7 @@
     $("config-version").textContent = data.version || "-";
     $("config-source").textContent = data.source;
     $("config-loaded").textContent = data.loaded_at || "-";
-    $("version").textContent = data.version ? `config ${data.version.slice(0, 12)}` : "";
+    window.GatewayConsole.setVersion(data.version);
     const rows = data.reloads.map((r) =>
       el("tr", {},
         el("td", {}, r.at_iso.replace("T", " ").slice(0, 19)),
@@ -264,7 +221,7 @@
 
   // -- tenancy -------------------------------------------------------------------------------------
 
-  const tenancy = (action, body) => api("POST", `/admin/plugins/tenancy/${action}`, body || {});
+  const tenancy = window.GatewayConsole.tenancy;
 
   function usageText(period) {
     if (!period) return "-";
