@@ -85,3 +85,58 @@ class FakePublisher:
         self._router.close(0)
         self._ctx.term()
         self._dir.cleanup()
+
+
+class ThreadedPublisher:
+    """The same wire from plain (blocking) sockets, for tests whose gateway runs in another thread: the
+    replay socket is served by a thread of its own."""
+
+    def __init__(self, topic: str = "kv@test") -> None:
+        import threading
+
+        self._dir = tempfile.TemporaryDirectory(prefix="kvpub")
+        base = Path(self._dir.name)
+        self.source = KvSource(f"ipc://{base}/pub", f"ipc://{base}/replay", topic)
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(self.source.endpoint)
+        self._topic = topic.encode()
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=1000)
+        self.seq = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[dict]) -> None:
+        with self._lock:
+            seq, self.seq = self.seq, self.seq + 1
+            payload = encode_batch(events, ts=1.0)
+            self.buffer.append((seq, payload))
+            self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
+
+    def _serve_replay(self) -> None:
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(self.source.replay_endpoint or "")
+        try:
+            while not self._stop.is_set():
+                if not router.poll(50):
+                    continue
+                client, _, start = router.recv_multipart()
+                first = int.from_bytes(start, "big")
+                with self._lock:
+                    buffered = [(s, p) for s, p in self.buffer if s >= first]
+                for seq, payload in buffered:
+                    router.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), payload])
+                router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+        finally:
+            router.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._pub.close(0)
+        self._ctx.term()
+        self._dir.cleanup()
