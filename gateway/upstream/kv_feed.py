@@ -105,6 +105,7 @@ class WorkerKv:
     gaps: int = 0
     resyncs: int = 0
     batches: int = 0  # applied, live or replayed
+    removals: int = 0  # blocks the worker evicted
     received: int = 0  # read from the live socket
     first_stored: Stored | None = None  # for routing's check of its own hashes against the worker's
     _dup_window: tuple[int, int, float] | None = field(default=None, repr=False)
@@ -317,5 +318,6 @@ class KvFeed:
                     state.block_size = event.block_size
             elif isinstance(event, Removed):
                 index.remove(url, event.hashes)
+                state.removals += len(event.hashes)
             elif isinstance(event, Cleared):
                 index.clear(url)

@@ -192,8 +192,11 @@ class PrecisePlacement:
         if not isinstance(request, PreciseRequest) or worker is None or response.status != 200:
             return
         predicted = request.predicted.get(worker.url)
+        if predicted is None:
+            return
+        ctx.log["cached_tokens_predicted"] = predicted  # beside the worker's usage in the access log
         actual = reported_cached_tokens(response.json.get("usage"))
-        if predicted is None or actual is None:
+        if actual is None:
             return
         self.shared.prediction_error.labels(self.model).observe(abs(predicted - actual))
         self.tracker.observe(predicted, actual, request.block_size)
@@ -223,6 +226,7 @@ def placement_view(
                         "following": state.source is not None, "trusted": feed.trusted(worker.url),
                         "last_seq": state.last_seq, "block_size": state.block_size, "batches": state.batches,
                         "gaps": state.gaps, "resyncs": state.resyncs, "restarts": state.restarts,
+                        "removals": state.removals,
                     },
                     "load": None if sample is None else {
                         "running": sample.running, "waiting": sample.waiting, "kv_usage": sample.kv_usage,
