@@ -149,9 +149,11 @@ class KvFeed:
         """Forget ``url``'s entries and sequence (a failed health check: it may come back as a new process)."""
         state = self.workers.get(url)
         dropped = self.index.clear(url)
-        if state is not None:
+        if state is not None:  # a new process starts with nothing owed: no silence held against it
             state.last_seq = -1
             state._dup_window = None
+            state.expect_since = None
+            state.silent = False
         if dropped:
             log.info("worker %s: %d KV index entries dropped (%s)", url, dropped, why)
 

@@ -27,7 +27,7 @@ from plugins.routing.accuracy import AccuracyTracker, reported_cached_tokens
 from plugins.routing.blockhash import BlockHasher, predicted_cached_tokens
 from plugins.routing.config import ModelRouting
 from plugins.routing.policies import WorkerPool
-from plugins.routing.prompt_tokens import PromptTokenizer
+from plugins.routing.prompt_tokens import PromptTokenizer, TokenizerBusy
 from plugins.routing.scorers import Candidate, Weights, rank
 from plugins.routing.telemetry import RoutingShared
 
@@ -137,15 +137,18 @@ class PrecisePlacement:
         salt = salt if isinstance(salt, str) and salt else None
         hasher = self.hasher(block_size)
 
-        def work() -> tuple[int, list[int]] | None:
-            tokens = self.tokenizer.tokens(ctx.endpoint, ctx.body)
+        def work(wait: bool) -> tuple[int, list[int]] | None:
+            tokens = self.tokenizer.tokens(ctx.endpoint, ctx.body, wait=wait)
             return None if tokens is None else (len(tokens), hasher.hashes(tokens, salt))
 
         try:
             if len(ctx.raw_body) > self.config.thread_above_chars:
-                result = await asyncio.to_thread(work)
+                result = await asyncio.to_thread(work, True)
             else:
-                result = work()
+                try:
+                    result = work(False)
+                except TokenizerBusy:  # a long prompt holds it in a thread: wait there, not on the loop
+                    result = await asyncio.to_thread(work, True)
         except Exception as exc:  # a template that refuses the request: the worker will say why
             log.debug("request %s: no prediction (%s)", ctx.request_id, exc)
             return None

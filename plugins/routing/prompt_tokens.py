@@ -15,18 +15,25 @@ precise policy, and a tokenizer loads in a thread.
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
 _MESSAGE_FIELDS = ("role", "content", "name")
 
 
+class TokenizerBusy(Exception):
+    """``tokens(..., wait=False)`` while another thread is using the tokenizer."""
+
+
 class PromptTokenizer:
-    """The tokenizer and chat template of one model."""
+    """The tokenizer and chat template of one model. One call at a time: a Hugging Face fast tokenizer
+    used from several threads at once can fail ("Already borrowed")."""
 
     def __init__(self, tokenizer: Any, chat_template: str | None) -> None:
         self._tok = tokenizer
         self._template = chat_template
+        self._lock = threading.Lock()
 
     @classmethod
     async def load(cls, path: str, chat_template: str | None = None) -> PromptTokenizer:
@@ -41,8 +48,17 @@ class PromptTokenizer:
 
         return await asyncio.to_thread(build)
 
-    def tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids, or None when they cannot be known exactly."""
+    def tokens(self, endpoint: str, body: dict[str, Any], *, wait: bool = True) -> list[int] | None:
+        """The prompt's token ids, or None when they cannot be known exactly. With ``wait=False`` (on the
+        event loop) it raises ``TokenizerBusy`` instead of waiting for a thread using the tokenizer."""
+        if not self._lock.acquire(blocking=wait):
+            raise TokenizerBusy
+        try:
+            return self._tokens(endpoint, body)
+        finally:
+            self._lock.release()
+
+    def _tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         if endpoint == "chat/completions":
             return self._chat(body)
         if endpoint == "completions":

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 
 import pytest
 
 from plugins.routing.accuracy import AccuracyTracker, reported_cached_tokens
 from plugins.routing.blockhash import BlockHasher, predicted_cached_tokens
-from plugins.routing.prompt_tokens import PromptTokenizer
+from plugins.routing.prompt_tokens import PromptTokenizer, TokenizerBusy
 from plugins.routing.scorers import Candidate, Weights, rank
 
 
@@ -111,3 +112,25 @@ def test_what_the_prompt_tokenizer_will_not_guess() -> None:
     assert tok.tokens("completions", {"prompt": [3, 4, 5]}) == [3, 4, 5]
     assert tok.tokens("completions", {"prompt": ["a", "b"]}) is None  # several prompts: several placements
     assert tok.tokens("embeddings", {"input": "x"}) is None
+
+
+def test_the_event_loop_never_waits_for_a_tokenizer_another_thread_holds() -> None:
+    tok = PromptTokenizer(_Tok(), None)
+    held = threading.Event()
+    release = threading.Event()
+
+    def long_prompt() -> None:
+        with tok._lock:  # as a thread tokenizing a long prompt does
+            held.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=long_prompt)
+    worker.start()
+    try:
+        assert held.wait(10)
+        with pytest.raises(TokenizerBusy):
+            tok.tokens("completions", {"prompt": "short"}, wait=False)
+    finally:
+        release.set()
+        worker.join(10)
+    assert tok.tokens("completions", {"prompt": "short"}, wait=False) == [5, 1]
