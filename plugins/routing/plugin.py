@@ -10,10 +10,12 @@ in-memory arithmetic; the only waits are the bounded admission queue and none at
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from typing import TYPE_CHECKING, Any
 
+from gateway.ops.tasks import cancel_and_wait
 from gateway.pipeline.config import GatewayConfig, ModelConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
@@ -113,6 +115,8 @@ class RoutingPlugin(Plugin):
         self._gateway_config: GatewayConfig | None = None
         self._tokenizers: TokenizerSources = {}
         self._precise: dict[str, PrecisePlacement] = {}
+        self._following: asyncio.Task[None] | None = None
+        self._refollow = False
 
     def prepare(self, config: GatewayConfig) -> None:
         """Check the model names this section refers to and learn the model table."""
@@ -145,11 +149,20 @@ class RoutingPlugin(Plugin):
         await self.load.start()
         if self._gateway_config is not None:
             self._precise = await build_placements(self._tokenizers, self.config, self.services, self.shared)
-            table = self.services.workers
-            urls = table.expand(ref for model in self._precise for ref in self._refs.get(model, ()))
-            await follow_workers(urls, self.config, self._gateway_config, self.services)
+            await self._follow()
+
+    async def _follow(self) -> None:
+        """Follow the KV events and load of the precise models' workers (at start, and again whenever
+        their set changes: ``dns://`` workers come and go)."""
+        while self._gateway_config is not None:
+            self._refollow = False
+            refs = (ref for model in self._precise for ref in self._refs.get(model, ()))
+            await follow_workers(self.services.workers.expand(refs), self.config, self._gateway_config, self.services)
+            if not self._refollow:
+                return
 
     async def aclose(self) -> None:
+        await cancel_and_wait(self._following)
         if self._discovery is not None:
             await self._discovery.aclose()
         await self.load.aclose()
@@ -161,6 +174,10 @@ class RoutingPlugin(Plugin):
         if cached is not None and cached[0] == table.generation:
             return cached[1]
         pool = WorkerPool([table.get(url) for url in table.expand(self._refs.get(model, ()))])
+        if model in self._precise and any(w.url not in table.kv.workers for w in pool.workers):  # new workers
+            self._refollow = True
+            if self._following is None or self._following.done():
+                self._following = asyncio.get_running_loop().create_task(self._follow(), name="routing-kv-follow")
         self._pools[model] = (table.generation, pool)
         return pool
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 _MESSAGE_FIELDS = ("role", "content", "name")
+_ROLES = ("system", "user", "assistant")
 
 
 class TokenizerBusy(Exception):
@@ -93,8 +94,10 @@ class PromptTokenizer:
 
 
 def _plain_message(message: object) -> dict[str, Any] | None:
-    """A message as vLLM hands a string-content template: text parts joined by newlines."""
-    if not isinstance(message, dict) or message.get("tool_calls") or message.get("role") == "tool":
+    """A message as vLLM hands a string-content template: text parts joined by newlines. Roles vLLM may
+    rewrite first (``developer`` becomes ``system`` for templates without it) and tool turns are not
+    guessed at: a tenant's unusual request must not count as a misprediction against everyone's model."""
+    if not isinstance(message, dict) or message.get("tool_calls") or message.get("role") not in _ROLES:
         return None
     content = message.get("content")
     if isinstance(content, list):
