@@ -111,6 +111,22 @@ def speculative_config(spec: SpeculativeSpec) -> dict[str, Any]:
     return config
 
 
+def kv_events_config(spec: ManagedWorkerSpec, runtime_dir: str = "/tmp") -> dict[str, Any]:
+    """The ``--kv-events-config`` of a managed worker: vLLM binds its PUB and replay sockets when the
+    endpoint is ``ipc://`` (a concrete ``tcp://host:port`` would make the worker connect out, and
+    ``tcp://*:port`` would publish every prompt's token ids on every interface). The socket paths carry
+    the worker's port, distinct per managed worker; the gateway finds them at ``/kv_event_sources``."""
+    base = f"ipc://{runtime_dir}/vllm-gateway-kv-{spec.port}"
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"{base}.pub",
+        "replay_endpoint": f"{base}.replay",
+        "topic": f"kv@{spec.name}",
+        "buffer_steps": 10_000,
+    }
+
+
 def build_argv(spec: ManagedWorkerSpec, model: Path | str) -> list[str]:
     """The vLLM OpenAI server command line for ``spec`` serving ``model`` (a prepared local directory or
     a hub id). Clients address the worker by ``served_model_name`` (default: the spec's ``model``)."""
@@ -148,6 +164,9 @@ def build_argv(spec: ManagedWorkerSpec, model: Path | str) -> list[str]:
         argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if spec.device == "gpu" and spec.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    if spec.kv_events:
+        argv += ["--kv-events-config", json.dumps(kv_events_config(spec), sort_keys=True)]
+        argv.append("--enable-prompt-tokens-details")
     # The gateway logs every request itself; the worker's access log would mostly echo health probes.
     argv.append("--disable-uvicorn-access-log")
     argv += list(spec.extra_args)

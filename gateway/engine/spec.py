@@ -74,6 +74,11 @@ class ManagedWorkerSpec(BaseModel):
         description="Jinja chat template: a path, or the name of one shipped in gateway/engine/templates "
         "(e.g. 'smollm2_tools'); default: the model's own",
     )
+    kv_events: bool = Field(
+        False,
+        description="publish KV cache events (for routing's precise_prefix policy) on a local IPC socket, and "
+        "report cached prompt tokens (usage.prompt_tokens_details)",
+    )
     omp_threads_bind: str | None = Field(None, description="CPU: VLLM_CPU_OMP_THREADS_BIND, e.g. 'auto' or '0-1'")
     python: str | None = Field(None, description="interpreter that runs vLLM (default: the gateway's)")
     extra_args: list[str] = Field(default_factory=list, description="more vLLM command-line arguments, as given")

@@ -21,8 +21,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from gateway.ops.tasks import cancel_and_wait
+from gateway.upstream.kv_feed import KvFeed
+from gateway.upstream.worker_load import LoadPoller
 
 log = logging.getLogger("gateway.workers")
 _RECENT_S = 60.0  # how long a tenant counts as one of a worker's users
@@ -226,3 +229,25 @@ class WorkerTable:
     async def aclose(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+        await self.close_signals()
+
+    # -- per-worker state from the workers' own signals (KV cache events, load), for routing ---------
+
+    @cached_property
+    def kv(self) -> KvFeed:
+        """The blocks each followed worker holds, from its KV cache events (``gateway.upstream.kv_feed``).
+        A worker that fails its health check may come back as a new process: its entries are dropped."""
+        feed = KvFeed()
+        self.on_change.append(lambda worker: None if worker.healthy else feed.drop(worker.url, "unhealthy"))
+        return feed
+
+    @cached_property
+    def load(self) -> LoadPoller:
+        """Each polled worker's own load: running and waiting requests, KV cache use (its /metrics)."""
+        return LoadPoller()
+
+    async def close_signals(self) -> None:
+        if "kv" in self.__dict__:
+            await self.kv.aclose()
+        if "load" in self.__dict__:
+            await self.load.aclose()

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-PolicyName = Literal["round_robin", "least_outstanding", "prefix_affinity", "session_affinity"]
+PolicyName = Literal["round_robin", "least_outstanding", "prefix_affinity", "session_affinity", "precise_prefix"]
 
 
 class _Strict(BaseModel):
@@ -24,6 +24,37 @@ class AdmissionConfig(_Strict):
     max_queue: int = Field(0, ge=0, description="requests that may wait for a slot")
     max_queue_time_s: float = Field(5.0, gt=0, description="longest wait for a slot before a 429")
     retry_after_s: int = Field(1, ge=1, le=3600, description="the Retry-After a refused client is given")
+
+
+class PreciseConfig(_Strict):
+    """precise_prefix: place a request on the worker that holds the longest prefix of its prompt's KV
+    blocks (from the workers' KV cache events), weighed against load. The prompt is tokenized as the
+    worker does it, so the tokenizer, chat template, hash algorithm and seed must be the workers'."""
+
+    tokenizer: str | None = Field(
+        None, description="the model's Hugging Face directory (default: the managed worker's prepared model)"
+    )
+    chat_template: str | None = Field(
+        None, description="the workers' --chat-template file (default: the managed worker's, else the model's own)"
+    )
+    hash_algo: Literal["sha256", "sha256_cbor"] = Field(
+        "sha256", description="the workers' --prefix-caching-hash-algo (xxhash is seeded per process: unusable)"
+    )
+    hash_seed: str | None = Field(None, description="the workers' PYTHONHASHSEED, when they set one")
+    block_size: int | None = Field(
+        None, ge=1, description="the workers' KV block size (default: learned from their events; CPU 128, GPU 16)"
+    )
+    prefix_weight: float = Field(3.0, ge=0, description="weight of the share of the prompt's blocks held")
+    queue_weight: float = Field(2.0, ge=0, description="weight of the worker's load (min-max over candidates)")
+    kv_weight: float = Field(1.0, ge=0, description="weight of the worker's free KV cache")
+    thread_above_chars: int = Field(
+        4096, ge=0, description="prompts longer than this are tokenized in a thread, off the event loop"
+    )
+    accuracy_threshold: float = Field(
+        0.8, ge=0, le=1, description="below this share of predictions within one block, fall back to prefix_affinity"
+    )
+    accuracy_window: int = Field(200, ge=10, description="recent checked requests the share is taken over")
+    accuracy_min_samples: int = Field(20, ge=1, description="checked requests needed before the share counts")
 
 
 class ModelRouting(_Strict):
@@ -43,6 +74,7 @@ class ModelRouting(_Strict):
         description="bounded loads: a worker is over its bound only when it is also this many requests over "
         "the mean in-flight (a few extra requests batch on a vLLM worker; a spilled prefix misses its cache)",
     )
+    precise: PreciseConfig = Field(default_factory=PreciseConfig, description="precise_prefix: how to predict")
     session_header: str = Field("x-session-id", min_length=1, description="session_affinity: the header to hash")
     targets: dict[str, float] = Field(
         default_factory=dict,
@@ -99,6 +131,31 @@ class LoadMetricsConfig(_Strict):
     max_age_s: float = Field(10.0, gt=0, description="older samples are ignored")
 
 
+class KvSourceConfig(_Strict):
+    """A worker's KV event publisher, when its ``/kv_event_sources`` route cannot say (e.g. behind a NAT)."""
+
+    endpoint: str = Field(min_length=6, description="its PUB socket, e.g. tcp://10.0.0.5:5557 (it binds)")
+    replay_endpoint: str | None = Field(None, description="its replay (ROUTER) socket")
+    topic: str = Field("", description="the topic it publishes on")
+
+
+class KvEventsConfig(_Strict):
+    """precise_prefix's feed: the KV cache events and load of every worker of a precise model."""
+
+    max_entries: int = Field(
+        1_000_000, ge=1, description="index bound: (worker, block) entries, at most 320 bytes each; LRU beyond"
+    )
+    expire_s: float = Field(
+        60.0, gt=0, description="a worker silent this long after requests that store blocks loses its entries"
+    )
+    replay_timeout_s: float = Field(2.0, gt=0, description="time budget of one replay from a worker's buffer")
+    sources: dict[str, KvSourceConfig] = Field(
+        default_factory=dict, description="worker URL -> its publisher (default: asked at GET /kv_event_sources)"
+    )
+    load_interval_s: float = Field(2.0, gt=0, description="how often each worker's /metrics load is polled")
+    load_timeout_s: float = Field(1.0, gt=0, description="time budget of one poll")
+
+
 class RoutingConfig(_Strict):
     default: ModelRouting = Field(default_factory=ModelRouting, description="for models not listed in `models`")
     models: dict[str, ModelRouting] = Field(default_factory=dict, description="per model name")
@@ -109,6 +166,9 @@ class RoutingConfig(_Strict):
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig, description="re-resolution of dns:// workers")
     load_metrics: LoadMetricsConfig = Field(
         default_factory=LoadMetricsConfig, description="optional: weigh the workers' own queue and KV cache use"
+    )
+    kv_events: KvEventsConfig = Field(
+        default_factory=KvEventsConfig, description="precise_prefix: the workers' KV cache events and load"
     )
 
     def for_model(self, name: str) -> ModelRouting:

@@ -10,21 +10,26 @@ in-memory arithmetic; the only waits are the bounded admission queue and none at
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from gateway.ops.tasks import cancel_and_wait
 from gateway.pipeline.config import GatewayConfig, ModelConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.services import Services
 from gateway.upstream.workers import Worker
 from gateway.wire.errors import ServiceUnavailable
+from gateway.wire.streaming import wants_usage
 from plugins.routing.canary import WeightedTargets, fallback_chain, retarget, unknown_references
 from plugins.routing.config import ModelRouting, RoutingConfig
 from plugins.routing.discovery import DnsDiscovery, Resolver, system_resolver
 from plugins.routing.plan import Plan
 from plugins.routing.policies import LoadBias, WorkerPool, prompt_prefix, stable_hash
+from plugins.routing.precise import STATE_KEY, PrecisePlacement, PreciseRequest, placement_view
+from plugins.routing.precise_setup import TokenizerSources, build_placements, follow_workers, tokenizer_sources
 from plugins.routing.telemetry import RoutingShared
 from plugins.routing.workerload import WorkerLoadScraper
 
@@ -36,7 +41,7 @@ class ModelRoute:
     """One model as a request may use it: its pool and policy, and the request's affinity key
     (computed once, on the first pick, and reused for retries)."""
 
-    __slots__ = ("_ctx", "_key", "_pool", "_routing", "bias", "model")
+    __slots__ = ("_ctx", "_key", "_pool", "_routing", "bias", "model", "precise")
 
     def __init__(
         self, model: ModelConfig, routing: ModelRouting, pool: WorkerPool, ctx: RequestContext, bias: LoadBias | None
@@ -47,6 +52,11 @@ class ModelRoute:
         self._ctx = ctx
         self._key: int | None = -1
         self.bias = bias
+        self.precise: PreciseRequest | None = None  # precise_prefix: the prompt's blocks, when predicted
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self._pool
 
     def pool_available(self, now: float) -> bool:
         return self._pool.any_available(now)
@@ -59,10 +69,18 @@ class ModelRoute:
         if policy == "round_robin":
             return self._pool.round_robin(tried, now)
         if policy != "least_outstanding":
-            key = self._affinity_key()
+            precise = self.precise
+            if precise is not None:
+                worker = precise.choose(self._pool, tried, now)
+                if worker is not None:
+                    return worker
+            key = self._affinity_key()  # precise_prefix falls back to approximate affinity
             if key is not None:
                 routing = self._routing
-                return self._pool.hashed(key, routing.load_factor, tried, now, routing.load_slack)
+                worker = self._pool.hashed(key, routing.load_factor, tried, now, routing.load_slack)
+                if precise is not None and worker is not None:
+                    precise.note(worker)  # still checked: a degraded model recovers by itself
+                return worker
         return self._pool.least_outstanding(tried, now, self.bias)
 
     def _affinity_key(self) -> int | None:
@@ -94,6 +112,11 @@ class RoutingPlugin(Plugin):
         self._pools: dict[str, tuple[int, WorkerPool]] = {}
         self._discovery: DnsDiscovery | None = None
         self.load = WorkerLoadScraper(config.load_metrics, services.workers, services.upstream)
+        self._gateway_config: GatewayConfig | None = None
+        self._tokenizers: TokenizerSources = {}
+        self._precise: dict[str, PrecisePlacement] = {}
+        self._following: asyncio.Task[None] | None = None
+        self._refollow = False
 
     def prepare(self, config: GatewayConfig) -> None:
         """Check the model names this section refers to and learn the model table."""
@@ -109,6 +132,8 @@ class RoutingPlugin(Plugin):
             targets = self.config.for_model(model.name).targets
             if targets and model.name in self.config.models:
                 self._targets[model.name] = WeightedTargets(targets, self.rng)
+        self._gateway_config = config
+        self._tokenizers = tokenizer_sources(self.config, config, self.services.settings.model_dir)
         refs = [ref for refs in self._refs.values() for ref in refs if ref.startswith("dns://")]
         self._discovery = DnsDiscovery(
             self.services.workers,
@@ -130,8 +155,22 @@ class RoutingPlugin(Plugin):
         if self._discovery is not None:
             await self._discovery.start()
         await self.load.start()
+        if self._gateway_config is not None:
+            self._precise = await build_placements(self._tokenizers, self.config, self.services, self.shared)
+            await self._follow()
+
+    async def _follow(self) -> None:
+        """Follow the KV events and load of the precise models' workers (at start, and again whenever
+        their set changes: ``dns://`` workers come and go)."""
+        while self._gateway_config is not None:
+            self._refollow = False
+            refs = (ref for model in self._precise for ref in self._refs.get(model, ()))
+            await follow_workers(self.services.workers.expand(refs), self.config, self._gateway_config, self.services)
+            if not self._refollow:
+                return
 
     async def aclose(self) -> None:
+        await cancel_and_wait(self._following)
         if self._discovery is not None:
             await self._discovery.aclose()
         await self.load.aclose()
@@ -143,6 +182,10 @@ class RoutingPlugin(Plugin):
         if cached is not None and cached[0] == table.generation:
             return cached[1]
         pool = WorkerPool([table.get(url) for url in table.expand(self._refs.get(model, ()))])
+        if model in self._precise and any(w.url not in table.kv.workers for w in pool.workers):  # new workers
+            self._refollow = True
+            if self._following is None or self._following.done():
+                self._following = asyncio.get_running_loop().create_task(self._follow(), name="routing-kv-follow")
         self._pools[model] = (table.generation, pool)
         return pool
 
@@ -187,6 +230,7 @@ class RoutingPlugin(Plugin):
                 raise
             if waited:
                 self.shared.queue_wait.labels(model).observe(waited)
+        await self._predict(ctx, routes[0])
         ctx.plan = Plan(
             ctx,
             routes,
@@ -197,6 +241,32 @@ class RoutingPlugin(Plugin):
             on_budget_refused=self._count_budget_refused,
         )
         return None
+
+    async def _predict(self, ctx: RequestContext, route: ModelRoute) -> None:
+        """precise_prefix: the prompt's blocks, for placing it and for checking the worker's answer (the
+        only reason this plugin reads responses; every other request steps aside)."""
+        placement = self._precise.get(route.model.name)
+        if placement is not None and (not ctx.stream or wants_usage(ctx.body)):
+            route.precise = await placement.predict(ctx, route.pool)
+            if route.precise is not None:
+                ctx.state[STATE_KEY] = route.precise
+                return
+        elif placement is not None:
+            route.precise = await placement.predict(ctx, route.pool)  # placed, but no usage to check against
+        ctx.step_aside(self)
+
+    async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
+        request = ctx.state.get(STATE_KEY)
+        if isinstance(request, PreciseRequest):
+            request.placement.check(ctx, response)
+        return None
+
+    async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``placement``: each precise model's state: degraded or not, the share of recent predictions
+        within one block, and per worker the blocks indexed and the state of its event stream."""
+        if action != "placement":
+            return await super().on_admin(action, body)
+        return placement_view(self._precise, self.pool, self.services.workers)
 
     def _count_fallback(self, model: str, fallback: str) -> None:
         self.shared.fallbacks.labels(model, fallback).inc()

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.ops.metrics import LATENCY_BUCKETS
 from gateway.pipeline.services import Services
 from gateway.upstream.workers import WorkerTable
+from plugins.routing.accuracy import AccuracyTracker
 from plugins.routing.admission import ModelGate
 from plugins.routing.config import AdmissionConfig, RetryBudgetConfig
 from plugins.routing.plan import RetryBudget
+from plugins.routing.prompt_tokens import PromptTokenizer
 
 SHARED_KEY = "routing"
 
@@ -83,6 +85,35 @@ class RoutingShared:
         self.budget_exhausted = Counter(
             "gateway_routing_retry_budget_exhausted", "Retries refused by the retry budget", ["model"], registry=r
         )
+        self.prediction_error = Histogram(
+            "gateway_routing_prefix_prediction_error_tokens",
+            "precise_prefix: |predicted - reported cached prompt tokens| per checked request",
+            ["model"],
+            buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+            registry=r,
+        )
+        self.prediction_within_block = Gauge(
+            "gateway_routing_prefix_prediction_within_block",
+            "precise_prefix: share of recent checked requests predicted within one KV block",
+            ["model"],
+            registry=r,
+        )
+        self.placement_degraded = Gauge(
+            "gateway_routing_placement_degraded",
+            "1 while precise_prefix falls back to approximate affinity (predictions disagree with the workers)",
+            ["model"],
+            registry=r,
+        )
+        self.placements = Counter(
+            "gateway_routing_placements",
+            "precise_prefix: requests placed, by how (precise, fallback) and why",
+            ["model", "how"],
+            registry=r,
+        )
+        #: precise_prefix: per model, its predictions against the truth (kept across reloads).
+        self.accuracy: dict[str, AccuracyTracker] = {}
+        #: precise_prefix: loaded tokenizers by (path, chat template), so a reload does not load them again.
+        self.tokenizers: dict[tuple[str, str | None], PromptTokenizer] = {}
         r.register(_WorkerCollector(services.workers, self.gates))
         self._queued_gauge = services.metrics.queued
 

@@ -17,36 +17,17 @@ from dataclasses import dataclass
 
 from gateway.ops.tasks import cancel_and_wait
 from gateway.upstream.client import UpstreamClient
+from gateway.upstream.worker_load import parse_vllm_load as parse_load
 from gateway.upstream.workers import Worker, WorkerTable
 from plugins.routing.config import LoadMetricsConfig
 
 log = logging.getLogger("gateway.routing.load")
 
-_WAITING = "vllm:num_requests_waiting"
-_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-
 
 def parse_vllm_load(text: str) -> tuple[float, float]:
     """(requests waiting, KV cache usage 0..1) summed over the engines in one /metrics page."""
-    waiting = 0.0
-    kv = 0.0
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name, brace, rest = line.partition("{")
-        if brace:
-            fields = rest.rpartition("}")[2].split()
-        else:
-            name, *fields = line.split()
-        try:
-            value = float(fields[0])
-        except (IndexError, ValueError):
-            continue
-        if name == _WAITING:
-            waiting += value
-        elif name in _KV_USAGE:
-            kv = max(kv, value)
-    return waiting, kv
+    sample = parse_load(text)
+    return sample.waiting, sample.kv_usage
 
 
 @dataclass(slots=True)

@@ -187,3 +187,22 @@ def test_installed_vllm_accepts_every_flag() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "outlines" in done.stdout and "ngram" in done.stdout and "True False" in done.stdout
     assert f"True xlam {TEMPLATES_DIR / 'smollm2_tools.jinja'}" in done.stdout
+
+
+def test_kv_events_publish_on_distinct_local_sockets_that_the_worker_binds() -> None:
+    assert "--kv-events-config" not in build_launch(spec(), MODEL).argv
+    configs = []
+    for port in (8101, 8102):
+        argv = build_launch(spec(port=port, kv_events=True), MODEL).argv
+        assert "--enable-prompt-tokens-details" in argv  # the truth a prediction is checked against
+        configs.append(json.loads(flag_value(argv, "--kv-events-config")))
+    endpoints = [c[k] for c in configs for k in ("endpoint", "replay_endpoint")]
+    assert len(set(endpoints)) == 4
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    from vllm.config.kv_events import KVEventsConfig
+
+    for config in configs:
+        parsed = KVEventsConfig(**config)  # vLLM's own config class takes it as it is
+        assert parsed.enable_kv_cache_events and parsed.publisher == "zmq"
+        # vLLM binds (rather than connects out) for this endpoint, so the gateway can connect to it
+        assert kv_events.ZmqEventPublisher._is_bind_endpoint(parsed.endpoint)

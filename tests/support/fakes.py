@@ -100,6 +100,8 @@ class Behavior:
     # A continuation's prompt counts this many more tokens than the pieces it carries (a retokenized text
     # need not split as the generated tokens did).
     retokenized_extra: int = 0
+    # Reported as usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details) when set.
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -209,7 +211,9 @@ class FakeUpstream:
     def completion(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         b = self.behavior
         n = body.get("n") or 1
-        usage = {"prompt_tokens": 5, "completion_tokens": b.chunks, "total_tokens": 5 + b.chunks}
+        usage: dict[str, Any] = {"prompt_tokens": 5, "completion_tokens": b.chunks, "total_tokens": 5 + b.chunks}
+        if b.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": b.cached_tokens}
         if path == "/v1/completions":
             choices = [
                 {"index": i, "text": b.text, "logprobs": None, "finish_reason": b.finish_reason} for i in range(n)
@@ -321,6 +325,11 @@ class FakeUpstream:
                         "prompt_tokens": 5 + skipped,
                         "completion_tokens": len(pieces),
                         "total_tokens": 5 + skipped + len(pieces),
+                        **(
+                            {"prompt_tokens_details": {"cached_tokens": b.cached_tokens}}
+                            if b.cached_tokens is not None
+                            else {}
+                        ),
                     },
                 }
             )

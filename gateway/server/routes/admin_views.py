@@ -4,7 +4,8 @@
 - ``GET /admin/series``: the last minutes of those figures by model, and of each worker's in-flight
   requests and errors, sampled on a timer into bounded rings (``gateway.ops.series``).
 - ``GET /admin/workers``: each model's requests in flight and queued, and its workers: health, in
-  flight, ejections, the last error, and the upstream failures counted per worker and kind since start.
+  flight, ejections, the last error, the upstream failures counted per worker and kind since start, and
+  the KV blocks indexed from its events (None when no worker's events are followed).
 - ``GET /admin/reloads``: the running version and the last reloads, newest first (when, who, source,
   accepted/unchanged/refused, reason).
 - ``POST /admin/config/diff``: a candidate config (YAML or JSON body) validated without going live
@@ -100,6 +101,8 @@ async def workers(request: Request) -> JSON:
                     "last_error": worker.last_error,
                     "checked_ago_s": now - worker.checked_at if worker.checked_at else None,
                     "errors": errors.get(url, {}),
+                    # KV blocks indexed from the worker's events (routing's precise_prefix follows them)
+                    "kv_blocks": table.kv.index.blocks(url) if "kv" in table.__dict__ else None,
                 }
             )
         now_load = load.get(model.name, {})

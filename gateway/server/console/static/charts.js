@@ -88,8 +88,8 @@
     return el("span", { class: "ok" }, "healthy");
   }
 
-  // What a worker caches and which adapters it holds: shown once the worker table reports them
-  // (w.cached_blocks, w.adapters); until then a dash.
+  // What a worker caches (the KV blocks indexed from its cache events, w.kv_blocks) and which adapters
+  // it holds (w.adapters); a dash where the gateway does not know.
   const held = (value) => (value === undefined || value === null ? "-" : Array.isArray(value) ? value.join(", ") || "none" : value);
 
   function workerRow(w, series, t) {
@@ -109,8 +109,8 @@
       el("td", {}, w.last_error || "-"),
       el("td", {}, Object.entries(w.errors).map(([k, n]) => `${k}: ${n}`).join(", ") || "-"),
       el("td", { class: "num" }, w.checked_ago_s === null ? "-" : `${w.checked_ago_s.toFixed(1)} s ago`),
-      el("td", { class: "held", title: "reported by the workers in a later version" }, held(w.cached_blocks)),
-      el("td", { class: "held", title: "reported by the workers in a later version" }, held(w.adapters)));
+      el("td", { class: "held", title: "KV blocks indexed from the worker's cache events" }, held(w.kv_blocks)),
+      el("td", { class: "held", title: "LoRA adapters the worker holds" }, held(w.adapters)));
   }
 
   const WORKER_HEADINGS = ["worker", "state", "in flight", "in flight, errors/s", "ejections", "failures in a row",

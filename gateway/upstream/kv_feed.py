@@ -1,0 +1,325 @@
+"""Following each worker's KV cache events into the block index (``kv_index``), in the background.
+
+One task per followed worker: find its publisher (given in config, or the worker's own
+``GET /kv_event_sources``), subscribe (ZMQ SUB, ``zmq.asyncio``: nothing blocks the event loop), first
+replay what the worker still buffers, then apply each batch. What real streams do, and the answer:
+
+- A gap in sequence numbers (the subscriber fell behind its high-water mark, a reconnect): the missing
+  batches are asked from the worker's replay socket; when it no longer has them the worker is
+  resynchronised (its entries dropped, then rebuilt from what comes).
+- A sequence number at or below the last one: the worker restarted (numbers start again at 0 per
+  process) and its cache is empty: its entries are dropped. A failed health check drops them too
+  (a restart says nothing until the new process publishes).
+- ``AllBlocksCleared``: its entries are dropped.
+- A worker that stops publishing: routing says when it sent a worker a request that must store new
+  blocks (``expect``); when no event follows within ``expire_s`` the worker's entries expire and
+  ``trusted`` says no until events come again (routing then falls back to approximate affinity).
+
+State lives in the worker table (``WorkerTable.kv``) so it survives config reloads; routing's
+``follow`` says which workers to follow and how.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import orjson
+import zmq
+import zmq.asyncio
+
+from gateway.ops.tasks import cancel_and_wait
+from gateway.upstream.kv_index import BlockIndex
+from gateway.upstream.kv_wire import Batch, Cleared, Removed, Stored, WireError, decode_message, decode_replay
+from gateway.upstream.kv_wire import replay_request as encode_replay_request
+
+log = logging.getLogger("gateway.kv_events")
+
+#: ``async (url, timeout_s) -> (status, body)``: a bounded GET (the upstream client's).
+Fetch = Callable[[str, float], Awaitable[tuple[int, bytes]]]
+_DUPLICATE_WINDOW_S = 5.0  # batches re-read from the live socket right after a replay are duplicates
+
+
+@dataclass(frozen=True, slots=True)
+class KvSource:
+    """Where a worker publishes: its PUB endpoint (the gateway connects), replay endpoint and topic."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FeedSettings:
+    max_entries: int = 1_000_000
+    expire_s: float = 60.0
+    replay_timeout_s: float = 2.0
+    discover_interval_s: float = 5.0
+
+
+def source_from_discovery(worker_url: str, body: object) -> KvSource | None:
+    """The publisher of data-parallel rank 0 from a worker's ``/kv_event_sources`` answer, with a
+    wildcard bind address (``tcp://*:5557``) turned into the worker's own host. None when events are
+    off, or when the worker connects out to a fixed address (it then expects a router to bind)."""
+    if not isinstance(body, dict):
+        return None
+    config = body.get("0", body.get(0))
+    if not isinstance(config, dict) or not config.get("enable_kv_cache_events") or config.get("publisher") != "zmq":
+        return None
+    host = urlsplit(worker_url).hostname or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+
+    def reachable(endpoint: object) -> str | None:
+        if not isinstance(endpoint, str) or not endpoint:
+            return None
+        if endpoint.startswith(("ipc://", "inproc://")):
+            return endpoint if endpoint.startswith("ipc://") else None
+        scheme, _, rest = endpoint.partition("://")
+        bind_host, _, port = rest.rpartition(":")
+        if bind_host in ("*", "[::]", "::", "0.0.0.0"):
+            return f"{scheme}://{host}:{port}"
+        return endpoint if "*" in endpoint or "::" in endpoint else None
+
+    endpoint = reachable(config.get("endpoint"))
+    if endpoint is None:
+        return None
+    return KvSource(endpoint, reachable(config.get("replay_endpoint")), str(config.get("topic") or ""))
+
+
+@dataclass(slots=True)
+class WorkerKv:
+    """What the feed knows of one worker's event stream (read by routing and the admin views)."""
+
+    url: str
+    source: KvSource | None = None
+    last_seq: int = -1
+    last_event_at: float = 0.0
+    block_size: int | None = None  # from the first BlockStored: what routing must hash with
+    expect_since: float | None = None  # the oldest routed request that should have stored blocks since
+    silent: bool = False
+    restarts: int = 0
+    gaps: int = 0
+    resyncs: int = 0
+    batches: int = 0  # applied, live or replayed
+    removals: int = 0  # blocks the worker evicted
+    received: int = 0  # read from the live socket
+    first_stored: Stored | None = None  # for routing's check of its own hashes against the worker's
+    _dup_window: tuple[int, int, float] | None = field(default=None, repr=False)
+
+
+class KvFeed:
+    """Every followed worker's event stream, applied to one bounded ``BlockIndex``."""
+
+    def __init__(self, settings: FeedSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings or FeedSettings()
+        self.index = BlockIndex(self.settings.max_entries)
+        self.workers: dict[str, WorkerKv] = {}
+        self._clock = clock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._fetch: Fetch | None = None
+
+    # -- what routing asks ------------------------------------------------------------------------
+
+    def trusted(self, url: str) -> bool:
+        """Whether ``url``'s entries may be used: its stream is followed, and it has not gone silent
+        after requests that must have stored blocks (expiring its entries when that just happened)."""
+        state = self.workers.get(url)
+        if state is None or state.source is None:
+            return False
+        since = state.expect_since
+        if since is not None and not state.silent and self._clock() - since > self.settings.expire_s:
+            dropped = self.index.clear(url)
+            state.silent = True
+            log.warning("worker %s published no KV events for %.0fs after requests: %d entries expired",
+                        url, self.settings.expire_s, dropped)  # fmt: skip
+        return not state.silent
+
+    def expect(self, url: str) -> None:
+        """Routing sent ``url`` a request that stores new blocks: an event should follow."""
+        state = self.workers.get(url)
+        if state is not None and state.expect_since is None:
+            state.expect_since = self._clock()
+
+    def drop(self, url: str, why: str) -> None:
+        """Forget ``url``'s entries and sequence (a failed health check: it may come back as a new process)."""
+        state = self.workers.get(url)
+        dropped = self.index.clear(url)
+        if state is not None:  # a new process starts with nothing owed: no silence held against it
+            state.last_seq = -1
+            state._dup_window = None
+            state.expect_since = None
+            state.silent = False
+        if dropped:
+            log.info("worker %s: %d KV index entries dropped (%s)", url, dropped, why)
+
+    # -- following --------------------------------------------------------------------------------
+
+    async def follow(
+        self, urls: Iterable[str], sources: Mapping[str, KvSource], fetch: Fetch, settings: FeedSettings
+    ) -> None:
+        """Follow exactly ``urls`` (a source from ``sources`` or discovered); stop following others."""
+        self._fetch = fetch
+        if settings.max_entries != self.settings.max_entries:
+            self.index.max_entries = settings.max_entries
+        self.settings = settings
+        wanted = dict.fromkeys(urls)
+        for url in [u for u in self._tasks if u not in wanted]:
+            await cancel_and_wait(self._tasks.pop(url))
+            self.index.clear(url)
+            self.workers.pop(url, None)
+        for url in wanted:
+            given = sources.get(url)
+            state = self.workers.get(url)
+            if state is not None and url in self._tasks and (given is None or given == state.source):
+                continue
+            if url in self._tasks:
+                await cancel_and_wait(self._tasks.pop(url))
+                self.index.clear(url)
+            self.workers[url] = WorkerKv(url, source=None)
+            self._tasks[url] = asyncio.create_task(self._run(url, given), name=f"kv-events {url}")
+
+    async def aclose(self) -> None:
+        for task in self._tasks.values():
+            await cancel_and_wait(task)
+        self._tasks.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    async def _run(self, url: str, given: KvSource | None) -> None:
+        source = given or await self._discover(url)
+        self.workers[url].source = source
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        try:
+            sub.connect(source.endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+            log.info("following KV events of %s at %s", url, source.endpoint)
+            await self._catch_up(url, 0, None)  # what the worker still buffers from before we came
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    batch = decode_message(frames)
+                except WireError as exc:
+                    log.warning("worker %s sent a KV event message that is not one (%s)", url, exc)
+                    continue
+                await self.receive(url, batch)
+        finally:
+            sub.close(linger=0)
+
+    async def _discover(self, url: str) -> KvSource:
+        """Ask the worker where it publishes until it says (it may still be starting)."""
+        assert self._fetch is not None
+        while True:
+            try:
+                status, body = await self._fetch(url + "/kv_event_sources", 2.0)
+                if status == 200:
+                    found = source_from_discovery(url, orjson.loads(body))
+                    if found is not None:
+                        return found
+                    log.warning("worker %s publishes no KV events the gateway can follow", url)
+            except Exception as exc:  # not up yet, or not a vLLM worker: ask again later
+                log.debug("kv_event_sources of %s: %s", url, exc)
+            await asyncio.sleep(self.settings.discover_interval_s)
+
+    # -- applying ---------------------------------------------------------------------------------
+
+    async def receive(self, url: str, batch: Batch) -> None:
+        """One live batch, in the order the socket gave it: restarts, duplicates and gaps first."""
+        state = self.workers[url]
+        state.received += 1
+        window = state._dup_window
+        if window is not None:
+            lo, hi, until = window
+            if self._clock() > until or batch.seq > hi:
+                state._dup_window = None
+            elif lo <= batch.seq <= hi:
+                return  # already applied from the replay
+        if state.last_seq >= 0 and batch.seq <= state.last_seq:
+            state.restarts += 1
+            self.index.clear(url)
+            log.info("worker %s restarted (KV event sequence %d after %d): its entries dropped",
+                     url, batch.seq, state.last_seq)  # fmt: skip
+        elif state.last_seq >= 0 and batch.seq > state.last_seq + 1:
+            state.gaps += 1
+            await self._catch_up(url, state.last_seq + 1, batch.seq)
+            if batch.seq <= state.last_seq:
+                return
+        self.apply(url, batch)
+
+    async def _catch_up(self, url: str, start: int, upto: int | None) -> None:
+        """Apply the buffered batches from ``start`` (up to ``upto``, exclusive, when given); resync
+        when the worker no longer holds ``start``."""
+        state = self.workers[url]
+        batches = await self._replay(state, start)
+        if batches is None:
+            if upto is not None:
+                self._resync(url, "no replay socket answered")
+            return
+        if upto is not None and (not batches or batches[0].seq != start):
+            self._resync(url, "the gap is older than the worker's replay buffer")
+        for batch in batches:
+            if batch.seq > state.last_seq or state.last_seq < 0:
+                self.apply(url, batch)
+        if batches:
+            state._dup_window = (start, batches[-1].seq, self._clock() + _DUPLICATE_WINDOW_S)
+
+    def _resync(self, url: str, why: str) -> None:
+        self.workers[url].resyncs += 1
+        dropped = self.index.clear(url)
+        log.warning("worker %s: KV events lost (%s); resynchronising (%d entries dropped)", url, why, dropped)
+
+    async def _replay(self, state: WorkerKv, start: int) -> list[Batch] | None:
+        source = state.source
+        if source is None or source.replay_endpoint is None or self._ctx is None:
+            return None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        out: list[Batch] = []
+        try:
+            dealer.connect(source.replay_endpoint)
+            await dealer.send_multipart(encode_replay_request(start))
+            async with asyncio.timeout(self.settings.replay_timeout_s):
+                while True:
+                    batch = decode_replay(await dealer.recv_multipart())
+                    if batch is None:
+                        return out
+                    out.append(batch)
+        except (TimeoutError, WireError, zmq.ZMQError) as exc:
+            log.warning("replay from %s failed (%s)", source.replay_endpoint, exc or type(exc).__name__)
+            return None
+        finally:
+            dealer.close(linger=0)
+
+    def apply(self, url: str, batch: Batch) -> None:
+        """Apply one batch in sequence (no ordering checks: ``receive`` made them)."""
+        state = self.workers[url]
+        state.last_seq = batch.seq
+        state.last_event_at = self._clock()
+        state.batches += 1
+        state.expect_since = None
+        if state.silent:
+            state.silent = False
+            log.info("worker %s publishes KV events again", url)
+        index = self.index
+        for event in batch.events:
+            if isinstance(event, Stored):
+                if event.lora_name is None:  # adapters' blocks never serve a base-model prompt
+                    index.store(url, event.hashes)
+                if state.first_stored is None and event.parent is None:
+                    state.first_stored = event
+                if event.block_size:
+                    state.block_size = event.block_size
+            elif isinstance(event, Removed):
+                index.remove(url, event.hashes)
+                state.removals += len(event.hashes)
+            elif isinstance(event, Cleared):
+                index.clear(url)

@@ -1,0 +1,114 @@
+"""A request's prompt tokens, as the worker will make them, for predicting which of its blocks are cached.
+
+Chat: the model's own tokenizer applies the chat template the worker uses (its ``--chat-template`` when
+one was given) with the request's tools and template arguments, as vLLM's renderer calls it
+(``vllm/renderers/hf.py``: ``apply_chat_template(tokenize=True, return_dict=False)``, which encodes the
+rendered text without adding special tokens). Completions: the prompt text encoded with special tokens
+(vLLM's default there), or the token ids given. What this module cannot reproduce exactly (images,
+audio, earlier tool calls, several prompts in one request) yields None: such a request is not
+predicted, and routing places it by approximate affinity.
+
+``transformers`` is needed (it comes with the engine); it is imported only when a model uses the
+precise policy, and a tokenizer loads in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+_MESSAGE_FIELDS = ("role", "content", "name")
+_ROLES = ("system", "user", "assistant")
+
+
+class TokenizerBusy(Exception):
+    """``tokens(..., wait=False)`` while another thread is using the tokenizer."""
+
+
+class PromptTokenizer:
+    """The tokenizer and chat template of one model. One call at a time: a Hugging Face fast tokenizer
+    used from several threads at once can fail ("Already borrowed")."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None) -> None:
+        self._tok = tokenizer
+        self._template = chat_template
+        self._lock = threading.Lock()
+
+    @classmethod
+    async def load(cls, path: str, chat_template: str | None = None) -> PromptTokenizer:
+        """Load ``path`` (a Hugging Face model directory) and ``chat_template`` (a Jinja file) off the loop."""
+
+        def build() -> PromptTokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            template = Path(chat_template).read_text() if chat_template else None
+            return cls(tokenizer, template)
+
+        return await asyncio.to_thread(build)
+
+    def tokens(self, endpoint: str, body: dict[str, Any], *, wait: bool = True) -> list[int] | None:
+        """The prompt's token ids, or None when they cannot be known exactly. With ``wait=False`` (on the
+        event loop) it raises ``TokenizerBusy`` instead of waiting for a thread using the tokenizer."""
+        if not self._lock.acquire(blocking=wait):
+            raise TokenizerBusy
+        try:
+            return self._tokens(endpoint, body)
+        finally:
+            self._lock.release()
+
+    def _tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        if endpoint == "chat/completions":
+            return self._chat(body)
+        if endpoint == "completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                return list(self._tok.encode(prompt, add_special_tokens=body.get("add_special_tokens", True) is True))
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+        return None
+
+    def _chat(self, body: dict[str, Any]) -> list[int] | None:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        conversation: list[dict[str, Any]] = []
+        for message in messages:
+            plain = _plain_message(message)
+            if plain is None:
+                return None
+            conversation.append(plain)
+        kwargs = body.get("chat_template_kwargs")
+        extra: dict[str, Any] = dict(kwargs) if isinstance(kwargs, dict) else {}
+        extra.setdefault("add_generation_prompt", body.get("add_generation_prompt", True))
+        extra.setdefault("continue_final_message", body.get("continue_final_message", False))
+        tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+        ids = self._tok.apply_chat_template(
+            conversation, tools=tools, chat_template=self._template, tokenize=True, return_dict=False, **extra
+        )
+        if body.get("add_special_tokens") is True:
+            return None  # vLLM then adds them on top of the template's: not reproduced here
+        return list(ids)
+
+
+def _plain_message(message: object) -> dict[str, Any] | None:
+    """A message as vLLM hands a string-content template: text parts joined by newlines. Roles vLLM may
+    rewrite first (``developer`` becomes ``system`` for templates without it) and tool turns are not
+    guessed at: a tenant's unusual request must not count as a misprediction against everyone's model."""
+    if not isinstance(message, dict) or message.get("tool_calls") or message.get("role") not in _ROLES:
+        return None
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                return None
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is not None and not isinstance(content, str):
+        return None
+    plain = {k: message[k] for k in _MESSAGE_FIELDS if k in message}
+    plain["content"] = content
+    return plain

@@ -1,0 +1,84 @@
+"""Placement as a pure function: a snapshot of the candidate workers' state in, a ranked list out.
+
+Each signal is a small scorer returning 0..1 for one worker, combined by weight (as llm-d's scheduler
+composes its scorers):
+
+- ``prefix``: the share of the prompt's full blocks the worker holds from the start (its KV index);
+- ``queue``: 1 for the least loaded candidate, 0 for the most (min-max over the candidates), the load
+  being the larger of this replica's in-flight requests and the worker's own running count (it sees every
+  replica's requests; ours are fresher) plus the worker's waiting requests;
+- ``kv``: 1 - the worker's KV cache use (a full cache evicts to admit anything new).
+
+A worker over the bounded-load cap (the policy's ``load_factor`` x the mean load, or the mean plus
+``load_slack``, whichever is higher) ranks after every worker under it, whatever its prefix: a hot
+prefix spills to another worker instead of queueing, as in approximate affinity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One worker as placement sees it. ``running``, ``waiting`` and ``kv_usage`` are the worker's own
+    signals (None when unknown or stale)."""
+
+    key: str
+    prefix_blocks: int
+    in_flight: int
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+
+    @property
+    def load(self) -> float:
+        return max(float(self.in_flight), self.running or 0.0) + (self.waiting or 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    prefix: float = 3.0
+    queue: float = 2.0
+    kv: float = 1.0
+
+
+def prefix_score(c: Candidate, total_blocks: int) -> float:
+    return c.prefix_blocks / total_blocks if total_blocks > 0 else 0.0
+
+
+def queue_score(c: Candidate, low: float, high: float) -> float:
+    return 1.0 if high <= low else 1.0 - (c.load - low) / (high - low)
+
+
+def kv_score(c: Candidate) -> float:
+    return 1.0 - min(max(c.kv_usage, 0.0), 1.0) if c.kv_usage is not None else 1.0
+
+
+def rank(
+    candidates: Sequence[Candidate],
+    total_blocks: int,
+    weights: Weights,
+    *,
+    load_factor: float = 1.25,
+    load_slack: float = 4.0,
+) -> list[tuple[float, Candidate]]:
+    """Candidates best first, each with its score; ties keep the given order (callers rotate it)."""
+    if not candidates:
+        return []
+    loads = [c.load for c in candidates]
+    low, high = min(loads), max(loads)
+    mean = (sum(loads) + 1) / len(candidates)
+    cap = max(math.ceil(load_factor * mean), math.ceil(mean + load_slack))
+    scored = []
+    for i, c in enumerate(candidates):
+        score = (
+            weights.prefix * prefix_score(c, total_blocks)
+            + weights.queue * queue_score(c, low, high)
+            + weights.kv * kv_score(c)
+        )
+        scored.append((c.load >= cap, -score, i, c))
+    scored.sort(key=lambda t: (t[0], t[1], t[2]))
+    return [(-neg, c) for _, neg, _, c in scored]

@@ -1,0 +1,230 @@
+"""Following KV cache events over real ZMQ sockets into the index: stores and evictions, duplicate
+copies, gaps replayed, gaps older than the buffer resynchronised, restarts, AllBlocksCleared, a worker
+that goes silent, a worker that fails its health check, and vLLM's own encoding of the events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+import pytest
+
+from gateway.upstream.kv_feed import FeedSettings, KvFeed, KvSource, source_from_discovery
+from gateway.upstream.kv_wire import Cleared, Removed, Stored, decode_payload
+from gateway.upstream.workers import WorkerTable
+from tests.support.kv_publisher import CLEARED, FakePublisher, removed, stored
+
+URL = "http://127.0.0.1:9"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def no_fetch(url: str, timeout_s: float) -> tuple[int, bytes]:
+    raise AssertionError("a configured source needs no discovery")
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Wait (bounded) for the background task to get there; the bound is generous, never a timing check."""
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+@pytest.fixture
+async def publisher() -> AsyncIterator[FakePublisher]:
+    pub = FakePublisher()
+    yield pub
+    await pub.aclose()
+
+
+async def followed(pub: FakePublisher, clock: Callable[[], float] | None = None, **settings: float) -> KvFeed:
+    """A feed following ``pub``, with its live socket connected (a batch came through it)."""
+    feed = KvFeed(clock=clock) if clock else KvFeed()
+    await feed.follow([URL], {URL: pub.source}, no_fetch, FeedSettings(**settings))  # type: ignore[arg-type]
+    state = feed.workers[URL]
+    while state.received == 0:
+        await pub.publish([])
+        await asyncio.sleep(0.02)
+    return feed
+
+
+async def test_stores_and_evictions_count_copies(publisher: FakePublisher) -> None:
+    feed = await followed(publisher)
+    try:
+        await publisher.publish([stored([1, 2, 3]), stored([1])])  # block 1 twice: two physical copies
+        await publisher.publish([removed([1]), removed([3])])
+        await until(lambda: feed.workers[URL].last_seq == publisher.seq - 1, "both batches applied")
+        assert feed.index.prefix_blocks(URL, [1, 2, 3]) == 2
+        assert feed.workers[URL].block_size == 4
+        assert feed.trusted(URL)
+    finally:
+        await feed.aclose()
+
+
+async def test_what_the_worker_buffered_before_the_gateway_came_is_replayed(publisher: FakePublisher) -> None:
+    await publisher.publish([stored([5, 6])], drop=True)  # published before anyone listened
+    feed = await followed(publisher)
+    try:
+        assert feed.index.prefix_blocks(URL, [5, 6]) == 2
+    finally:
+        await feed.aclose()
+
+
+async def test_a_gap_is_filled_from_the_replay_socket(publisher: FakePublisher) -> None:
+    feed = await followed(publisher)
+    try:
+        await publisher.publish([stored([10, 11])], drop=True)  # lost on the live socket
+        await publisher.publish([stored([12], parent=11)])
+        await until(lambda: feed.workers[URL].last_seq == publisher.seq - 1, "the batch after the gap applied")
+        state = feed.workers[URL]
+        assert state.gaps == 1 and state.resyncs == 0
+        assert feed.index.prefix_blocks(URL, [10, 11, 12]) == 3
+    finally:
+        await feed.aclose()
+
+
+async def test_a_gap_older_than_the_replay_buffer_resynchronises(publisher: FakePublisher) -> None:
+    feed = await followed(publisher)
+    try:
+        await publisher.publish([stored([20])])
+        await until(lambda: feed.index.copies(URL, 20) == 1, "block 20 stored")
+        await publisher.publish([removed([20]), stored([21])], drop=True)
+        publisher.buffer.clear()  # the worker's buffer no longer has the lost batch
+        await publisher.publish([stored([22])])
+        await until(lambda: feed.workers[URL].resyncs == 1, "a resync")
+        await until(lambda: feed.index.copies(URL, 22) == 1, "block 22 stored after the resync")
+        assert feed.index.copies(URL, 20) == 0  # what may be stale was dropped, not kept
+    finally:
+        await feed.aclose()
+
+
+async def test_a_restarted_worker_loses_its_entries(publisher: FakePublisher) -> None:
+    feed = await followed(publisher)
+    try:
+        await publisher.publish([stored([30, 31])])
+        await until(lambda: feed.index.blocks(URL) == 2, "blocks stored")
+        publisher.restart()
+        await publisher.publish([stored([40])])  # sequence 0 again
+        await until(lambda: feed.workers[URL].restarts == 1, "the restart seen")
+        assert feed.index.copies(URL, 30) == 0 and feed.index.copies(URL, 40) == 1
+    finally:
+        await feed.aclose()
+
+
+async def test_all_blocks_cleared_drops_the_worker_entries(publisher: FakePublisher) -> None:
+    feed = await followed(publisher)
+    try:
+        await publisher.publish([stored([50, 51])])
+        await publisher.publish([CLEARED, stored([52])])
+        await until(lambda: feed.workers[URL].last_seq == publisher.seq - 1, "applied")
+        assert feed.index.blocks(URL) == 1 and feed.index.copies(URL, 52) == 1
+    finally:
+        await feed.aclose()
+
+
+async def test_a_worker_that_stops_publishing_expires_and_comes_back(publisher: FakePublisher) -> None:
+    clock = Clock()
+    feed = await followed(publisher, clock, expire_s=30.0)
+    try:
+        await publisher.publish([stored([60])])
+        await until(lambda: feed.index.copies(URL, 60) == 1, "stored")
+        clock.now += 3600  # idle for an hour: silence without requests says nothing
+        assert feed.trusted(URL)
+        feed.expect(URL)  # a request that must store blocks went there
+        clock.now += 31
+        assert not feed.trusted(URL)
+        assert feed.index.blocks(URL) == 0
+        await publisher.publish([stored([61])])
+        await until(lambda: feed.index.copies(URL, 61) == 1, "events again")
+        assert feed.trusted(URL)
+    finally:
+        await feed.aclose()
+
+
+async def test_a_failed_health_check_drops_the_worker_entries(publisher: FakePublisher) -> None:
+    table = WorkerTable()
+    worker = table.get(URL)
+    await table.kv.follow([URL], {URL: publisher.source}, no_fetch, FeedSettings())
+    try:
+        while table.kv.workers[URL].received == 0:
+            await publisher.publish([stored([70])])
+            await asyncio.sleep(0.02)
+        assert table.kv.index.copies(URL, 70) >= 1
+        table.set_health(worker, False, "connection refused")
+        assert table.kv.index.blocks(URL) == 0
+        publisher.restart()  # the new process numbers from 0: not mistaken for an old one
+        await publisher.publish([stored([71])])
+        await until(lambda: table.kv.index.copies(URL, 71) == 1, "the new process's blocks")
+        assert table.kv.workers[URL].restarts == 0
+    finally:
+        await table.aclose()
+
+
+async def test_discovery_finds_a_worker_publisher_from_its_own_route() -> None:
+    calls: list[str] = []
+
+    async def fetch(url: str, timeout_s: float) -> tuple[int, bytes]:
+        calls.append(url)
+        if len(calls) == 1:
+            raise ConnectionRefusedError  # still starting
+        return 200, b'{"0": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",' \
+                    b' "replay_endpoint": "tcp://*:5558", "topic": "t"}}'  # fmt: skip
+
+    feed = KvFeed()
+    await feed.follow(["http://10.1.2.3:8000"], {}, fetch, FeedSettings(discover_interval_s=0.01))
+    try:
+        await until(lambda: feed.workers["http://10.1.2.3:8000"].source is not None, "discovered")
+        assert feed.workers["http://10.1.2.3:8000"].source == KvSource(
+            "tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558", "t"
+        )
+        assert calls[0] == "http://10.1.2.3:8000/kv_event_sources"
+    finally:
+        await feed.aclose()
+
+
+def test_discovery_answers_that_cannot_be_followed() -> None:
+    url = "http://[fd00::1]:8000"
+    assert source_from_discovery(url, {}) is None
+    assert source_from_discovery(url, {"0": {"enable_kv_cache_events": False, "publisher": "null"}}) is None
+    # a concrete address: the worker connects out to a router that binds; not this gateway's way
+    concrete = {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://10.0.0.9:5557"}}
+    assert source_from_discovery(url, concrete) is None
+    wildcard = {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}}
+    assert source_from_discovery(url, wildcard) == KvSource("tcp://[fd00::1]:5557", None, "")
+
+
+def test_vllm_encoded_events_decode() -> None:
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    batch = kv_events.KVEventBatch(
+        ts=2.5,
+        events=[
+            kv_events.BlockStored(
+                block_hashes=[2**64 - 1, 7], parent_block_hash=None, token_ids=list(range(8)), block_size=4,
+                lora_id=None, medium="GPU", lora_name=None,
+            ),
+            kv_events.BlockRemoved(block_hashes=[7], medium="GPU"),
+            kv_events.BlockRemoved(block_hashes=[8], medium="CPU"),  # another tier: not this cache
+            kv_events.AllBlocksCleared(),
+        ],
+    )  # fmt: skip
+    decoded = decode_payload(3, msgspec.msgpack.encode(batch))
+    assert decoded.seq == 3 and decoded.ts == 2.5
+    assert decoded.events == [
+        Stored([2**64 - 1, 7], None, list(range(8)), 4, None, None),
+        Removed([7]),
+        Cleared(),
+    ]
+    digest = bytes(range(32))
+    as_bytes = kv_events.BlockRemoved(block_hashes=[digest], medium=None)
+    assert decode_payload(0, msgspec.msgpack.encode(kv_events.KVEventBatch(ts=0, events=[as_bytes]))).events == [
+        Removed([int.from_bytes(digest[-8:], "big")])
+    ]
