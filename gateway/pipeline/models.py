@@ -1,8 +1,12 @@
-"""The model table of one config: the names and aliases clients use, and each model's worker URLs."""
+"""The model table of one config: the names and aliases clients use, and each model's worker URLs.
+
+A LoRA adapter's name or alias resolves to its ``AdapterModel`` (the base model's workers, the adapter's
+served name), so the rest of the gateway treats it as a model; ``models`` lists the base models only.
+"""
 
 from __future__ import annotations
 
-from gateway.pipeline.config import GatewayConfig, ModelConfig, is_url
+from gateway.pipeline.config import AdapterModel, GatewayConfig, ModelConfig, is_url
 
 
 class ModelTable:
@@ -13,10 +17,14 @@ class ModelTable:
         self.models: list[ModelConfig] = list(config.models)
         self._by_name: dict[str, ModelConfig] = {}
         self.worker_urls: dict[str, list[str]] = {}
-        for model in config.models:
+        #: Every adapter (``AdapterModel``) by its own name.
+        self.adapters: dict[str, AdapterModel] = {}
+        for model in config.served_models:
             for name in (model.name, *model.aliases):
                 self._by_name[name] = model
             self.worker_urls[model.name] = [ref if is_url(ref) else managed[ref] for ref in model.workers]
+            if isinstance(model, AdapterModel):
+                self.adapters[model.name] = model
 
     def resolve(self, name: str) -> ModelConfig | None:
         return self._by_name.get(name)
@@ -25,4 +33,5 @@ class ModelTable:
         return list(self._by_name)
 
     def all_worker_urls(self) -> list[str]:
-        return [url for urls in self.worker_urls.values() for url in urls if not url.startswith("dns://")]
+        urls = (url for model in self.models for url in self.worker_urls[model.name])
+        return list(dict.fromkeys(url for url in urls if not url.startswith("dns://")))
