@@ -111,13 +111,16 @@ class Proxy:
             )
         workers = self.services.workers
         metrics = self.services.metrics
+        prepare = getattr(plan, "prepare", None)  # an optional async step of a plan before each attempt
         while True:
             # Per attempt: a retry may go to a fallback model, which changes the body's "model".
             body = ctx.upstream_body() if continuation is None else continuation
             worker.in_flight += 1
             error: GatewayError
-            sent_at = time.perf_counter()
             try:
+                if prepare is not None:  # e.g. load the request's LoRA adapter on this worker
+                    await prepare(worker)
+                sent_at = time.perf_counter()  # after a load: a first byte's wait is the worker's alone
                 upstream = await self._connect(ctx, worker, body)
             except BaseException as exc:
                 if not isinstance(exc, UpstreamFailure):  # cancelled (client gone): keep counters exact

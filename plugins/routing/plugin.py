@@ -6,6 +6,10 @@ slot (429 with ``Retry-After`` when the model is full), and hand the core a ``Pl
 worker by the model's policy and the next one after a retryable failure. A canary target or fallback
 the request may not use (``ctx.allows_model``: the key's allow-list) is never chosen. Everything on this path is
 in-memory arithmetic; the only waits are the bounded admission queue and none at all when it is empty.
+
+A LoRA adapter (``AdapterModel``) is routed among its base model's workers by the placement scorers
+(``adapter_route``), and its plan loads it on the chosen worker before the attempt (``adapter_loader``);
+what each worker holds is read back from the workers in the background (``gateway.upstream.adapters``).
 """
 
 from __future__ import annotations
@@ -14,15 +18,19 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from gateway.pipeline.config import GatewayConfig, ModelConfig
+from gateway.pipeline.adapters import LoraSettings
+from gateway.pipeline.config import AdapterModel, GatewayConfig, ModelConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.services import Services
+from gateway.upstream.adapters import AdapterSync
 from gateway.upstream.workers import Worker
 from gateway.wire.errors import ServiceUnavailable
+from plugins.routing.adapter_route import AdapterPlan, AdapterRoute
 from plugins.routing.canary import WeightedTargets, fallback_chain, retarget, unknown_references
 from plugins.routing.config import ModelRouting, RoutingConfig
 from plugins.routing.discovery import DnsDiscovery, Resolver, system_resolver
+from plugins.routing.placement import scorers
 from plugins.routing.plan import Plan
 from plugins.routing.policies import LoadBias, WorkerPool, prompt_prefix, stable_hash
 from plugins.routing.telemetry import RoutingShared
@@ -94,16 +102,23 @@ class RoutingPlugin(Plugin):
         self._pools: dict[str, tuple[int, WorkerPool]] = {}
         self._discovery: DnsDiscovery | None = None
         self.load = WorkerLoadScraper(config.load_metrics, services.workers, services.upstream)
+        self._lora: dict[str, LoraSettings] = {}  # base model -> its workers' adapter settings
+        self._adapter_sync: AdapterSync | None = None
+        weights = config.adapters
+        self._scorers = scorers(weights.affinity_weight, weights.free_slot_weight, weights.load_weight)
 
     def prepare(self, config: GatewayConfig) -> None:
         """Check the model names this section refers to and learn the model table."""
-        known = {m.name for m in config.models}
+        known = {m.name for m in config.served_models}
         problems = unknown_references(self.config, known)
         if problems:
             raise ValueError("; ".join(problems))
         managed = {w.name: w.url for w in config.engine.workers}
-        for model in config.models:
+        for model in config.served_models:
             self._models[model.name] = model
+            settings = model.lora_settings
+            if settings is not None:
+                self._lora[model.name] = settings
             self._refs[model.name] = [managed.get(ref, ref) for ref in model.workers]
             self._chains[model.name] = fallback_chain(model.name, self.config, known)
             targets = self.config.for_model(model.name).targets
@@ -122,11 +137,34 @@ class RoutingPlugin(Plugin):
         if self._discovery is not None:
             await self._discovery.start()
         await self.load.start()
+        if self._lora:
+            cfg = self.config.adapters
+            self._adapter_sync = AdapterSync(
+                self.services.upstream.get,
+                self.lora_workers,
+                interval_s=cfg.sync_interval_s,
+                timeout_s=cfg.sync_timeout_s,
+            )
+            self._adapter_sync.start()
 
     async def aclose(self) -> None:
         if self._discovery is not None:
             await self._discovery.aclose()
         await self.load.aclose()
+        if self._adapter_sync is not None:
+            await self._adapter_sync.aclose()
+
+    def lora_workers(self) -> list[Worker]:
+        """The workers of the models that serve adapters (each once)."""
+        workers = {id(w): w for name in self._lora for w in self.pool(name).workers}
+        return list(workers.values())
+
+    def route(self, model: ModelConfig, ctx: RequestContext, bias: LoadBias | None) -> ModelRoute | AdapterRoute:
+        routing = self.config.for_model(model.name)
+        if isinstance(model, AdapterModel):
+            settings = self._lora[model.base]
+            return AdapterRoute(model, routing, self.pool(model.name), settings, self._scorers, bias)
+        return ModelRoute(model, routing, self.pool(model.name), ctx, bias)
 
     def pool(self, model: str) -> WorkerPool:
         """The model's workers, rebuilt only when the worker table changed."""
@@ -150,7 +188,7 @@ class RoutingPlugin(Plugin):
                 retarget(ctx, self._models[target])
         bias = self.load.bias if self.config.load_metrics.enabled else None
         routes = [
-            ModelRoute(self._models[name], self.config.for_model(name), self.pool(name), ctx, bias)
+            self.route(self._models[name], ctx, bias)
             for name in self._chains.get(ctx.model.name, (ctx.model.name,))
             if name in self._models and (name == ctx.model.name or ctx.allows_model(name))
         ]
@@ -179,11 +217,26 @@ class RoutingPlugin(Plugin):
                 raise
             if waited:
                 self.shared.queue_wait.labels(model).observe(waited)
+        budget = self.shared.budget(model, self.config.retry_budget)
+        if any(isinstance(r.model, AdapterModel) for r in routes):
+            loader = self.shared.loader(self.config.adapters.load_timeout_s)
+            ctx.plan = AdapterPlan(
+                ctx,
+                routes,
+                loader=loader,
+                settings_of=self._lora.__getitem__,
+                gate=gate,
+                budget=budget,
+                max_attempts=self.config.max_attempts,
+                on_fallback=self._count_fallback,
+                on_budget_refused=self._count_budget_refused,
+            )
+            return None
         ctx.plan = Plan(
             ctx,
             routes,
             gate=gate,
-            budget=self.shared.budget(model, self.config.retry_budget),
+            budget=budget,
             max_attempts=self.config.max_attempts,
             on_fallback=self._count_fallback,
             on_budget_refused=self._count_budget_refused,
