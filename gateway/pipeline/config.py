@@ -16,7 +16,7 @@ import orjson
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.engine.spec import ManagedWorkerSpec
+from gateway.engine.spec import ManagedWorkerSpec, merged_lora
 from gateway.ops.logs import LoggingConfig
 from gateway.pipeline.adapters import AdapterConfig, LoraSettings
 from gateway.upstream.client import UpstreamConfig
@@ -170,6 +170,21 @@ class GatewayConfig(StrictModel):
         built once per config so that every plugin holds the same objects as the model table."""
         adapters = [AdapterModel.of(model, adapter) for model in self.models for adapter in model.adapters]
         return [*self.models, *adapters]
+
+    def managed_workers(self) -> list[ManagedWorkerSpec]:
+        """``engine.workers`` as they are launched: a worker of a model that serves adapters runs with
+        LoRA enabled (the model's ``lora`` settings), unless its own ``lora`` says otherwise."""
+        wanted: dict[str, list[LoraSettings]] = {}
+        for model in self.models:
+            settings = model.lora_settings
+            if settings is not None:
+                for ref in model.workers:
+                    wanted.setdefault(ref, []).append(settings)
+        out = []
+        for spec in self.engine.workers:
+            lora = spec.lora or merged_lora(wanted.get(spec.name, []))
+            out.append(spec if lora is spec.lora else spec.model_copy(update={"lora": lora}))
+        return out
 
     @model_validator(mode="after")
     def _check_references(self) -> GatewayConfig:
