@@ -77,6 +77,24 @@ class WorkerAdapters:
         else:
             self.active.pop(name, None)
 
+    def describe(self, now: float) -> list[dict[str, object]]:
+        """For operators (admin API, console): each adapter held or being loaded, by name."""
+        rows: list[dict[str, object]] = [
+            {
+                "name": name,
+                "state": "held",
+                "pinned": name in self.pinned,
+                "in_use": self.active.get(name, 0),
+                "idle_s": round(now - used, 3) if used else None,
+            }
+            for name, used in sorted(self.held.items())
+        ]
+        rows += [
+            {"name": name, "state": "loading", "pinned": name in self.pinned, "in_use": 0, "idle_s": None}
+            for name in sorted(self.loading)
+        ]
+        return rows
+
     def forget(self) -> None:
         """The worker may have restarted: what it held is unknown until the next read."""
         self.held.clear()

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import random
 import time
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from gateway.pipeline.adapters import LoraSettings
 from gateway.pipeline.config import AdapterModel, GatewayConfig, ModelConfig
@@ -26,6 +27,8 @@ from gateway.pipeline.services import Services
 from gateway.upstream.adapters import AdapterSync
 from gateway.upstream.workers import Worker
 from gateway.wire.errors import ServiceUnavailable
+from plugins.routing.adapter_admin import ACTIONS as ADAPTER_ACTIONS
+from plugins.routing.adapter_admin import AdapterAdmin
 from plugins.routing.adapter_route import AdapterPlan, AdapterRoute
 from plugins.routing.canary import WeightedTargets, fallback_chain, retarget, unknown_references
 from plugins.routing.config import ModelRouting, RoutingConfig
@@ -103,6 +106,7 @@ class RoutingPlugin(Plugin):
         self._discovery: DnsDiscovery | None = None
         self.load = WorkerLoadScraper(config.load_metrics, services.workers, services.upstream)
         self._lora: dict[str, LoraSettings] = {}  # base model -> its workers' adapter settings
+        self._adapter_names: dict[str, AdapterModel] = {}  # every adapter name and alias
         self._adapter_sync: AdapterSync | None = None
         weights = config.adapters
         self._scorers = scorers(weights.affinity_weight, weights.free_slot_weight, weights.load_weight)
@@ -119,6 +123,8 @@ class RoutingPlugin(Plugin):
             settings = model.lora_settings
             if settings is not None:
                 self._lora[model.name] = settings
+            if isinstance(model, AdapterModel):
+                self._adapter_names.update(dict.fromkeys((model.name, *model.aliases), model))
             self._refs[model.name] = [managed.get(ref, ref) for ref in model.workers]
             self._chains[model.name] = fallback_chain(model.name, self.config, known)
             targets = self.config.for_model(model.name).targets
@@ -153,6 +159,14 @@ class RoutingPlugin(Plugin):
         await self.load.aclose()
         if self._adapter_sync is not None:
             await self._adapter_sync.aclose()
+
+    async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Operator actions on adapters (``plugins.routing.adapter_admin``)."""
+        if action not in ADAPTER_ACTIONS:
+            return await super().on_admin(action, body)
+        loader = partial(self.shared.loader, self.config.adapters.load_timeout_s)
+        admin = AdapterAdmin(self._adapter_names, self._lora, lambda name: self.pool(name).workers, loader)
+        return await admin.handle(action, body)
 
     def lora_workers(self) -> list[Worker]:
         """The workers of the models that serve adapters (each once)."""

@@ -2,7 +2,9 @@
 
 - ``GET /admin/stats``: live figures by model over the last seconds (``gateway.ops.stats``).
 - ``GET /admin/workers``: each model's requests in flight and queued, and its workers: health, in
-  flight, ejections, the last error, and the upstream failures counted per worker and kind since start.
+  flight, ejections, the last error, the upstream failures counted per worker and kind since start, and
+  the LoRA adapters it holds (``adapters``: name, pinned, requests using it, seconds since last use, or
+  ``loading``).
 - ``GET /admin/reloads``: the running version and the last reloads, newest first (when, who, source,
   accepted/unchanged/refused, reason).
 - ``POST /admin/config/diff``: a candidate config (YAML or JSON body) validated without going live
@@ -97,6 +99,7 @@ async def workers(request: Request) -> JSON:
                     "last_error": worker.last_error,
                     "checked_ago_s": now - worker.checked_at if worker.checked_at else None,
                     "errors": errors.get(url, {}),
+                    "adapters": worker.adapters.describe(now),
                 }
             )
         now_load = load.get(model.name, {})

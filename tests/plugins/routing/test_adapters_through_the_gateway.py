@@ -193,3 +193,43 @@ def test_a_reload_adds_an_adapter_without_touching_the_workers(gateway_factory: 
         assert reply.status_code == 200, reply.text
         ask(gw, "fresh")
         assert loads(workers[0][0]) == ["fresh"]
+
+
+def admin(gw: ServerThread, action: str, **body: str) -> httpx.Response:
+    return httpx.post(f"{gw.url}/admin/plugins/routing/{action}", headers=ADMIN, json=body, timeout=10)
+
+
+def test_operators_pin_unload_and_see_adapters_per_worker(gateway_factory: GatewayFactory) -> None:
+    with fleet(2) as workers, gateway_factory(lora_config(workers, max_loras=2), admin_token=ADMIN_TOKEN) as (_, gw):
+        (fake0, server0), (fake1, server1) = workers
+        pinned = admin(gw, "pin_adapter", adapter="sql-v1", worker=server1.url)
+        assert pinned.status_code == 200, pinned.text
+        assert pinned.json()["result"]["adapters"][0] | {"idle_s": None} == {
+            "name": "sql", "state": "held", "pinned": True, "in_use": 0, "idle_s": None,
+        }  # fmt: skip
+        assert loads(fake1) == ["sql"] and loads(fake0) == []
+        # a pinned adapter stays when the worker must make room for others
+        fake0.healthy = False  # every request below goes to worker 1
+        wait_for(lambda: not any(w["healthy"] for w in _rows(gw) if w["url"] == server0.url), 5, "w0 down")
+        for model in ("support", "legal"):
+            ask(gw, model)
+        assert "sql" in fake1.adapters and set(fake1.adapters) == {"sql", "legal"}
+        view = {w["url"]: w for w in _rows(gw)}[server1.url]["adapters"]
+        assert {a["name"]: a["pinned"] for a in view} == {"sql": True, "legal": False}
+        overview = admin(gw, "adapters").json()["result"]["workers"]
+        assert {w["url"] for w in overview} == {server0.url, server1.url}
+        # unloaded by the operator, pinned or not
+        assert admin(gw, "unload_adapter", adapter="sql", worker=server1.url).status_code == 200
+        assert "sql" not in fake1.adapters and ("unload", {"lora_name": "sql"}) in fake1.lora_calls
+        # mistakes are named; a client key is not an admin
+        assert admin(gw, "pin_adapter", adapter="nope", worker=server1.url).json()["error"]["code"] == (
+            "adapter_not_found"
+        )
+        assert admin(gw, "pin_adapter", adapter="sql", worker="http://elsewhere:1").json()["error"]["param"] == "worker"
+        anonymous = httpx.post(f"{gw.url}/admin/plugins/routing/unload_adapter", json={})
+        assert anonymous.status_code in (401, 403)
+
+
+def _rows(gw: ServerThread) -> list[dict[str, Any]]:
+    models = httpx.get(gw.url + "/admin/workers", headers=ADMIN).json()["models"]
+    return [row for model in models for row in model["workers"]]

@@ -146,13 +146,15 @@
           el("td", { class: "num" }, w.consecutive_failures),
           el("td", {}, w.last_error || "-"),
           el("td", {}, Object.entries(w.errors).map(([k, n]) => `${k}: ${n}`).join(", ") || "-"),
-          el("td", { class: "num" }, w.checked_ago_s === null ? "-" : `${w.checked_ago_s.toFixed(1)} s ago`)));
+          el("td", { class: "num" }, w.checked_ago_s === null ? "-" : `${w.checked_ago_s.toFixed(1)} s ago`),
+          el("td", { class: "adapters" }, (w.adapters || []).map((a) =>
+            a.name + (a.state === "loading" ? " (loading)" : a.pinned ? " (pinned)" : "")).join(", ") || "-")));
       return el("div", { class: "model" },
         el("h3", {}, model.model, " ",
           el("span", { class: "muted small model-load" }, `${model.in_flight} in flight, ${model.queued} queued`)),
         el("table", {},
           el("thead", {}, el("tr", {}, ...["worker", "state", "in flight", "ejections", "failures in a row",
-            "last error", "upstream errors", "last check"].map((h) => el("th", {}, h)))),
+            "last error", "upstream errors", "last check", "adapters"].map((h) => el("th", {}, h)))),
           el("tbody", {}, ...rows)));
     });
     $("workers").replaceChildren(...blocks);
