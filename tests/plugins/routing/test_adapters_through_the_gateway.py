@@ -233,3 +233,21 @@ def test_operators_pin_unload_and_see_adapters_per_worker(gateway_factory: Gatew
 def _rows(gw: ServerThread) -> list[dict[str, Any]]:
     models = httpx.get(gw.url + "/admin/workers", headers=ADMIN).json()["models"]
     return [row for model in models for row in model["workers"]]
+
+
+def test_an_adapter_in_use_is_neither_evicted_nor_unloaded(gateway_factory: GatewayFactory) -> None:
+    with fleet(1) as workers, gateway_factory(lora_config(workers, max_loras=1), admin_token=ADMIN_TOKEN) as (_, gw):
+        fake, server = workers[0]
+        hold = threading.Event()
+        fake.behavior.hold = hold
+        with ThreadPoolExecutor(2) as pool:
+            busy = pool.submit(ask, gw, "sql")
+            wait_for(lambda: len(fake.requests) == 1, 10, "the sql request to reach the worker")
+            refused = admin(gw, "unload_adapter", adapter="sql", worker=server.url)
+            assert refused.status_code == 409 and refused.json()["error"]["code"] == "adapter_in_use"
+            other = pool.submit(ask, gw, "support")  # no room, and sql is busy: loaded beside it
+            wait_for(lambda: "support" in fake.adapters, 10, "support to be loaded")
+            assert "sql" in fake.adapters
+            hold.set()
+            assert busy.result(timeout=30) and other.result(timeout=30)
+        assert ("unload", {"lora_name": "sql"}) not in fake.lora_calls
