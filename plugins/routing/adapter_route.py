@@ -15,14 +15,12 @@ from collections.abc import Callable, Sequence
 
 from gateway.pipeline.adapters import LoraSettings
 from gateway.pipeline.config import AdapterModel, ModelConfig
-from gateway.pipeline.context import RequestContext
 from gateway.upstream.workers import Worker
 from gateway.wire.errors import GatewayError
 from plugins.routing.adapter_loader import AdapterLoader
-from plugins.routing.admission import ModelGate
 from plugins.routing.config import ModelRouting
 from plugins.routing.placement import Scene, Scorer, WorkerView, load_cap, rank
-from plugins.routing.plan import Plan, RetryBudget, Route
+from plugins.routing.plan import Plan
 from plugins.routing.policies import LoadBias, WorkerPool
 
 
@@ -87,31 +85,12 @@ class AdapterPlan(Plan):
 
     __slots__ = ("_loader", "_settings_of", "_using")
 
-    def __init__(
-        self,
-        ctx: RequestContext,
-        routes: Sequence[Route],
-        *,
-        loader: AdapterLoader,
-        settings_of: Callable[[str], LoraSettings],
-        gate: ModelGate | None,
-        budget: RetryBudget,
-        max_attempts: int,
-        on_fallback: Callable[[str, str], None] | None = None,
-        on_budget_refused: Callable[[str], None] | None = None,
-    ) -> None:
-        super().__init__(
-            ctx,
-            routes,
-            gate=gate,
-            budget=budget,
-            max_attempts=max_attempts,
-            on_fallback=on_fallback,
-            on_budget_refused=on_budget_refused,
-        )
+    def use(self, loader: AdapterLoader, settings_of: Callable[[str], LoraSettings]) -> AdapterPlan:
+        """Called once, right after construction: the loader and each base model's LoRA settings."""
         self._loader = loader
         self._settings_of = settings_of
         self._using: dict[Worker, str] = {}
+        return self
 
     async def prepare(self, worker: Worker) -> None:
         """Awaited by the core before it sends an attempt to ``worker``. The request's model now (a

@@ -231,30 +231,19 @@ class RoutingPlugin(Plugin):
                 raise
             if waited:
                 self.shared.queue_wait.labels(model).observe(waited)
-        budget = self.shared.budget(model, self.config.retry_budget)
-        if any(isinstance(r.model, AdapterModel) for r in routes):
-            loader = self.shared.loader(self.config.adapters.load_timeout_s)
-            ctx.plan = AdapterPlan(
-                ctx,
-                routes,
-                loader=loader,
-                settings_of=self._lora.__getitem__,
-                gate=gate,
-                budget=budget,
-                max_attempts=self.config.max_attempts,
-                on_fallback=self._count_fallback,
-                on_budget_refused=self._count_budget_refused,
-            )
-            return None
-        ctx.plan = Plan(
+        adapters = any(isinstance(r.model, AdapterModel) for r in routes)
+        plan = (AdapterPlan if adapters else Plan)(
             ctx,
             routes,
             gate=gate,
-            budget=budget,
+            budget=self.shared.budget(model, self.config.retry_budget),
             max_attempts=self.config.max_attempts,
             on_fallback=self._count_fallback,
             on_budget_refused=self._count_budget_refused,
         )
+        if isinstance(plan, AdapterPlan):
+            plan.use(self.shared.loader(self.config.adapters.load_timeout_s), self._lora.__getitem__)
+        ctx.plan = plan
         return None
 
     def _count_fallback(self, model: str, fallback: str) -> None:
