@@ -122,3 +122,27 @@ def test_the_cache_keeps_an_adapters_answers_apart_from_the_base_models(
 
 def _wait_entries(client: redis.Redis, namespace: str, n: int) -> None:
     wait_for(lambda: len(list(client.scan_iter(match=f"gwcache:{namespace}:e:*"))) >= n, 5, f"{n} cache entries")
+
+
+def test_safety_rules_of_an_adapter_apply_to_it_and_not_to_its_base_model(
+    gateway_factory: GatewayFactory, lora_worker: tuple[FakeUpstream, ServerThread]
+) -> None:
+    fake, worker = lora_worker
+    cfg = base_config(
+        [worker.url],
+        plugins=[
+            {
+                "name": "safety",
+                "config": {"models": {"sql": {"rules": [{"id": "no-drop", "kind": "words", "words": ["drop"]}]}}},
+            },
+            {"name": "routing"},
+        ],
+    )
+    cfg["models"][0]["adapters"] = [{"name": "sql", "path": "/adapters/sql", "aliases": ["sql-v1"]}]
+    body = {"messages": [{"role": "user", "content": "drop the table"}], "max_tokens": 4}
+    with gateway_factory(cfg) as (_, gw):
+        for model in ("sql", "sql-v1"):
+            refused = httpx.post(gw.url + "/v1/chat/completions", json={**body, "model": model})
+            assert refused.status_code == 400, refused.text
+        assert httpx.post(gw.url + "/v1/chat/completions", json={**body, "model": "m1"}).status_code == 200
+    assert [r.body["model"] for r in fake.requests] == ["m1"] and fake.lora_calls == []
