@@ -146,3 +146,15 @@ def test_safety_rules_of_an_adapter_apply_to_it_and_not_to_its_base_model(
             assert refused.status_code == 400, refused.text
         assert httpx.post(gw.url + "/v1/chat/completions", json={**body, "model": "m1"}).status_code == 200
     assert [r.body["model"] for r in fake.requests] == ["m1"] and fake.lora_calls == []
+
+
+def test_tokenize_for_an_adapter_uses_its_base_model_on_any_worker(
+    gateway_factory: GatewayFactory, lora_worker: tuple[FakeUpstream, ServerThread]
+) -> None:
+    fake, worker = lora_worker
+    cfg = base_config([worker.url])
+    cfg["models"][0]["adapters"] = [{"name": "sql", "path": "/adapters/sql"}]
+    with gateway_factory(cfg) as (_, gw):
+        reply = httpx.post(gw.url + "/tokenize", json={"model": "sql", "prompt": "select 1"})
+    assert reply.status_code == 200, reply.text
+    assert [body["model"] for body in fake.tokenized] == ["m1"] and fake.lora_calls == []
