@@ -167,6 +167,11 @@ def build_argv(spec: ManagedWorkerSpec, model: Path | str) -> list[str]:
     if spec.kv_events:
         argv += ["--kv-events-config", json.dumps(kv_events_config(spec), sort_keys=True)]
         argv.append("--enable-prompt-tokens-details")
+    if spec.lora is not None:  # on the CPU build this turns torch compilation off (docs/adapters.md)
+        argv += ["--enable-lora", "--max-loras", str(spec.lora.max_loras)]
+        argv += ["--max-lora-rank", str(spec.lora.max_lora_rank)]
+        if spec.lora.max_cpu_loras is not None:
+            argv += ["--max-cpu-loras", str(spec.lora.max_cpu_loras)]
     # The gateway logs every request itself; the worker's access log would mostly echo health probes.
     argv.append("--disable-uvicorn-access-log")
     argv += list(spec.extra_args)
@@ -184,7 +189,9 @@ def build_env(
 
     CPU workers get ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, rounded up, as vLLM parses an int),
     ``VLLM_CPU_OMP_THREADS_BIND`` and ``LD_PRELOAD`` (``preload`` first, then any ``LD_PRELOAD`` found in
-    ``inherited``). A local model directory turns the hub off so a start-up never waits on the network.
+    ``inherited``). A worker serving LoRA adapters allows loading them at run time
+    (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). A local model directory turns the hub off so a start-up never
+    waits on the network.
     Every worker keeps idle connections ``WORKER_KEEPALIVE_S`` (vLLM's default is 5 s). The spec's own
     ``env`` is applied last and wins.
     """
@@ -201,6 +208,8 @@ def build_env(
         libs = [*preload, *(p for p in existing.split(":") if p and p not in preload)]
         if libs:
             env["LD_PRELOAD"] = ":".join(libs)
+    if spec.lora is not None:  # the gateway loads and unloads adapters at run time
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if isinstance(model, Path):
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"

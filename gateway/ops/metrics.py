@@ -155,6 +155,24 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        # LoRA adapters on workers (routing loads and evicts them). Adapter names may be a tenant's
+        # own: the public /metrics sums them away, the admin side sees them.
+        self.adapter_loads = Counter(
+            "gateway_adapter_loads",
+            "LoRA adapter loads on workers, by worker, adapter and outcome (ok|error)",
+            ["worker", "adapter", "outcome"],
+            registry=r,
+        )
+        self.adapter_evictions = Counter(
+            "gateway_adapter_evictions",
+            "LoRA adapters unloaded from workers, by worker, adapter and reason (lru|admin)",
+            ["worker", "adapter", "reason"],
+            registry=r,
+        )
+        self.adapter_load_seconds = Histogram(
+            "gateway_adapter_load_seconds", "Time to load a LoRA adapter on a worker", ["worker"], registry=r
+        )
+        self.mark_private(self.adapter_loads, self.adapter_evictions, labels=("adapter",))
         # The metrics touched by every request look each label set's child up once (CachedLabels);
         # their label values (models, routes, statuses, plugins, hooks) come from small sets.
         for name in ("requests", "latency", "ttft", "in_flight", "tpot", "tokens", "hook_duration"):

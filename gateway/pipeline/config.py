@@ -7,6 +7,7 @@ the runtime is prepared (``gateway.pipeline.runtime``), with the same error form
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any, Literal
@@ -15,8 +16,9 @@ import orjson
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.engine.spec import ManagedWorkerSpec
+from gateway.engine.spec import ManagedWorkerSpec, merged_lora
 from gateway.ops.logs import LoggingConfig
+from gateway.pipeline.adapters import AdapterConfig, LoraSettings
 from gateway.upstream.client import UpstreamConfig
 
 
@@ -77,10 +79,42 @@ class ModelConfig(StrictModel):
     max_model_len: int | None = Field(
         None, ge=1, description="the context window: shown on the model card; bounds guided_json's retry budget"
     )
+    adapters: list[AdapterConfig] = Field(
+        default_factory=list, description="LoRA adapters of this base model, loaded on its workers on demand"
+    )
+    lora: LoraSettings | None = Field(
+        None, description="adapter slots per worker and the largest rank (default when adapters are listed)"
+    )
 
     @property
     def upstream_name(self) -> str:
         return self.served_name or self.name
+
+    @property
+    def lora_settings(self) -> LoraSettings | None:
+        """The LoRA settings the model's workers run with: None when the model serves no adapter."""
+        return self.lora or (LoraSettings() if self.adapters else None)
+
+
+class AdapterModel(ModelConfig):
+    """A LoRA adapter as a model of its own (what ``ctx.model`` is for a request naming it): the base
+    model's workers and context, the adapter's names, and ``base`` naming the model it was trained on."""
+
+    base: str
+    adapter: AdapterConfig
+
+    @classmethod
+    def of(cls, base: ModelConfig, adapter: AdapterConfig) -> AdapterModel:
+        return cls(
+            name=adapter.name,
+            aliases=adapter.aliases,
+            served_name=adapter.upstream_name,
+            workers=base.workers,
+            owned_by=base.owned_by,
+            max_model_len=base.max_model_len,
+            base=base.name,
+            adapter=adapter,
+        )
 
 
 class PluginEntry(StrictModel):
@@ -130,14 +164,38 @@ class GatewayConfig(StrictModel):
         default_factory=ResponsesConfig, description="the Responses API's store of responses (Redis, per tenant)"
     )
 
+    @functools.cached_property
+    def served_models(self) -> list[ModelConfig]:
+        """Every model a client may name: the base models, then each one's adapters (``AdapterModel``),
+        built once per config so that every plugin holds the same objects as the model table."""
+        adapters = [AdapterModel.of(model, adapter) for model in self.models for adapter in model.adapters]
+        return [*self.models, *adapters]
+
+    def managed_workers(self) -> list[ManagedWorkerSpec]:
+        """``engine.workers`` as they are launched: a worker of a model that serves adapters runs with
+        LoRA enabled (the model's ``lora`` settings), unless its own ``lora`` says otherwise."""
+        wanted: dict[str, list[LoraSettings]] = {}
+        for model in self.models:
+            settings = model.lora_settings
+            if settings is not None:
+                for ref in model.workers:
+                    wanted.setdefault(ref, []).append(settings)
+        out = []
+        for spec in self.engine.workers:
+            lora = spec.lora or merged_lora(wanted.get(spec.name, []))
+            out.append(spec if lora is spec.lora else spec.model_copy(update={"lora": lora}))
+        return out
+
     @model_validator(mode="after")
     def _check_references(self) -> GatewayConfig:
         seen: dict[str, str] = {}
-        for model in self.models:
+        for model in self.served_models:
             for name in (model.name, *model.aliases):
                 if name in seen:
                     raise ValueError(f"model name or alias '{name}' is used twice ({seen[name]}, {model.name})")
                 seen[name] = model.name
+            if isinstance(model, AdapterModel) and model.upstream_name in {m.upstream_name for m in self.models}:
+                raise ValueError(f"adapter '{model.name}' is served under a base model's name ({model.upstream_name})")
         managed = {w.name for w in self.engine.workers}
         for model in self.models:
             for ref in model.workers:

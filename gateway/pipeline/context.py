@@ -109,7 +109,10 @@ class RoutePlan(Protocol):
     The core calls ``next_worker(None, None)`` for the first attempt; after a failure that is safe to
     retry (no byte has reached the client) it calls ``next_worker(failed, error)`` and tries the worker
     it returns, or gives up with ``error`` when it returns None. ``finished`` is called exactly once
-    per attempt with the outcome, so load counters and outlier detection stay exact.
+    per attempt with the outcome, so load counters and outlier detection stay exact. A plan may also have
+    ``async prepare(worker)``, which the core awaits before each attempt on ``worker`` (the first, a retry,
+    a stream's continuation): e.g. loading the request's LoRA adapter there; what it raises fails the
+    attempt and reaches the client.
     """
 
     def next_worker(self, failed: Worker | None, error: GatewayError | None) -> Worker | None: ...

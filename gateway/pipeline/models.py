@@ -1,11 +1,15 @@
 """The model table of one config: the names and aliases clients use, each model's worker URLs, and the
-graph of where a request for a model may be served (the moves plugins declare: canaries, fallbacks)."""
+graph of where a request for a model may be served (the moves plugins declare: canaries, fallbacks).
+
+A LoRA adapter's name or alias resolves to its ``AdapterModel`` (the base model's workers, the adapter's
+served name), so the rest of the gateway treats it as a model; ``models`` lists the base models only.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 
-from gateway.pipeline.config import GatewayConfig, ModelConfig, is_url
+from gateway.pipeline.config import AdapterModel, GatewayConfig, ModelConfig, is_url
 
 
 class ModelTable:
@@ -16,11 +20,15 @@ class ModelTable:
         self.models: list[ModelConfig] = list(config.models)
         self._by_name: dict[str, ModelConfig] = {}
         self.worker_urls: dict[str, list[str]] = {}
-        for model in config.models:
+        #: Every adapter (``AdapterModel``) by its own name.
+        self.adapters: dict[str, AdapterModel] = {}
+        for model in config.served_models:
             for name in (model.name, *model.aliases):
                 self._by_name[name] = model
             self.worker_urls[model.name] = [ref if is_url(ref) else managed[ref] for ref in model.workers]
-        self._reachable = _closure([m.name for m in config.models], moves)
+            if isinstance(model, AdapterModel):
+                self.adapters[model.name] = model
+        self._reachable = _closure([m.name for m in config.served_models], moves)
 
     def resolve(self, name: str) -> ModelConfig | None:
         return self._by_name.get(name)
@@ -29,7 +37,8 @@ class ModelTable:
         return list(self._by_name)
 
     def all_worker_urls(self) -> list[str]:
-        return [url for urls in self.worker_urls.values() for url in urls if not url.startswith("dns://")]
+        urls = (url for model in self.models for url in self.worker_urls[model.name])
+        return list(dict.fromkeys(url for url in urls if not url.startswith("dns://")))
 
     def reachable(self, name: str) -> frozenset[str]:
         """Model ``name`` and every model a request for it may end up served by (the plugins' declared

@@ -73,15 +73,18 @@ class Trip:
         """One attempt on ``worker``: its 200 response (the lease kept as ``self.lease``), or why not."""
         ctx = self._ctx
         lease = WorkerLease(worker, plan, self._services.workers, ctx.tenant)
-        sent_at = time.perf_counter()
+        prepare = getattr(plan, "prepare", None)  # RoutePlan's optional step before each attempt
         try:
+            if prepare is not None:  # e.g. load the request's LoRA adapter on this worker
+                await prepare(worker)
+            sent_at = time.perf_counter()  # after a load: a first byte's wait is the worker's alone
             upstream = await self._connect(worker, body)
         except UpstreamFailure as failure:
             self._blame(worker, failure.kind)
             self._services.metrics.upstream_errors.labels(worker.url, failure.kind).inc()
             lease.failed(failure.error)
             return failure.error, failure.retryable
-        except BaseException:  # cancelled (the client went away)
+        except BaseException:  # cancelled (the client went away), or the plan's step refused
             lease.failed()
             raise
         if upstream.status != 200:

@@ -106,7 +106,7 @@ def _default_engine(state: AppState, config: GatewayConfig) -> Any:
     from gateway.engine.supervisor import EngineManager
 
     return EngineManager(
-        list(config.engine.workers),
+        config.managed_workers(),  # with LoRA enabled where a model serves adapters
         models_dir=state.settings.model_dir,
         ready_timeout_s=config.engine.ready_timeout_s,
         on_event=_engine_event_hook(state.services.metrics),

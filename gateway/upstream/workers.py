@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from gateway.ops.tasks import cancel_and_wait
+from gateway.upstream.adapters import WorkerAdapters
 from gateway.upstream.kv_feed import KvFeed
 from gateway.upstream.worker_load import LoadPoller
 
@@ -45,6 +46,7 @@ class Worker:
     failure_sources: set[str] = field(default_factory=set)  # tenants behind the current failure run
     recent_sources: dict[str, float] = field(default_factory=dict)  # tenant -> last request (monotonic)
     recent_cap: int = 64  # recent_sources is pruned when it grows past this
+    adapters: WorkerAdapters = field(default_factory=WorkerAdapters)  # LoRA adapters it holds
 
     def seen(self, source: str, now: float) -> None:
         """Note a request of ``source`` (a tenant). Stale tenants are dropped only when the table has
@@ -197,6 +199,8 @@ class WorkerTable:
         if healthy != worker.healthy:
             worker.healthy = healthy
             worker.last_error = None if healthy else reason
+            if not healthy:  # it may be restarting: run-time adapters do not survive that
+                worker.adapters.forget()
             log.log(
                 logging.INFO if healthy else logging.WARNING,
                 "worker %s is %s%s",

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 from redis.exceptions import RedisError
 
-from gateway.pipeline.config import GatewayConfig
+from gateway.pipeline.config import AdapterModel, GatewayConfig, ModelConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.services import Services
@@ -118,7 +118,10 @@ class CachePlugin(Plugin):
 
     def prepare(self, config: GatewayConfig) -> None:
         managed = {w.name: w.model for w in config.engine.workers}
-        self._backing = {m.name: backing_of(m.upstream_name, m.workers, managed) for m in config.models}
+        # An adapter's answers come from its weights too: its path is part of what backs it.
+        self._backing = {
+            m.name: backing_of(m.upstream_name, [*m.workers, *_adapter_refs(m)], managed) for m in config.served_models
+        }
 
     async def start(self) -> None:
         try:
@@ -405,3 +408,7 @@ class CachePlugin(Plugin):
             _, pending = await asyncio.wait(set(self._writes), timeout=max(1.0, self.config.timeout_ms / 1000 * 4))
             for task in pending:  # releases still waiting for Redis: their locks expire by themselves
                 task.cancel()
+
+
+def _adapter_refs(model: ModelConfig) -> list[str]:
+    return [f"lora={model.adapter.path}"] if isinstance(model, AdapterModel) else []

@@ -156,6 +156,22 @@ class KvEventsConfig(_Strict):
     load_timeout_s: float = Field(1.0, gt=0, description="time budget of one poll")
 
 
+class AdaptersConfig(_Strict):
+    """LoRA adapters (models' ``adapters:``): how a request for one is placed, and how often each worker's
+    adapters are read back from it (``GET /v1/models``)."""
+
+    affinity_weight: float = Field(
+        100.0, ge=0, description="score of a worker that holds the adapter and is not overloaded"
+    )
+    free_slot_weight: float = Field(
+        0.5, ge=0, description="score of a worker with a free adapter slot (loading there evicts nothing)"
+    )
+    load_weight: float = Field(1.0, ge=0, description="score taken off per request in flight at the worker")
+    sync_interval_s: float = Field(5.0, gt=0, description="how often each worker's adapters are read back")
+    sync_timeout_s: float = Field(2.0, gt=0, description="time budget of one read")
+    load_timeout_s: float = Field(60.0, gt=0, description="time budget of one load on a worker")
+
+
 class RoutingConfig(_Strict):
     default: ModelRouting = Field(default_factory=ModelRouting, description="for models not listed in `models`")
     models: dict[str, ModelRouting] = Field(default_factory=dict, description="per model name")
@@ -169,6 +185,10 @@ class RoutingConfig(_Strict):
     )
     kv_events: KvEventsConfig = Field(
         default_factory=KvEventsConfig, description="precise_prefix: the workers' KV cache events and load"
+    )
+
+    adapters: AdaptersConfig = Field(
+        default_factory=AdaptersConfig, description="placement and loading of LoRA adapters"
     )
 
     def for_model(self, name: str) -> ModelRouting:

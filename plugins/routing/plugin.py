@@ -6,6 +6,10 @@ slot (429 with ``Retry-After`` when the model is full), and hand the core a ``Pl
 worker by the model's policy and the next one after a retryable failure. A canary target or fallback
 the request may not use (``ctx.allows_model``: the key's allow-list) is never chosen. Everything on this path is
 in-memory arithmetic; the only waits are the bounded admission queue and none at all when it is empty.
+
+A LoRA adapter (``AdapterModel``) is routed among its base model's workers by the placement scorers
+(``adapter_route``), and its plan loads it on the chosen worker before the attempt (``adapter_loader``);
+what each worker holds is read back from the workers in the background (``gateway.upstream.adapters``).
 """
 
 from __future__ import annotations
@@ -13,19 +17,25 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from gateway.ops.tasks import cancel_and_wait
-from gateway.pipeline.config import GatewayConfig, ModelConfig
+from gateway.pipeline.adapters import LoraSettings
+from gateway.pipeline.config import AdapterModel, GatewayConfig, ModelConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.services import Services
+from gateway.upstream.adapters import AdapterSync
 from gateway.upstream.workers import Worker
 from gateway.wire.errors import ServiceUnavailable
-from gateway.wire.streaming import wants_usage
+from plugins.routing.adapter_admin import ACTIONS as ADAPTER_ACTIONS
+from plugins.routing.adapter_admin import AdapterAdmin
+from plugins.routing.adapter_route import AdapterPlan, AdapterRoute
 from plugins.routing.canary import WeightedTargets, fallback_chain, retarget, unknown_references
 from plugins.routing.config import ModelRouting, RoutingConfig
 from plugins.routing.discovery import DnsDiscovery, Resolver, system_resolver
+from plugins.routing.placement import scorers
 from plugins.routing.plan import Plan
 from plugins.routing.policies import LoadBias, WorkerPool, prompt_prefix, stable_hash
 from plugins.routing.precise import STATE_KEY, PrecisePlacement, PreciseRequest, placement_view
@@ -97,6 +107,8 @@ class ModelRoute:
 class RoutingPlugin(Plugin):
     name = "routing"
     Config = RoutingConfig
+    #: precise_prefix checks a stream's reported cached tokens, its usage only: streams keep the pass-through.
+    reads_stream_text = False
 
     #: How ``dns://`` refs are resolved; a subclass may replace it (tests control the answers).
     resolver: Resolver = staticmethod(system_resolver)
@@ -117,16 +129,26 @@ class RoutingPlugin(Plugin):
         self._precise: dict[str, PrecisePlacement] = {}
         self._following: asyncio.Task[None] | None = None
         self._refollow = False
+        self._lora: dict[str, LoraSettings] = {}  # base model -> its workers' adapter settings
+        self._adapter_names: dict[str, AdapterModel] = {}  # every adapter name and alias
+        self._adapter_sync: AdapterSync | None = None
+        weights = config.adapters
+        self._scorers = scorers(weights.affinity_weight, weights.free_slot_weight, weights.load_weight)
 
     def prepare(self, config: GatewayConfig) -> None:
         """Check the model names this section refers to and learn the model table."""
-        known = {m.name for m in config.models}
+        known = {m.name for m in config.served_models}
         problems = unknown_references(self.config, known)
         if problems:
             raise ValueError("; ".join(problems))
         managed = {w.name: w.url for w in config.engine.workers}
-        for model in config.models:
+        for model in config.served_models:
             self._models[model.name] = model
+            settings = model.lora_settings
+            if settings is not None:
+                self._lora[model.name] = settings
+            if isinstance(model, AdapterModel):
+                self._adapter_names.update(dict.fromkeys((model.name, *model.aliases), model))
             self._refs[model.name] = [managed.get(ref, ref) for ref in model.workers]
             self._chains[model.name] = fallback_chain(model.name, self.config, known)
             targets = self.config.for_model(model.name).targets
@@ -155,6 +177,15 @@ class RoutingPlugin(Plugin):
         if self._discovery is not None:
             await self._discovery.start()
         await self.load.start()
+        if self._lora:
+            cfg = self.config.adapters
+            self._adapter_sync = AdapterSync(
+                self.services.upstream.get,
+                self.lora_workers,
+                interval_s=cfg.sync_interval_s,
+                timeout_s=cfg.sync_timeout_s,
+            )
+            self._adapter_sync.start()
         if self._gateway_config is not None:
             self._precise = await build_placements(self._tokenizers, self.config, self.services, self.shared)
             await self._follow()
@@ -174,6 +205,32 @@ class RoutingPlugin(Plugin):
         if self._discovery is not None:
             await self._discovery.aclose()
         await self.load.aclose()
+        if self._adapter_sync is not None:
+            await self._adapter_sync.aclose()
+
+    async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Operator actions on adapters (``plugins.routing.adapter_admin``), and ``placement``: each precise
+        model's state (degraded or not, the share of recent predictions within one block, and per worker
+        the blocks indexed and the state of its event stream)."""
+        if action == "placement":
+            return placement_view(self._precise, self.pool, self.services.workers)
+        if action not in ADAPTER_ACTIONS:
+            return await super().on_admin(action, body)
+        loader = partial(self.shared.loader, self.config.adapters.load_timeout_s)
+        admin = AdapterAdmin(self._adapter_names, self._lora, lambda name: self.pool(name).workers, loader)
+        return await admin.handle(action, body)
+
+    def lora_workers(self) -> list[Worker]:
+        """The workers of the models that serve adapters (each once)."""
+        workers = {id(w): w for name in self._lora for w in self.pool(name).workers}
+        return list(workers.values())
+
+    def route(self, model: ModelConfig, ctx: RequestContext, bias: LoadBias | None) -> ModelRoute | AdapterRoute:
+        routing = self.config.for_model(model.name)
+        if isinstance(model, AdapterModel):
+            settings = self._lora[model.base]
+            return AdapterRoute(model, routing, self.pool(model.name), settings, self._scorers, bias)
+        return ModelRoute(model, routing, self.pool(model.name), ctx, bias)
 
     def pool(self, model: str) -> WorkerPool:
         """The model's workers, rebuilt only when the worker table changed."""
@@ -201,7 +258,7 @@ class RoutingPlugin(Plugin):
                 retarget(ctx, self._models[target])
         bias = self.load.bias if self.config.load_metrics.enabled else None
         routes = [
-            ModelRoute(self._models[name], self.config.for_model(name), self.pool(name), ctx, bias)
+            self.route(self._models[name], ctx, bias)
             for name in self._chains.get(ctx.model.name, (ctx.model.name,))
             if name in self._models and (name == ctx.model.name or ctx.allows_model(name))
         ]
@@ -231,7 +288,8 @@ class RoutingPlugin(Plugin):
             if waited:
                 self.shared.queue_wait.labels(model).observe(waited)
         await self._predict(ctx, routes[0])
-        ctx.plan = Plan(
+        adapters = any(isinstance(r.model, AdapterModel) for r in routes)
+        plan = (AdapterPlan if adapters else Plan)(
             ctx,
             routes,
             gate=gate,
@@ -240,19 +298,21 @@ class RoutingPlugin(Plugin):
             on_fallback=self._count_fallback,
             on_budget_refused=self._count_budget_refused,
         )
+        if isinstance(plan, AdapterPlan):
+            plan.use(self.shared.loader(self.config.adapters.load_timeout_s), self._lora.__getitem__)
+        ctx.plan = plan
         return None
 
-    async def _predict(self, ctx: RequestContext, route: ModelRoute) -> None:
+    async def _predict(self, ctx: RequestContext, route: ModelRoute | AdapterRoute) -> None:
         """precise_prefix: the prompt's blocks, for placing it and for checking the worker's answer (the
-        only reason this plugin reads responses; every other request steps aside)."""
-        placement = self._precise.get(route.model.name)
-        if placement is not None and (not ctx.stream or wants_usage(ctx.body)):
+        only reason this plugin reads responses, and only their usage, so a stream keeps the byte
+        pass-through: ``reads_stream_text``; every other request steps aside)."""
+        placement = self._precise.get(route.model.name) if isinstance(route, ModelRoute) else None
+        if placement is not None and isinstance(route, ModelRoute):
             route.precise = await placement.predict(ctx, route.pool)
             if route.precise is not None:
                 ctx.state[STATE_KEY] = route.precise
                 return
-        elif placement is not None:
-            route.precise = await placement.predict(ctx, route.pool)  # placed, but no usage to check against
         ctx.step_aside(self)
 
     async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
@@ -260,13 +320,6 @@ class RoutingPlugin(Plugin):
         if isinstance(request, PreciseRequest):
             request.placement.check(ctx, response)
         return None
-
-    async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
-        """``placement``: each precise model's state: degraded or not, the share of recent predictions
-        within one block, and per worker the blocks indexed and the state of its event stream."""
-        if action != "placement":
-            return await super().on_admin(action, body)
-        return placement_view(self._precise, self.pool, self.services.workers)
 
     def _count_fallback(self, model: str, fallback: str) -> None:
         self.shared.fallbacks.labels(model, fallback).inc()

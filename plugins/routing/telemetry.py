@@ -16,12 +16,14 @@ from gateway.ops.metrics import LATENCY_BUCKETS
 from gateway.pipeline.services import Services
 from gateway.upstream.workers import WorkerTable
 from plugins.routing.accuracy import AccuracyTracker
+from plugins.routing.adapter_loader import AdapterLoader
 from plugins.routing.admission import ModelGate
 from plugins.routing.config import AdmissionConfig, RetryBudgetConfig
 from plugins.routing.plan import RetryBudget
 from plugins.routing.prompt_tokens import PromptTokenizer
 
 SHARED_KEY = "routing"
+ADAPTERS_HELD = "gateway_worker_adapters"
 
 
 class _WorkerCollector(Collector):
@@ -50,7 +52,13 @@ class _WorkerCollector(Collector):
         for name, gate in self.gates.items():
             admitted.add_metric([name], gate.in_flight)
             queued.add_metric([name], gate.queued)
-        yield from (in_flight, ejected, ejections, admitted, queued)
+        held = GaugeMetricFamily(
+            ADAPTERS_HELD, "1 for each LoRA adapter a worker holds (as it says)", labels=["worker", "adapter"]
+        )
+        for worker in self.workers.all():
+            for name in worker.adapters.held:
+                held.add_metric([worker.url, name], 1)
+        yield from (in_flight, ejected, ejections, admitted, queued, held)
 
 
 class RoutingShared:
@@ -115,7 +123,10 @@ class RoutingShared:
         #: precise_prefix: loaded tokenizers by (path, chat template), so a reload does not load them again.
         self.tokenizers: dict[tuple[str, str | None], PromptTokenizer] = {}
         r.register(_WorkerCollector(services.workers, self.gates))
+        services.metrics.private_labels[ADAPTERS_HELD] = frozenset({"adapter"})
         self._queued_gauge = services.metrics.queued
+        self._services = services
+        self._loader: AdapterLoader | None = None
 
     @classmethod
     def of(cls, services: Services) -> RoutingShared:
@@ -132,6 +143,13 @@ class RoutingShared:
         elif gate.limits != limits:
             gate.limits = limits
         return gate
+
+    def loader(self, timeout_s: float) -> AdapterLoader:
+        """The process's adapter loader (its single flights span config reloads)."""
+        if self._loader is None:
+            self._loader = AdapterLoader(self._services.upstream, self._services.metrics)
+        self._loader.timeout_s = timeout_s
+        return self._loader
 
     def budget(self, model: str, config: RetryBudgetConfig) -> RetryBudget:
         budget = self.budgets.get(model)

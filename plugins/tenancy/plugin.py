@@ -119,9 +119,9 @@ class TenancyPlugin(Plugin):
 
     def prepare(self, config: GatewayConfig) -> None:
         """Learn each model's context: its max_model_len, else its managed workers', else the default."""
-        self._names = {model.name: (model.name, *model.aliases) for model in config.models}
+        self._names = {model.name: (model.name, *model.aliases) for model in config.served_models}
         managed = {w.name: w.max_model_len for w in config.engine.workers}
-        for model in config.models:
+        for model in config.served_models:
             lengths = [managed[ref] for ref in model.workers if managed.get(ref)]
             context = model.max_model_len or (min(lengths) if lengths else None)  # type: ignore[type-var]
             self._own_context[model.name] = int(context or self.config.default_context_tokens)
@@ -231,7 +231,7 @@ class TenancyPlugin(Plugin):
         if not self.config.auth:
             return models
         info = await self._authenticate(headers)
-        return [card for card in models if info.allows(card["id"], card.get("parent", card["id"]))]
+        return [card for card in models if info.allows(card["id"], card.get("root", card["id"]))]
 
     async def _authenticate(self, headers: dict[str, str]) -> KeyInfo:
         scheme, _, token = headers.get("authorization", "").partition(" ")

@@ -127,6 +127,16 @@ class FakeUpstream:
     healthy: bool = True
     name: str = "fake"
     tokenized: list[dict[str, Any]] = field(default_factory=list)  # /tokenize bodies (not in ``requests``)
+    # LoRA as a vLLM worker started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: /v1/models
+    # lists ``base_model`` and each loaded adapter (with ``parent``), /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter answer as vLLM does, and a request naming neither the base model nor a loaded
+    # adapter is a 404. Off (``lora`` False): no such routes, any model is answered.
+    lora: bool = False
+    base_model: str = "m1"
+    adapters: dict[str, str] = field(default_factory=dict)  # loaded: lora_name -> lora_path
+    lora_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (load|unload, body)
+    lora_hold: threading.Event | None = None  # loads wait for it (a test keeps a load in progress)
+    lora_missing: set[str] = field(default_factory=set)  # paths that do not exist on this worker
 
     def reset(self) -> None:
         self.behavior = Behavior()
@@ -165,8 +175,18 @@ class FakeUpstream:
             else:
                 await _send_json(send, 404, {"detail": "Not Found"})
             return
+        if self.lora and (path == "/v1/models" or path.endswith("_lora_adapter")):
+            await self._lora_route(path, body, send)
+            return
+        if path.endswith("_lora_adapter"):  # as vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING: no such route
+            await _send_json(send, 404, {"detail": "Not Found"})
+            return
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.requests.append(Seen(path, body, raw, headers))
+        model = body.get("model")
+        if self.lora and model != self.base_model and model not in self.adapters:
+            await _send_json(send, 404, _vllm_error(f"The model `{model}` does not exist.", "NotFoundError", 404))
+            return
         try:
             if b.hang:
                 await _wait_disconnect(receive)
@@ -207,6 +227,38 @@ class FakeUpstream:
         except (OSError, asyncio.CancelledError):
             self.disconnects += 1
             raise
+
+    async def _lora_route(self, path: str, body: dict[str, Any], send: Any) -> None:
+        """vLLM's model list and run-time adapter routes, with vLLM's statuses and messages."""
+        if path == "/v1/models":
+            cards = [{"id": self.base_model, "object": "model", "root": self.base_model, "parent": None}]
+            cards += [
+                {"id": n, "object": "model", "root": p, "parent": self.base_model} for n, p in self.adapters.items()
+            ]
+            await _send_json(send, 200, {"object": "list", "data": cards})
+            return
+        name = body.get("lora_name", "")
+        if path == "/v1/unload_lora_adapter":
+            self.lora_calls.append(("unload", body))
+            if self.adapters.pop(name, None) is None:
+                await _send_json(
+                    send, 404, _vllm_error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+                )
+                return
+            await _send_raw(send, 200, f"Success: LoRA adapter '{name}' removed successfully.".encode())
+            return
+        self.lora_calls.append(("load", body))
+        if self.lora_hold is not None:
+            await asyncio.to_thread(self.lora_hold.wait, 30)
+        if name in self.adapters:
+            message = f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place,"
+            await _send_json(send, 400, _vllm_error(message + " set 'load_inplace' to True.", "BadRequestError", 400))
+        elif body.get("lora_path") in self.lora_missing:
+            message = f"No adapter found for {body.get('lora_path')}"
+            await _send_json(send, 404, _vllm_error(message, "NotFoundError", 404))
+        else:
+            self.adapters[name] = body.get("lora_path", "")
+            await _send_raw(send, 200, f"Success: LoRA adapter '{name}' added successfully.".encode())
 
     def completion(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         b = self.behavior
@@ -384,6 +436,10 @@ def _split(text: str, n: int) -> list[str]:
     n = max(1, n)
     size = max(1, -(-len(text) // n))
     return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def _vllm_error(message: str, kind: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 async def _wait_disconnect(receive: Any) -> None:

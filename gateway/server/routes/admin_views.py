@@ -6,6 +6,8 @@
 - ``GET /admin/workers``: each model's requests in flight and queued, and its workers: health, in
   flight, ejections, the last error, the upstream failures counted per worker and kind since start, and
   the KV blocks indexed from its events (None when no worker's events are followed).
+  the LoRA adapters it holds (``adapters``: name, pinned, requests using it, seconds since last use, or
+  ``loading``).
 - ``GET /admin/reloads``: the running version and the last reloads, newest first (when, who, source,
   accepted/unchanged/refused, reason).
 - ``POST /admin/config/diff``: a candidate config (YAML or JSON body) validated without going live
@@ -103,6 +105,7 @@ async def workers(request: Request) -> JSON:
                     "errors": errors.get(url, {}),
                     # KV blocks indexed from the worker's events (routing's precise_prefix follows them)
                     "kv_blocks": table.kv.index.blocks(url) if "kv" in table.__dict__ else None,
+                    "adapters": worker.adapters.describe(now),
                 }
             )
         now_load = load.get(model.name, {})

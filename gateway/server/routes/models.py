@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from gateway.pipeline.config import ModelConfig
+from gateway.pipeline.config import AdapterModel, ModelConfig
 from gateway.server.routes import JSON
 from gateway.server.state import AppState
 from gateway.wire.errors import model_not_found
@@ -17,7 +17,9 @@ router = APIRouter()
 
 def model_card(name: str, model: ModelConfig, created: int) -> dict[str, Any]:
     """The card of ``name`` (the model's own name or an alias). ``root`` names the model it points to,
-    as vLLM's cards do; an alias also keeps ``parent`` (what plugins match a key's allowed models on)."""
+    as vLLM's cards do; an alias also keeps ``parent``. A LoRA adapter's cards name the base model in
+    ``parent``, as a vLLM worker's card of an adapter does. Plugins match a key's allowed models on ``id``
+    and ``root``."""
     card: dict[str, Any] = {
         "id": name,
         "object": "model",
@@ -25,7 +27,9 @@ def model_card(name: str, model: ModelConfig, created: int) -> dict[str, Any]:
         "owned_by": model.owned_by,
         "root": model.name,
     }
-    if name != model.name:
+    if isinstance(model, AdapterModel):
+        card["parent"] = model.base
+    elif name != model.name:
         card["parent"] = model.name
     if model.max_model_len:
         card["max_model_len"] = model.max_model_len
@@ -37,7 +41,7 @@ async def list_models(request: Request) -> JSON:
     state: AppState = request.app.state.gateway
     with state.holder.pin() as snapshot:
         created = int(snapshot.loaded_at)
-        cards = [model_card(name, m, created) for m in snapshot.models.models for name in (m.name, *m.aliases)]
+        cards = [model_card(name, m, created) for m in snapshot.config.served_models for name in (m.name, *m.aliases)]
         # Plugins decide what this caller may see (tenancy: the models its key may use).
         data = await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), cards)
     return JSON({"object": "list", "data": data})

@@ -28,6 +28,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from gateway.pipeline.config import AdapterModel
 from gateway.pipeline.services import Services
 from gateway.proxy.lease import WorkerLease
 from gateway.server.routes import JSON
@@ -94,7 +95,9 @@ async def _relay(request: Request, route: str) -> Response:
         card = model_card(name, model, int(snapshot.loaded_at))
         if not await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), [card]):
             raise model_not_found(name)  # this caller may not use it: as if it did not exist
-        payload["model"] = model.upstream_name
+        base = snapshot.models.resolve(model.base) if isinstance(model, AdapterModel) else None
+        # An adapter tokenizes as its base model: any worker has that, loaded adapter or not.
+        payload["model"] = (base or model).upstream_name
         urls = snapshot.models.worker_urls[model.name]
         status, body = await _call_worker(state.services, state.services.workers.expand(urls), f"/{route}", payload)
     if status != 200:

@@ -1,0 +1,91 @@
+"""Operator actions on LoRA adapters, served at ``POST /admin/plugins/routing/{action}``.
+
+- ``adapters`` ``{}``: every worker of a model with adapters and what it holds (name, held or loading,
+  pinned, requests using it, seconds since last use).
+- ``pin_adapter`` ``{"adapter", "worker"}``: load the adapter on that worker now if it is not there, and
+  keep it there: a pinned adapter is never the one evicted to make room.
+- ``unpin_adapter`` ``{"adapter", "worker"}``: let it be evicted again when least recently used.
+- ``unload_adapter`` ``{"adapter", "worker"}``: unload it from that worker now (pinned or not); refused
+  with a 409 while requests are using it there. The next request for it loads it again somewhere.
+
+``adapter`` is an adapter's name or alias, ``worker`` the URL of a worker of its base model (as
+``GET /admin/workers`` lists them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gateway.pipeline.adapters import LoraSettings
+from gateway.pipeline.config import AdapterModel
+from gateway.upstream.workers import Worker
+from gateway.wire.errors import GatewayError, InvalidRequest, NotFound
+from plugins.routing.adapter_loader import AdapterLoader
+
+ACTIONS = ("adapters", "pin_adapter", "unpin_adapter", "unload_adapter")
+
+
+class AdapterAdmin:
+    """The actions above over one config's adapters (``names``: every name and alias)."""
+
+    def __init__(
+        self,
+        names: dict[str, AdapterModel],
+        lora: dict[str, LoraSettings],
+        workers_of: Callable[[str], Sequence[Worker]],
+        loader: Callable[[], AdapterLoader],
+    ) -> None:
+        self._names = names
+        self._lora = lora
+        self._workers_of = workers_of
+        self._loader = loader
+
+    async def handle(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        if action == "adapters":
+            return self.overview()
+        model, worker = self._target(body)
+        name = model.upstream_name
+        state = worker.adapters
+        if action == "pin_adapter":
+            await self._loader().ensure(worker, model.adapter, self._lora[model.base])
+            state.pinned.add(name)
+        elif action == "unpin_adapter":
+            state.pinned.discard(name)
+        else:
+            busy = state.active.get(name, 0)
+            if busy:
+                raise GatewayError(
+                    f"Adapter '{model.name}' is in use by {busy} request(s) on {worker.url}; try again when they end.",
+                    code="adapter_in_use",
+                    status=409,
+                )
+            loader = self._loader()
+            async with loader.lock(worker.url):
+                await loader.unload(worker, name, "admin")
+        return {"worker": worker.url, "adapters": state.describe(time.monotonic())}
+
+    def overview(self) -> dict[str, Any]:
+        now = time.monotonic()
+        seen: dict[str, Worker] = {}
+        for base in self._lora:
+            for worker in self._workers_of(base):
+                seen.setdefault(worker.url, worker)
+        return {"workers": [{"url": url, "adapters": w.adapters.describe(now)} for url, w in seen.items()]}
+
+    def _target(self, body: dict[str, Any]) -> tuple[AdapterModel, Worker]:
+        name, url = body.get("adapter"), body.get("worker")
+        if not isinstance(name, str) or not isinstance(url, str):
+            raise InvalidRequest('Send {"adapter": NAME, "worker": URL}.', code="invalid_action_body")
+        model = self._names.get(name)
+        if model is None:
+            raise NotFound(f"No adapter '{name}' in the live config.", param="adapter", code="adapter_not_found")
+        worker = next((w for w in self._workers_of(model.base) if w.url == url.rstrip("/")), None)
+        if worker is None:
+            raise NotFound(
+                f"'{url}' is not a worker of '{model.base}', the base model of '{model.name}'.",
+                param="worker",
+                code="worker_not_found",
+            )
+        return model, worker

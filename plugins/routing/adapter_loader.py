@@ -1,0 +1,148 @@
+"""Loading LoRA adapters on workers when a request needs them, and unloading the least recently used.
+
+``ensure(worker, model, settings)`` returns once the worker holds the adapter: at once when it does
+already, else after ``POST /v1/load_lora_adapter``. Concurrent requests for the same adapter on the same
+worker share one load (single flight per (worker, adapter)), and placement sends a request that arrives
+during a load to the worker that is loading (``WorkerAdapters.loading`` counts as held). Loads on one
+worker run one at a time, so that counting its free slots and evicting (``POST /v1/unload_lora_adapter``
+of the least recently used adapter that is neither pinned nor in use) stays exact.
+
+A load is shared by requests that came from several config snapshots, so the loader lives in the
+routing plugin's process-wide state (``RoutingShared``). Failures become OpenAI errors: a worker that
+cannot be reached is an ``UpstreamFailure`` the core retries elsewhere; a worker that refuses the adapter
+(path missing, rank too large, LoRA or run-time loading not enabled) is a 502 saying what to fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import orjson
+
+from gateway.ops.metrics import Metrics
+from gateway.pipeline.adapters import AdapterConfig, LoraSettings
+from gateway.upstream.client import UpstreamClient, UpstreamFailure
+from gateway.upstream.workers import Worker
+from gateway.wire.errors import BadGateway, GatewayError, GatewayTimeout, from_upstream
+
+log = logging.getLogger("gateway.routing.adapters")
+
+LOAD_PATH = "/v1/load_lora_adapter"
+UNLOAD_PATH = "/v1/unload_lora_adapter"
+
+
+class AdapterLoader:
+    """Single-flight loads and LRU evictions on the workers of this process."""
+
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        metrics: Metrics,
+        *,
+        timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.upstream = upstream
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._flights: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def ensure(self, worker: Worker, adapter: AdapterConfig, settings: LoraSettings) -> None:
+        """Return once ``worker`` holds ``adapter`` (loading it, and evicting to make room, if needed).
+
+        Registers the load before its first wait, so a request placed right after this one is called
+        sees the worker as loading it."""
+        state = worker.adapters
+        name = adapter.upstream_name
+        if name in state.held:
+            state.touch(name, self._clock())
+            return
+        key = (worker.url, name)
+        flight = self._flights.get(key)
+        if flight is None:
+            state.loading.add(name)
+            flight = asyncio.create_task(self._load(worker, adapter, settings), name=f"lora-load {name}")
+            self._flights[key] = flight
+            flight.add_done_callback(lambda task: self._landed(key, task))
+        # Shielded: a client that goes away must not cancel a load other requests are waiting for.
+        await asyncio.shield(flight)
+        state.touch(name, self._clock())
+
+    def _landed(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+        self._flights.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here too: every waiter may have gone away
+
+    def lock(self, url: str) -> asyncio.Lock:
+        lock = self._locks.get(url)
+        if lock is None:
+            lock = self._locks[url] = asyncio.Lock()
+        return lock
+
+    async def _load(self, worker: Worker, adapter: AdapterConfig, settings: LoraSettings) -> None:
+        state = worker.adapters
+        name = adapter.upstream_name
+        try:
+            async with self.lock(worker.url):
+                while state.occupied() > settings.max_loras:  # this load is counted among the occupied
+                    victim = state.lru_victim()
+                    if victim is None:  # all pinned or busy: vLLM keeps extra adapters in its CPU cache
+                        break
+                    await self.unload(worker, victim, "lru")
+                started = self._clock()
+                status, body = await self._post(worker.url, LOAD_PATH, {"lora_name": name, "lora_path": adapter.path})
+                # A load that finds the adapter there (another replica, a state forgotten on a health flap)
+                # is as good as done.
+                if status != 200 and not (status == 400 and b"already" in body):
+                    self.metrics.adapter_loads.labels(worker.url, name, "error").inc()
+                    raise load_refused(name, worker.url, status, body)
+                state.added(name, self._clock())
+                self.metrics.adapter_loads.labels(worker.url, name, "ok").inc()
+                self.metrics.adapter_load_seconds.labels(worker.url).observe(self._clock() - started)
+                log.info("loaded adapter %s on %s", name, worker.url)
+        finally:
+            state.loading.discard(name)
+
+    async def unload(self, worker: Worker, name: str, reason: str) -> None:
+        """Unload ``name`` from ``worker`` (call with ``lock(worker.url)`` held); an adapter the worker
+        does not know is gone already."""
+        status, body = await self._post(worker.url, UNLOAD_PATH, {"lora_name": name})
+        if status not in (200, 404):
+            raise load_refused(name, worker.url, status, body, action="unload")
+        worker.adapters.removed(name)
+        worker.adapters.pinned.discard(name)
+        self.metrics.adapter_evictions.labels(worker.url, name, reason).inc()
+        log.info("unloaded adapter %s from %s (%s)", name, worker.url, reason)
+
+    async def _post(self, url: str, path: str, payload: dict[str, str]) -> tuple[int, bytes]:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                response = await self.upstream.open(url, path, orjson.dumps(payload))
+                return response.status, await response.read()
+        except TimeoutError:
+            raise GatewayTimeout(
+                f"Loading a LoRA adapter on {url} took longer than {self.timeout_s:g} s.", code="adapter_load_timeout"
+            ) from None
+        except UpstreamFailure:
+            raise  # unreachable worker: the core counts it against the worker and tries another
+
+
+def load_refused(name: str, url: str, status: int, body: bytes, action: str = "load") -> GatewayError:
+    """A worker's refusal to load (or unload) an adapter, as an error that says what to fix."""
+    worker_says = from_upstream(status, body).message
+    if status in (404, 405) and worker_says in ("Not Found", "Method Not Allowed"):  # no such route
+        hint = (
+            "the worker does not allow run-time adapter loading: start it with --enable-lora and "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (see docs/adapters.md)"
+        )
+    elif status == 404:
+        hint = "the worker cannot find the adapter's files: check the adapter's path in config.yaml"
+    else:
+        hint = worker_says
+    message = f"LoRA adapter '{name}' could not be {action}ed on worker {url}: {hint}"
+    return BadGateway(message, code="adapter_load_failed")

@@ -1,0 +1,110 @@
+"""A request for a LoRA adapter: the route that places it (``placement``) and the plan that loads it.
+
+``AdapterRoute`` is the routing ``Route`` of an adapter: among the base model's workers it ranks the
+available ones with the placement scorers. ``AdapterPlan`` is the core's ``RoutePlan`` with one more
+step, ``prepare(worker)``, which the core awaits before each attempt (the first one, a retry, or the
+continuation of a stream cut midway): it makes sure the chosen worker holds the request's adapter, loading
+it there if needed, so a request, its retries and its failover all reach a worker that has, or loads, the
+adapter. It also counts the requests using each adapter on each worker, so an adapter in use is never
+the one evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from gateway.pipeline.adapters import LoraSettings
+from gateway.pipeline.config import AdapterModel, ModelConfig
+from gateway.upstream.workers import Worker
+from gateway.wire.errors import GatewayError
+from plugins.routing.adapter_loader import AdapterLoader
+from plugins.routing.config import ModelRouting
+from plugins.routing.placement import Scene, Scorer, WorkerView, load_cap, rank
+from plugins.routing.plan import Plan
+from plugins.routing.policies import LoadBias, WorkerPool
+
+
+class AdapterRoute:
+    """One adapter as a request may use it: the base model's pool, ranked by the placement scorers."""
+
+    __slots__ = ("_pool", "_routing", "_rr", "_scorers", "_settings", "bias", "model")
+
+    def __init__(
+        self,
+        model: AdapterModel,
+        routing: ModelRouting,
+        pool: WorkerPool,
+        settings: LoraSettings,
+        weighted: Sequence[tuple[Scorer, float]],
+        bias: LoadBias | None,
+    ) -> None:
+        self.model: ModelConfig = model
+        self._routing = routing
+        self._pool = pool
+        self._settings = settings
+        self._scorers = weighted
+        self._rr = 0
+        self.bias = bias
+
+    def pool_available(self, now: float) -> bool:
+        return self._pool.any_available(now)
+
+    def has_untried(self, tried: list[Worker], now: float) -> bool:
+        return any(w.available(now) and w not in tried for w in self._pool.workers)
+
+    def views(self, tried: list[Worker], now: float) -> list[WorkerView]:
+        """The snapshot placement ranks: the available workers not tried yet, rotated per request."""
+        name = self.model.upstream_name
+        workers = self._pool.workers
+        start = self._rr % len(workers) if workers else 0
+        self._rr += 1
+        bias = self.bias
+        max_loras = self._settings.max_loras
+        return [
+            WorkerView(
+                worker=w,
+                load=w.in_flight + (bias(w) if bias is not None else 0.0),
+                holds=w.adapters.holds(name),
+                free_slots=max_loras - w.adapters.occupied(),
+            )
+            for w in workers[start:] + workers[:start]
+            if w.available(now) and w not in tried
+        ]
+
+    def choose(self, tried: list[Worker], now: float) -> Worker | None:
+        views = self.views(tried, now)
+        if not views:
+            return None
+        routing = self._routing
+        scene = Scene(cap=load_cap([v.load for v in views], routing.load_factor, routing.load_slack))
+        return rank(views, scene, self._scorers)[0].worker
+
+
+class AdapterPlan(Plan):
+    """A ``Plan`` whose attempts first make sure their worker holds the request's adapter."""
+
+    __slots__ = ("_loader", "_settings_of", "_using")
+
+    def use(self, loader: AdapterLoader, settings_of: Callable[[str], LoraSettings]) -> AdapterPlan:
+        """Called once, right after construction: the loader and each base model's LoRA settings."""
+        self._loader = loader
+        self._settings_of = settings_of
+        self._using: dict[Worker, str] = {}
+        return self
+
+    async def prepare(self, worker: Worker) -> None:
+        """Awaited by the core before it sends an attempt to ``worker``. The request's model now (a
+        fallback may have changed it) decides: a base model needs nothing."""
+        model = self._ctx.model
+        if not isinstance(model, AdapterModel):
+            return
+        await self._loader.ensure(worker, model.adapter, self._settings_of(model.base))
+        name = model.upstream_name
+        worker.adapters.acquire(name)
+        self._using[worker] = name
+
+    def finished(self, worker: Worker, *, ok: bool, error: GatewayError | None = None) -> None:
+        name = self._using.pop(worker, None)
+        if name is not None:
+            worker.adapters.release(name)
+        super().finished(worker, ok=ok, error=error)

@@ -1,0 +1,253 @@
+"""LoRA adapters through the real gateway, on fake vLLM workers over loopback sockets that list, load and
+unload adapters as vLLM does: placement by affinity, one load for concurrent first requests, LRU eviction,
+a restarted worker noticed, load errors, failover of a cut stream, a reload that adds an adapter."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from gateway.server.app import GatewayApp
+from gateway.upstream.workers import Worker
+from tests.support.fakes import FakeUpstream, ServerThread
+from tests.support.faults import wait_for
+from tests.support.gateways import GatewayFactory, base_config
+
+Fleet = list[tuple[FakeUpstream, ServerThread]]
+ADMIN_TOKEN = "lora-admin"
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+CHAT = [{"role": "user", "content": "hi"}]
+ADAPTERS = [{"name": n, "path": f"/adapters/{n}", "aliases": [f"{n}-v1"]} for n in ("sql", "support", "legal")]
+
+
+@contextlib.contextmanager
+def fleet(n: int) -> Iterator[Fleet]:
+    with contextlib.ExitStack() as stack:
+        out = []
+        for i in range(n):
+            fake = FakeUpstream(name=f"w{i}", lora=True)
+            out.append((fake, stack.enter_context(ServerThread(fake))))
+        yield out
+
+
+def lora_config(workers: Fleet, max_loras: int = 2, **routing: Any) -> dict[str, Any]:
+    config = base_config(
+        [s.url for _, s in workers],
+        plugins=[{"name": "routing", "config": {"adapters": {"sync_interval_s": 0.1}, **routing}}],
+    )
+    config["models"][0]["adapters"] = ADAPTERS
+    config["models"][0]["lora"] = {"max_loras": max_loras, "max_lora_rank": 8}
+    return config
+
+
+def sdk(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(server: ServerThread, model: str) -> str:
+    reply = sdk(server).chat.completions.create(model=model, messages=CHAT, max_tokens=4)  # type: ignore[arg-type]
+    return str(reply.choices[0].message.content)
+
+
+def loads(fake: FakeUpstream) -> list[str]:
+    return [body["lora_name"] for kind, body in fake.lora_calls if kind == "load"]
+
+
+def worker(app: GatewayApp, server: ServerThread) -> Worker:
+    return app.state.services.workers.get(server.url)
+
+
+def test_a_first_request_loads_the_adapter_on_one_worker_and_the_next_ones_stay_there(
+    gateway_factory: GatewayFactory,
+) -> None:
+    with fleet(2) as workers, gateway_factory(lora_config(workers)) as (_, gw):
+        for model in ("sql", "sql-v1", "sql", "sql"):
+            ask(gw, model)
+        holders = [fake for fake, _ in workers if fake.adapters]
+        assert len(holders) == 1 and holders[0].adapters == {"sql": "/adapters/sql"}
+        assert sum(len(loads(fake)) for fake, _ in workers) == 1
+        # every request reached the holder, under the adapter's served name (an alias is not sent upstream)
+        assert [r.body["model"] for r in holders[0].requests] == ["sql"] * 4
+        # the base model is still served by both workers, without a load
+        for _ in range(4):
+            ask(gw, "m1")
+        assert all(any(r.body["model"] == "m1" for r in fake.requests) for fake, _ in workers)
+
+
+def test_concurrent_first_requests_for_one_adapter_trigger_one_load(gateway_factory: GatewayFactory) -> None:
+    with fleet(2) as workers, gateway_factory(lora_config(workers)) as (_, gw):
+        release = threading.Event()
+        for fake, _ in workers:
+            fake.lora_hold = release
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(ask, gw, "sql") for _ in range(8)]
+            wait_for(lambda: any(fake.lora_calls for fake, _ in workers), 10, "the first load")
+            release.set()
+            answers = [f.result(timeout=30) for f in futures]
+        assert answers == ["Hello from the fake worker."] * 8
+        assert [loads(fake) for fake, _ in workers] in (([["sql"], []]), ([[], ["sql"]]))
+        holder = next(fake for fake, _ in workers if fake.adapters)
+        assert len(holder.requests) == 8
+
+
+def test_more_adapters_than_max_loras_evict_the_least_recently_used(gateway_factory: GatewayFactory) -> None:
+    with fleet(1) as workers, gateway_factory(lora_config(workers, max_loras=2), admin_token=ADMIN_TOKEN) as (_, gw):
+        fake = workers[0][0]
+        for model in ("sql", "support", "sql", "legal"):  # support is the least recently used when legal comes
+            ask(gw, model)
+        assert fake.lora_calls == [
+            ("load", {"lora_name": "sql", "lora_path": "/adapters/sql"}),
+            ("load", {"lora_name": "support", "lora_path": "/adapters/support"}),
+            ("unload", {"lora_name": "support"}),
+            ("load", {"lora_name": "legal", "lora_path": "/adapters/legal"}),
+        ]
+        assert set(fake.adapters) == {"sql", "legal"}
+        metrics = httpx.get(gw.url + "/metrics", headers=ADMIN).text
+        assert 'gateway_adapter_evictions_total{adapter="support",reason="lru",worker=' in metrics
+        assert 'gateway_adapter_loads_total{adapter="legal",outcome="ok",worker=' in metrics
+        # the public page sums adapter names away
+        public = httpx.get(gw.url + "/metrics").text
+        assert "gateway_adapter_loads_total{outcome=" in public and 'adapter="legal"' not in public
+
+
+def test_a_worker_that_lost_its_adapters_is_noticed_and_the_adapter_reloaded_on_demand(
+    gateway_factory: GatewayFactory,
+) -> None:
+    with fleet(1) as workers, gateway_factory(lora_config(workers)) as (app, gw):
+        fake, server = workers[0]
+        ask(gw, "sql")
+        wait_for(lambda: "sql" in worker(app, server).adapters.held, 5, "the gateway to hold sql")
+        fake.adapters.clear()  # a restart: run-time adapters are gone, the worker still answers
+        wait_for(lambda: "sql" not in worker(app, server).adapters.held, 5, "the sync to notice")
+        ask(gw, "sql")
+        assert loads(fake) == ["sql", "sql"]
+        # a restart seen by the health checks (down, then up without adapters) is noticed as well
+        fake.healthy = False
+        wait_for(lambda: not worker(app, server).healthy, 5, "the worker to be seen down")
+        fake.adapters.clear()
+        fake.healthy = True
+        wait_for(lambda: worker(app, server).available(), 5, "the worker to be back")
+        ask(gw, "sql")
+        assert loads(fake) == ["sql", "sql", "sql"]
+
+
+def test_adapters_loaded_elsewhere_are_learnt_from_the_worker(gateway_factory: GatewayFactory) -> None:
+    with fleet(2) as workers, gateway_factory(lora_config(workers)) as (app, gw):
+        (_, _), (fake1, server1) = workers
+        fake1.adapters["support"] = "/adapters/support"  # loaded by another gateway replica
+        wait_for(lambda: "support" in worker(app, server1).adapters.held, 5, "the sync to learn it")
+        ask(gw, "support")
+        assert sum(len(loads(fake)) for fake, _ in workers) == 0
+        assert [r.body["model"] for r in fake1.requests] == ["support"]
+
+
+def test_load_errors_are_clear_openai_errors(gateway_factory: GatewayFactory) -> None:
+    with fleet(1) as workers, gateway_factory(lora_config(workers)) as (_, gw):
+        fake = workers[0][0]
+        fake.lora_missing.add("/adapters/sql")
+        with pytest.raises(openai.APIStatusError) as caught:
+            ask(gw, "sql")
+        assert caught.value.status_code == 502
+        error = caught.value.body
+        assert isinstance(error, dict) and error["code"] == "adapter_load_failed"
+        assert "check the adapter's path" in error["message"] and fake.requests == []
+        fake.lora = False  # a worker started without run-time adapter loading: no such route
+        reply = httpx.post(gw.url + "/v1/chat/completions", json={"model": "support", "messages": CHAT})
+        assert reply.status_code == 502
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in reply.json()["error"]["message"]
+        assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_stream_cut_midway_continues_on_a_worker_that_loads_the_same_adapter(
+    gateway_factory: GatewayFactory,
+) -> None:
+    with fleet(2) as workers, gateway_factory(lora_config(workers)) as (app, gw):
+        (fake0, server0), (fake1, _) = workers
+        fake0.adapters["sql"] = "/adapters/sql"
+        wait_for(lambda: "sql" in worker(app, server0).adapters.held, 5, "the sync to learn it")
+        fake0.behavior.chunks = 6
+        fake0.behavior.die_after = 2
+        fake1.behavior.chunks = 6
+        stream = sdk(gw).chat.completions.create(model="sql", messages=CHAT, max_tokens=16, stream=True)  # type: ignore[arg-type]
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text  # one answer, continued
+        assert loads(fake1) == ["sql"]
+        assert [r.body["model"] for r in fake1.requests] == ["sql"]
+
+
+def test_a_reload_adds_an_adapter_without_touching_the_workers(gateway_factory: GatewayFactory) -> None:
+    with fleet(1) as workers, gateway_factory(lora_config(workers), admin_token=ADMIN_TOKEN) as (_, gw):
+        config = lora_config(workers)
+        config["models"][0]["adapters"] = [*ADAPTERS, {"name": "fresh", "path": "/adapters/fresh"}]
+        with pytest.raises(openai.NotFoundError):
+            ask(gw, "fresh")
+        reply = httpx.put(gw.url + "/admin/config", headers=ADMIN, content=orjson.dumps(config), timeout=10)
+        assert reply.status_code == 200, reply.text
+        ask(gw, "fresh")
+        assert loads(workers[0][0]) == ["fresh"]
+
+
+def admin(gw: ServerThread, action: str, **body: str) -> httpx.Response:
+    return httpx.post(f"{gw.url}/admin/plugins/routing/{action}", headers=ADMIN, json=body, timeout=10)
+
+
+def test_operators_pin_unload_and_see_adapters_per_worker(gateway_factory: GatewayFactory) -> None:
+    with fleet(2) as workers, gateway_factory(lora_config(workers, max_loras=2), admin_token=ADMIN_TOKEN) as (_, gw):
+        (fake0, server0), (fake1, server1) = workers
+        pinned = admin(gw, "pin_adapter", adapter="sql-v1", worker=server1.url)
+        assert pinned.status_code == 200, pinned.text
+        assert pinned.json()["result"]["adapters"][0] | {"idle_s": None} == {
+            "name": "sql", "state": "held", "pinned": True, "in_use": 0, "idle_s": None,
+        }  # fmt: skip
+        assert loads(fake1) == ["sql"] and loads(fake0) == []
+        # a pinned adapter stays when the worker must make room for others
+        fake0.healthy = False  # every request below goes to worker 1
+        wait_for(lambda: not any(w["healthy"] for w in _rows(gw) if w["url"] == server0.url), 5, "w0 down")
+        for model in ("support", "legal"):
+            ask(gw, model)
+        assert "sql" in fake1.adapters and set(fake1.adapters) == {"sql", "legal"}
+        view = {w["url"]: w for w in _rows(gw)}[server1.url]["adapters"]
+        assert {a["name"]: a["pinned"] for a in view} == {"sql": True, "legal": False}
+        overview = admin(gw, "adapters").json()["result"]["workers"]
+        assert {w["url"] for w in overview} == {server0.url, server1.url}
+        # unloaded by the operator, pinned or not
+        assert admin(gw, "unload_adapter", adapter="sql", worker=server1.url).status_code == 200
+        assert "sql" not in fake1.adapters and ("unload", {"lora_name": "sql"}) in fake1.lora_calls
+        # mistakes are named; a client key is not an admin
+        assert admin(gw, "pin_adapter", adapter="nope", worker=server1.url).json()["error"]["code"] == (
+            "adapter_not_found"
+        )
+        assert admin(gw, "pin_adapter", adapter="sql", worker="http://elsewhere:1").json()["error"]["param"] == "worker"
+        anonymous = httpx.post(f"{gw.url}/admin/plugins/routing/unload_adapter", json={})
+        assert anonymous.status_code in (401, 403)
+
+
+def _rows(gw: ServerThread) -> list[dict[str, Any]]:
+    models = httpx.get(gw.url + "/admin/workers", headers=ADMIN).json()["models"]
+    return [row for model in models for row in model["workers"]]
+
+
+def test_an_adapter_in_use_is_neither_evicted_nor_unloaded(gateway_factory: GatewayFactory) -> None:
+    with fleet(1) as workers, gateway_factory(lora_config(workers, max_loras=1), admin_token=ADMIN_TOKEN) as (_, gw):
+        fake, server = workers[0]
+        hold = threading.Event()
+        fake.behavior.hold = hold
+        with ThreadPoolExecutor(2) as pool:
+            busy = pool.submit(ask, gw, "sql")
+            wait_for(lambda: len(fake.requests) == 1, 10, "the sql request to reach the worker")
+            refused = admin(gw, "unload_adapter", adapter="sql", worker=server.url)
+            assert refused.status_code == 409 and refused.json()["error"]["code"] == "adapter_in_use"
+            other = pool.submit(ask, gw, "support")  # no room, and sql is busy: loaded beside it
+            wait_for(lambda: "support" in fake.adapters, 10, "support to be loaded")
+            assert "sql" in fake.adapters
+            hold.set()
+            assert busy.result(timeout=30) and other.result(timeout=30)
+        assert ("unload", {"lora_name": "sql"}) not in fake.lora_calls
