@@ -42,6 +42,13 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   ``/v1/models/{id}``) is about to list, in list order, with the request's lower-cased headers, and
   returns the cards this caller may see (e.g. tenancy: only the models a key may use), or raises a
   ``GatewayError`` (e.g. 401 without a key).
+- ``async on_side_request(call)``: optional; a route that does not run the inference pipeline is about
+  to answer: ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /tokenize`` and ``/detokenize``. ``call``
+  (``SideCall``) names the route, the request's lower-cased headers and, for tokenize and detokenize,
+  the parsed body and the model (its config name, or None when the model does not exist or this
+  caller may not see it: both look the same). Runs in list order, once per request; return None to
+  go on or raise a ``GatewayError`` to refuse: the same request limits as inference (tenancy: a 429,
+  no token charge) and the same size and count bounds (safety: messages, prompt size).
 - ``async on_admin(action, body)``: optional operator actions served at
   ``POST /admin/plugins/{name}/{action}`` (e.g. the cache's ``purge``); returns a JSON-able dict or
   raises a ``GatewayError``. Only the live snapshot's instance is called. Never loads code or files
@@ -56,6 +63,7 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -68,6 +76,18 @@ if TYPE_CHECKING:
     from gateway.pipeline.services import Services
 
 OnError = Literal["fail_closed", "fail_open"]
+SideRoute = Literal["models", "model", "tokenize", "detokenize"]
+
+
+@dataclass(frozen=True, slots=True)
+class SideCall:
+    """A request to a route that runs no inference (see ``on_side_request``)."""
+
+    route: SideRoute
+    headers: dict[str, str]
+    model: str | None = None  # the model's config name, when it exists and this caller may see it
+    body: dict[str, Any] = field(default_factory=dict)  # tokenize / detokenize: the parsed body
+    raw_body: bytes = b""  # ... and as it came
 
 
 class EmptyConfig(BaseModel):
@@ -103,6 +123,9 @@ class Plugin:
 
     async def on_models(self, headers: dict[str, str], models: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return models
+
+    async def on_side_request(self, call: SideCall) -> None:
+        return None
 
     async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
         raise NotFound(f"The '{self.name}' plugin has no admin action '{action}'.", param="action")

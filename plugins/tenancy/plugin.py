@@ -27,14 +27,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from redis.exceptions import RedisError
 
 from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
-from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.plugin import Plugin, SideCall
 from gateway.pipeline.services import TENANT_OF, Services
 from gateway.wire.errors import (
     AuthenticationFailed,
@@ -45,11 +44,13 @@ from gateway.wire.errors import (
 )
 from plugins.tenancy import estimate
 from plugins.tenancy.admin import TenancyAdmin
+from plugins.tenancy.admitted import Admitted
 from plugins.tenancy.budgets import budgets_for, exhausted, format_duration, scope_prefix
 from plugins.tenancy.config import Limits, TenancyConfig, TenantConfig
 from plugins.tenancy.keys import KeyInfo, KeyStore
 from plugins.tenancy.limits import Bucket, Decision, LocalLimiter, Plan, RedisLimiter
 from plugins.tenancy.metrics import TenancyMetrics
+from plugins.tenancy.reach import reachable
 
 log = logging.getLogger("gateway.tenancy")
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)
@@ -57,29 +58,6 @@ VERIFY_KEY = "tenancy.verify_key"
 _NO_LIMITS = TenantConfig()
 CLAMP_HEADER = "x-gateway-max-tokens"
 _RATE_NAMES = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
-
-
-@dataclass(slots=True)
-class Admitted:
-    """What the settlement needs: the counters the request reserved on and how much."""
-
-    plan: Plan
-    reserved: int  # tokens reserved on admission
-    prompt_estimate: int
-    via_redis: bool
-    answer: tuple[int, int] | None = None  # (prompt, completion) of the answer on_response saw
-    held: int = -1  # tokens the counters hold for this request now (the reservation until settled)
-    prompt_charged: int = 0
-    completion_charged: int = 0
-    finished: bool = False
-
-    def settle_to(self, prompt: int, completion: int) -> tuple[int, int, int] | None:
-        """Record that the request costs (prompt, completion) from now on; the (token delta, prompt
-        delta, completion delta) to apply to the counters, or None when nothing changes."""
-        held = self.reserved if self.held < 0 else self.held
-        change = (prompt + completion - held, prompt - self.prompt_charged, completion - self.completion_charged)
-        self.held, self.prompt_charged, self.completion_charged = prompt + completion, prompt, completion
-        return change if any(change) else None
 
 
 class TenancyPlugin(Plugin):
@@ -126,7 +104,7 @@ class TenancyPlugin(Plugin):
             lengths = [managed[ref] for ref in model.workers if managed.get(ref)]
             context = model.max_model_len or (min(lengths) if lengths else None)  # type: ignore[type-var]
             own[model.name] = int(context or self.config.default_context_tokens)
-        reach = _reachable(config, list(own))
+        reach = reachable(config, list(own))
         self._context = {name: max(own.get(m, own[name]) for m in reach[name]) for name in own}
 
     async def start(self) -> None:
@@ -234,6 +212,20 @@ class TenancyPlugin(Plugin):
             return models
         info = await self._authenticate(headers)
         return [card for card in models if info.allows(card["id"], card.get("parent", card["id"]))]
+
+    async def on_side_request(self, call: SideCall) -> None:
+        """A request to a route without inference (models, tokenize, detokenize) counts against the
+        key's and the tenant's request limits like any other (a 429 past them); it is charged no tokens
+        and touches no token bucket or budget."""
+        info = await self._authenticate(call.headers) if self.config.auth else None
+        tenant = info.tenant if info is not None else self.config.anonymous_tenant
+        plan = self._plan(info, tenant)
+        requests = Plan([b for b in plan.buckets if b.kind == "requests"], [])
+        if not requests.buckets:
+            return
+        decision, _ = await self._admit(requests, 0, 0, tenant)
+        if not decision.admitted:
+            raise self._refusal(decision, 0, tenant)
 
     async def _authenticate(self, headers: dict[str, str]) -> KeyInfo:
         scheme, _, token = headers.get("authorization", "").partition(" ")
@@ -397,25 +389,3 @@ class TenancyPlugin(Plugin):
             await self.limiter.charge(admitted.plan, delta, prompt, completion)
         except REDIS_ERRORS as exc:  # the answer is already on its way: count the miss
             self._redis_failed("charge", exc)
-
-
-def _reachable(config: GatewayConfig, models: list[str]) -> dict[str, set[str]]:
-    """Each model and every model a request for it may be moved to by the routing section (canary
-    targets and fallbacks, followed transitively). Read from the raw section: routing owns its schema."""
-    section: dict[str, Any] = next((p.config for p in config.plugins if p.name == "routing" and p.enabled), {})
-    default = section.get("default") or {}
-    per_model = section.get("models") or {}
-    moves: dict[str, set[str]] = {}
-    for name in models:
-        routing = per_model.get(name) or default
-        moves[name] = set(routing.get("targets") or {}) | set(routing.get("fallbacks") or [])
-    out: dict[str, set[str]] = {}
-    for name in models:
-        seen, todo = {name}, [name]
-        while todo:
-            for nxt in moves.get(todo.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        out[name] = seen
-    return out
