@@ -3,7 +3,8 @@
 Every injection (should be blocked) and every secret or card (should be redacted: no spelling of it
 reaches the worker) of ``tests/plugins/safety/corpus/`` is sent through the plugin's ``on_request``
 as is and under each evasion (homoglyphs, fullwidth, zero-width, soft hyphens, whitespace, math
-letters, combining marks, split over parts or messages, base64); the clean prompts must pass untouched.
+letters, combining marks, split over parts or messages, base64, tag characters, Hangul fillers, and for
+injections only spaced-out letters and leetspeak); the clean prompts must pass untouched.
 Then the cost of ``on_request`` (p50, including building the request context) by script and shape.
 
     .venv/bin/python bench/bench_safety_corpus.py
@@ -22,7 +23,8 @@ from tests.support.safety_corpus import EVASIONS, clean, injections, leaked, mak
 
 
 def row(name: str, blocked: int, n_inj: int, redacted: int, n_sec: int) -> str:
-    return f"{name:18} {blocked:>9}/{n_inj:<3} {blocked / n_inj:6.1%} {redacted:>7}/{n_sec:<3} {redacted / n_sec:6.1%}"
+    secrets_cell = f"{redacted:>7}/{n_sec:<3} {redacted / n_sec:6.1%}" if n_sec else f"{'n/a':>18}"
+    return f"{name:18} {blocked:>9}/{n_inj:<3} {blocked / n_inj:6.1%} {secrets_cell}"
 
 
 async def main() -> None:
@@ -35,10 +37,11 @@ async def main() -> None:
             rule, _ = await screen(plugin, {"messages": evasion.messages(sample)})
             blocked += rule == "prompt-injection"
         redacted = 0
-        for _, sample in secrets():
+        tried = secrets() if evasion.secrets else []
+        for _, sample in tried:
             rule, sent = await screen(plugin, {"messages": evasion.messages(sample)})
             redacted += rule is None and not leaked(sample, sent)
-        n_inj, n_sec = len(injections()), len(secrets())
+        n_inj, n_sec = len(injections()), len(tried)
         total_inj, total_sec, hit_inj, hit_sec = (
             total_inj + n_inj,
             total_sec + n_sec,

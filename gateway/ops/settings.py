@@ -7,7 +7,7 @@ Secrets (admin token) live here, never in the config file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, NonNegativeInt, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -37,6 +37,14 @@ class Settings(BaseSettings):
         ),
     )
     admin_port: int | None = Field(None, ge=1, le=65535, description="serve /admin on its own port")
+    forwarded_allow_ips: str = Field(
+        "",
+        description=(
+            "comma-separated addresses (or CIDRs, or *) of the proxies whose X-Forwarded-For / X-Forwarded-Proto "
+            "the gateway believes (uvicorn's forwarded_allow_ips); empty (the default): none, the client address is "
+            "the connection's peer, whatever a header says"
+        ),
+    )
     managed_workers: bool = Field(True, description="start the engine workers declared in config.yaml")
     model_dir: Path = Field(Path("models"), description="where `gateway model prepare` puts prepared models")
     log_level: str | None = Field(None, description="overrides logging.level from config.yaml")
@@ -103,3 +111,10 @@ class Settings(BaseSettings):
             "list; Python's own are [700, 10, 10] (see bench/README.md for why the first is larger here)"
         ),
     )
+
+    def proxy_options(self) -> dict[str, Any]:
+        """uvicorn's proxy-header options for every server the gateway runs: forwarded headers are read
+        only from ``forwarded_allow_ips``, and not at all by default (uvicorn's own default trusts them
+        from 127.0.0.1, so anything on the host could name any address)."""
+        ips = self.forwarded_allow_ips.strip()
+        return {"proxy_headers": bool(ips), "forwarded_allow_ips": ips or None}

@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.ops.tracing import HookObserver
 from gateway.pipeline.context import ModelResponse, RequestContext
-from gateway.pipeline.plugin import OnError, Plugin
+from gateway.pipeline.plugin import OnError, Plugin, SideCall
 from gateway.wire.errors import GatewayError, ServiceUnavailable
 
 log = logging.getLogger("gateway.pipeline")
@@ -37,6 +37,7 @@ class Pipeline:
         self._observe = observe
         self._request_hooks = [p for p in plugins if type(p.plugin).overrides("on_request")]
         self._model_hooks = [p for p in plugins if type(p.plugin).overrides("on_models")]
+        self._side_hooks = [p for p in plugins if type(p.plugin).overrides("on_side_request")]
         self.chunk_plugins = [p for p in plugins if type(p.plugin).overrides("on_chunk")]
         self.response_plugins = [p for p in plugins if type(p.plugin).overrides("on_response")]
         reads_text = [p for p in self.response_plugins if type(p.plugin).reads_stream_text]
@@ -75,6 +76,11 @@ class Pipeline:
         for bound in self._model_hooks:
             models = await self._call(bound, "on_models", bound.plugin.on_models, headers, models, fallback=models)
         return models
+
+    async def run_side(self, call: SideCall) -> None:
+        """``on_side_request`` in order: meter and bound a request to a route without inference."""
+        for bound in self._side_hooks:
+            await self._call(bound, "on_side_request", bound.plugin.on_side_request, call)
 
     async def run_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse:
         """``on_response`` in reverse order over the plugins whose ``on_request`` ran."""

@@ -51,6 +51,13 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   fallbacks) declares where, after ``prepare``: ``{model: models a request for it may be served by}``.
   The core publishes the whole graph as ``ctx.snapshot.models.reachable(name)`` (e.g. for tenancy, whose
   reservation must cover wherever a request may go).
+- ``async on_side_request(call)``: optional; a route that does not run the inference pipeline is about
+  to answer: ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /tokenize`` and ``/detokenize``. ``call``
+  (``SideCall``) names the route, the request's lower-cased headers and, for tokenize and detokenize,
+  the parsed body and the model (its config name, or None when the model does not exist or this
+  caller may not see it: both look the same). Runs in list order, once per request; return None to
+  go on or raise a ``GatewayError`` to refuse: the same request limits as inference (tenancy: a 429,
+  no token charge) and the same size and count bounds (safety: messages, prompt size).
 - ``async on_admin(action, body)``: optional operator actions served at
   ``POST /admin/plugins/{name}/{action}`` (e.g. the cache's ``purge``); returns a JSON-able dict or
   raises a ``GatewayError``. Only the live snapshot's instance is called. Never loads code or files
@@ -66,6 +73,7 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -78,6 +86,18 @@ if TYPE_CHECKING:
     from gateway.pipeline.services import Services
 
 OnError = Literal["fail_closed", "fail_open"]
+SideRoute = Literal["models", "model", "tokenize", "detokenize"]
+
+
+@dataclass(frozen=True, slots=True)
+class SideCall:
+    """A request to a route that runs no inference (see ``on_side_request``)."""
+
+    route: SideRoute
+    headers: dict[str, str]
+    model: str | None = None  # the model's config name, when it exists and this caller may see it
+    body: dict[str, Any] = field(default_factory=dict)  # tokenize / detokenize: the parsed body
+    raw_body: bytes = b""  # ... and as it came
 
 
 class EmptyConfig(BaseModel):
@@ -117,6 +137,9 @@ class Plugin:
 
     def model_moves(self) -> Mapping[str, Collection[str]]:
         return {}
+
+    async def on_side_request(self, call: SideCall) -> None:
+        return None
 
     async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
         raise NotFound(f"The '{self.name}' plugin has no admin action '{action}'.", param="action")

@@ -34,8 +34,13 @@ def presented_token(request: Request) -> str | None:
     return token or None
 
 
-def check_admin(expected: SecretStr | None, presented: str | None) -> None:
-    """Raise the OpenAI-shaped error for a caller who is not the admin; return when they are."""
+#: How the admin routes take the token (``presented_token``), as a 401 says it.
+SEND_TOKEN = "'Authorization: Bearer <GATEWAY_ADMIN_TOKEN>' (or 'x-admin-token: <GATEWAY_ADMIN_TOKEN>')"
+
+
+def check_admin(expected: SecretStr | None, presented: str | None, *, send_as: str = SEND_TOKEN) -> None:
+    """Raise the OpenAI-shaped error for a caller who is not the admin; return when they are. ``send_as``
+    says, in the 401, where this route reads the token."""
     if expected is None or not expected.get_secret_value():
         raise PermissionDenied(
             "The admin API is disabled: set GATEWAY_ADMIN_TOKEN on the gateway to enable it.",
@@ -43,7 +48,7 @@ def check_admin(expected: SecretStr | None, presented: str | None) -> None:
         )
     if presented is None:
         raise AuthenticationFailed(
-            "The admin API needs the admin token: send 'Authorization: Bearer <GATEWAY_ADMIN_TOKEN>'.",
+            f"The admin API needs the admin token: send {send_as}.",
             code="missing_admin_token",
             headers={"www-authenticate": 'Bearer realm="gateway-admin"'},
         )

@@ -289,6 +289,7 @@ def create_app(
             settings.admin_port,
             keepalive_timeout_s=settings.keepalive_timeout_s,
             http=http_protocol(settings),
+            proxy=settings.proxy_options(),
         )
     return GatewayApp(api, inference, state)
 
@@ -327,8 +328,18 @@ class AdminServer:
     serves). With several worker processes only the first to bind the port serves it; the others keep
     following the config file (watcher) and, when configured, the Redis config channel."""
 
-    def __init__(self, app: Any, host: str, port: int, *, keepalive_timeout_s: int, http: Any = "h11") -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str,
+        port: int,
+        *,
+        keepalive_timeout_s: int,
+        http: Any = "h11",
+        proxy: dict[str, Any] | None = None,
+    ) -> None:
         self.app, self.host, self.port = app, host, port
+        self.proxy = proxy or {"proxy_headers": False}  # Settings.proxy_options: whose X-Forwarded-* count
         self.keepalive_timeout_s = keepalive_timeout_s
         self.http = http  # the front door's protocol, so the admin port has the same bounds
         self._server: _QuietServer | None = None
@@ -353,6 +364,7 @@ class AdminServer:
             lifespan="off",
             http=self.http,
             timeout_keep_alive=self.keepalive_timeout_s,
+            **self.proxy,
         )
         self._server = _QuietServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="admin-server")

@@ -8,6 +8,9 @@ optional classifier. A block is a 400 ``content_filter`` naming the rule, with z
 redaction rewrites the body that goes upstream. Every hit is counted per rule and written as an audit
 line without the text (``report.py``: its length, and a keyed hash only when a key is set).
 
+``POST /tokenize`` and ``/detokenize`` run no rules (nothing is generated) but get the same limits
+(``on_side_request``, ``side.py``).
+
 On the way back, only when some rule applies to ``output``: non-stream completions are checked in
 ``on_response``; streams are checked in ``on_chunk`` with a bounded hold-back (``output.py``). The
 core parses streams chunk by chunk only for plugins whose class overrides those hooks, so the plugin
@@ -22,7 +25,7 @@ import logging
 from typing import Any
 
 from gateway.pipeline.context import ModelResponse, RequestContext
-from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.plugin import Plugin, SideCall
 from gateway.pipeline.services import Services
 from plugins.safety.classifier import Classifier
 from plugins.safety.config import SafetyConfig
@@ -32,6 +35,7 @@ from plugins.safety.policy import Policies, Policy
 from plugins.safety.report import SafetyMetrics, audit, content_filter
 from plugins.safety.rules import Hit, Rule
 from plugins.safety.scan import clip, redact_texts, scan_texts
+from plugins.safety.side import bound_side_call
 from plugins.safety.texts import ANSWER_TEXT_FIELDS, TextSlot, completion_slots, content_param, prompt_slots
 
 __all__ = ["OutputSafetyPlugin", "SafetyConfig", "SafetyPlugin"]
@@ -88,7 +92,7 @@ class SafetyPlugin(Plugin):
         param = content_param(ctx.endpoint)
         limits = policy.limits
         try:
-            check_shape(limits, ctx, param)
+            check_shape(limits, ctx.body, ctx.raw_body, param)
             slots = prompt_slots(ctx.endpoint, ctx.body)
             if limits.max_prompt_chars is not None:
                 check_chars(limits, sum(len(s.text) for s in slots), param)
@@ -104,6 +108,24 @@ class SafetyPlugin(Plugin):
         if self.classifier is not None and slots:
             await self._classify(ctx, "\n".join(s.text for s in slots), param)
         return None
+
+    async def on_side_request(self, call: SideCall) -> None:
+        """``/tokenize`` and ``/detokenize`` get the model's size and count bounds (``side.py``)."""
+        if call.route not in ("tokenize", "detokenize"):
+            return
+        if call.model is None:  # unknown, or hidden from this caller: the default limits
+            limits, tokenizer = self.config.limits, None
+        else:
+            policy = self.policy(call.model)
+            if not policy.enabled:
+                return
+            limits, tokenizer = policy.limits, policy.tokenizer
+        try:
+            await bound_side_call(limits, tokenizer, self.tokens, call)
+        except Exception as exc:
+            if getattr(exc, "code", None) != "tokenizer_unavailable":
+                self.metrics.limit_refusals.labels(getattr(exc, "param", None) or "-").inc()
+            raise
 
     def _apply_input_rules(self, ctx: RequestContext, policy: Policy, slots: list[TextSlot], param: str) -> None:
         """Every input rule over every text the model will read (``texts.prompt_slots``), normalised and

@@ -15,7 +15,6 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from gateway.pipeline.context import RequestContext
 from gateway.wire.errors import InvalidRequest, ServiceUnavailable
 from plugins.safety.config import LimitsConfig
 
@@ -24,12 +23,11 @@ def limit_error(message: str, param: str, *, code: str = "limit_exceeded") -> In
     return InvalidRequest(message, param=param, code=code)
 
 
-def check_shape(limits: LimitsConfig, ctx: RequestContext, content_param: str) -> None:
+def check_shape(limits: LimitsConfig, body: dict[str, Any], raw_body: bytes, content_param: str) -> None:
     """The limits that need no text: raise ``InvalidRequest`` naming the field."""
-    body = ctx.body
-    if limits.max_body_bytes is not None and len(ctx.raw_body) > limits.max_body_bytes:
+    if limits.max_body_bytes is not None and len(raw_body) > limits.max_body_bytes:
         raise limit_error(
-            f"The request body is {len(ctx.raw_body)} bytes; this model accepts at most {limits.max_body_bytes}.",
+            f"The request body is {len(raw_body)} bytes; this model accepts at most {limits.max_body_bytes}.",
             content_param,
             code="request_too_large",
         )
@@ -50,7 +48,7 @@ def check_shape(limits: LimitsConfig, ctx: RequestContext, content_param: str) -
     if limits.max_tools is not None and isinstance(tools, list) and len(tools) > limits.max_tools:
         raise limit_error(f"The request has {len(tools)} tools; this model allows at most {limits.max_tools}.", "tools")
     if limits.max_json_depth is not None:
-        _check_depth(body, ctx.raw_body, limits.max_json_depth)
+        _check_depth(body, raw_body, limits.max_json_depth)
 
 
 def _check_depth(body: dict[str, Any], raw: bytes, limit: int) -> None:

@@ -4,19 +4,28 @@ Evasions that leave a text readable to the model but not to a regex are undone b
 
 1. NFKC per character (fullwidth digits U+FF14 U+FF11 -> ``41``, mathematical bold letters -> ASCII,
    ligatures);
-2. removal of invisible characters: zero-width space/joiners, word joiner, soft hyphen, BOM,
-   Mongolian vowel separator, variation selectors, tag characters, bidi controls, and lone
-   combining marks (``i`` U+0307 ``gnore``);
+2. Unicode's Default_Ignorable_Code_Point set (from the ``regex`` package's Unicode tables, not a hand
+   list: zero-width space/joiners, word joiner, soft hyphen, BOM, variation selectors, bidi controls...)
+   and lone combining marks (``i`` U+0307 ``gnore``) are removed, with two exceptions that are folded
+   instead: tag characters U+E0020-U+E007E, which spell ASCII invisibly ("ASCII smuggling"), become
+   that ASCII, and the Hangul fillers (U+3164, U+115F, U+1160, U+FFA0), which render as blank space,
+   become spaces;
 3. confusable folding: a non-ASCII character whose Unicode confusable prototype (``confusables.txt``,
    as shipped by the ``confusable-homoglyphs`` package) is ASCII becomes that ASCII (Cyrillic
    U+0430 -> ``a``, Greek U+039F -> ``O``). ASCII itself is never folded (``0``/``O``, ``1``/``l`` stay), so
    digits of a card number keep their meaning;
-4. whitespace folding: every run of whitespace becomes one space.
+4. spaced-out letters are joined: two or more single letters each separated by one space
+   (``i g n o r e   a l l``) become a word (a wider gap or punctuation stays a word boundary);
+5. whitespace folding: every run of whitespace becomes one space.
+
+Leetspeak (``1gn0r3``) is not undone here, since it would rewrite digits that matter (a key, a card
+number); ``leet_view`` gives the copy the word and injection rules read as well (``scan.py``).
 
 The result comes with an ``OffsetMap``: any span of the normalised text maps to the span of the
 original that produced it, so a redaction replaces exactly the original characters (zero-width
-characters and fullwidth digits included). Plain ASCII text with single spaces is its own
-normalisation and costs one ``isascii`` and one regex search.
+characters and fullwidth digits included). Plain ASCII text with single spaces and no spaced-out
+letters is its own normalisation and costs one ``isascii``, a ``translate`` and one regex search (the
+spaced-letter hint).
 """
 
 from __future__ import annotations
@@ -29,12 +38,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
-#: Characters removed outright (besides the Mn/Me combining marks and Cf format characters below).
-_INVISIBLE = frozenset(
-    "\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180e\u200b\u200c\u200d\u200e\u200f"
-    "\u202a\u202b\u202c\u202d\u202e\u2060\u2061\u2062\u2063\u2064\u2066\u2067\u2068\u2069\u206a\u206b"
-    "\u206c\u206d\u206e\u206f\u3164\ufeff\uffa0"
-)
+import re2
+import regex
+
+#: Unicode's Default_Ignorable_Code_Point property, from the tables the ``regex`` package keeps current.
+_IGNORABLE = regex.compile(r"\p{Default_Ignorable_Code_Point}")
+#: Default-ignorable characters that render as blank space: folded to a space, not removed.
+_FILLERS = frozenset("\u115f\u1160\u3164\uffa0")
 # ASCII whitespace other than the space becomes a space first: one for one, so offsets do not move.
 _ASCII_SPACES = str.maketrans("\t\n\r\x0b\x0c\x1c\x1d\x1e\x1f", " " * 9)
 _SPACE = re.compile(r"\s+")
@@ -62,19 +72,24 @@ def _confusables() -> dict[str, str]:
     return table
 
 
+def _invisible(char: str) -> bool:
+    return _IGNORABLE.match(char) is not None or unicodedata.category(char) in ("Mn", "Me", "Cf")
+
+
 @lru_cache(maxsize=8192)
 def fold_char(char: str) -> str:
     """The normalised form of one non-ASCII character ("" when it is invisible)."""
-    if char in _INVISIBLE or char in (_DROPPED, _EXPANDED):
-        return ""
-    category = unicodedata.category(char)
-    if category in ("Mn", "Me", "Cf") or ("\U000e0000" <= char <= "\U000e007f") or ("\ufe00" <= char <= "\ufe0f"):
+    if "\U000e0020" <= char <= "\U000e007e":
+        return chr(ord(char) - 0xE0000)  # a tag character: the ASCII it spells
+    if char in _FILLERS:
+        return " "
+    if char in (_DROPPED, _EXPANDED) or _invisible(char):
         return ""
     out = []
     for c in unicodedata.normalize("NFKC", char):
         if c.isascii():
             out.append(c)
-        elif c in _INVISIBLE or unicodedata.category(c) in ("Mn", "Me", "Cf"):
+        elif _invisible(c):
             continue
         elif c.isspace():
             out.append(" ")
@@ -110,6 +125,19 @@ _TABLE_MAX = 1 << 18  # a backstop: assigned characters alone stay below it
 _FOLD = _FoldTable()
 _NOT_ONE_TO_ONE = re.compile("[\ue000\ue001]+")
 _SPACE_RUN = re.compile(" {2,}")
+# RE2 (linear, and fast on long texts): one or more single letters after a single letter, each
+# separated by one space, between non-word characters. The hint is the cheap test that one exists.
+_SPACED = re2.compile(r"(?:^|[^\pL\pN_])(\pL(?: \pL)+)(?:[^\pL\pN_]|$)")
+_SPACED_HINT = re2.compile(r" \pL \pL(?:[^\pL\pN_]|$)")
+# The same hint for short texts, where the cost of a call into RE2 is most of the work (C regex,
+# linear here: no repeat; the leading space lets it skip ahead).
+_SPACED_HINT_SHORT = re.compile(r" [^\W\d_] [^\W\d_](?!\w)")
+_SHORT = 512
+#: Leetspeak: a digit or symbol beside a letter, and the letter each commonly stands for.
+_LEET_HINT = re2.compile(r"[A-Za-z][0-9@$]|[0-9@$][A-Za-z]")
+#: A word of digits and symbols only (possessive: linear however long): not leetspeak, kept as it is.
+_NOT_LEET = re.compile(r"(?<![A-Za-z0-9@$])[0-9@$]++(?![A-Za-z0-9@$])")
+_LEET = str.maketrans("013457@$", "oieastas")
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +237,51 @@ def _fold_spaces(text: str, inner: OffsetMap) -> tuple[str, OffsetMap]:
     return built.result(inner)
 
 
+def _word_char(char: str) -> bool:
+    return char.isalnum() or char == "_"
+
+
+def _may_be_spaced(text: str) -> bool:
+    """A cheap test that ``text`` may hold spaced-out letters (``_SPACED`` then finds them)."""
+    if " " not in text:
+        return False
+    if text[1:2] == " " and text[:1].isalpha() and text[2:3].isalpha() and not _word_char(text[3:4]):
+        return True
+    return (_SPACED_HINT_SHORT if len(text) < _SHORT else _SPACED_HINT).search(text) is not None
+
+
+def _join_spaced(text: str, inner: OffsetMap) -> tuple[str, OffsetMap]:
+    """Step 4: each run of spaced-out letters becomes one word, mapped onto the whole run."""
+    built = _Builder()
+    cursor = 0
+    for match in _SPACED.finditer(text):
+        a, b = match.span(1)
+        built.add(cursor, a, text[cursor:a], linear=True)
+        built.add(a, b, match.group(1).replace(" ", ""), linear=False)
+        cursor = b
+    if cursor == 0:
+        return text, inner
+    built.add(cursor, len(text), text[cursor:], linear=True)
+    return built.result(inner)
+
+
+def leet_view(text: str) -> str:
+    """``text`` with leetspeak undone in the words that mix letters with digits or ``@``/``$``
+    (``1gn0r3 4ll`` -> ``ignore all``), character for character (offsets do not move); words of digits
+    alone stay. Returns ``text`` itself when there is nothing to undo."""
+    if _LEET_HINT.search(text) is None:
+        return text
+    leet = text.translate(_LEET)  # every digit and symbol at C speed, then the numbers put back
+    parts: list[str] = []
+    cursor = 0
+    for match in _NOT_LEET.finditer(text):
+        a, b = match.span()
+        parts += (leet[cursor:a], text[a:b])
+        cursor = b
+    parts.append(leet[cursor:])
+    return "".join(parts)
+
+
 def normalize(text: str) -> tuple[str, OffsetMap]:
     """The normalised text and its map back to ``text``. Costs a few C-speed passes (``translate``,
     RE2) plus Python work only per character that does not fold one-to-one and per run of spaces."""
@@ -220,6 +293,8 @@ def normalize(text: str) -> tuple[str, OffsetMap]:
         if _DROPPED in folded or _EXPANDED in folded:
             folded, offsets = _fold_chars(text, folded)
         text = folded
+    if _may_be_spaced(text):
+        text, offsets = _join_spaced(text, offsets)
     if "  " in text:
         text, offsets = _fold_spaces(text, offsets)
     return text, offsets

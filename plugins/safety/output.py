@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from plugins.safety.normalize import normalize
+from plugins.safety.normalize import leet_view, normalize
 from plugins.safety.rules import Hit, RuleSet
 
 Reporter = Callable[[Hit, bytes], None]
@@ -94,8 +94,12 @@ class StreamGuard:
         """The hits of the rules on the normalised ``text``, in character offsets of ``text`` itself."""
         norm, offsets = normalize(text)
         data = norm.encode()
+        found = self._rules.scan(data)
+        leet = leet_view(norm) if self._rules.wording else norm
+        if leet is not norm:  # leetspeak undone, for the wording rules (same offsets)
+            found += self._rules.wording.scan(leet.encode())
         hits: list[Hit] = []
-        for hit in self._rules.scan(data):
+        for hit in found:
             if len(data) == len(norm):
                 start, end = hit.start, hit.end
             else:

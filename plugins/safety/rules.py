@@ -95,11 +95,19 @@ def build_rule(config: RuleConfig, secret_patterns: Sequence[SecretPattern]) -> 
     return Rule(config.id, config.kind, config.action, placeholder, detector)
 
 
+#: The rules about wording, which also read the leetspeak view of a text (``normalize.leet_view``);
+#: the detectors of values (keys, cards, addresses) read digits as digits only.
+WORDING_KINDS = frozenset({"injection", "words", "pattern"})
+
+
 class RuleSet:
     """The rules of one direction of one model, scanned together."""
 
     def __init__(self, rules: Sequence[Rule]) -> None:
         self.rules = list(rules)
+        wording = [rule for rule in self.rules if rule.kind in WORDING_KINDS]
+        #: The wording rules alone (``self`` when there are no others).
+        self.wording: RuleSet = self if len(wording) == len(self.rules) else RuleSet(wording)
         self._owners: list[tuple[int, int]] = []  # Set index -> (rule index, detector-local pattern index)
         self._set: Any = None
         if not self.rules:

@@ -3,8 +3,9 @@ and redacting the originals.
 
 The texts are normalised (``normalize.py``) and joined with a space into one document, so a match may
 run across message and part boundaries ("Ignore all previous" in one part, "instructions" in the
-next) and a rule's score (the injection heuristics) counts the whole prompt. The texts are also scanned
-glued together with nothing between them, which finds a token split in two (``AKIAIOSF`` +
+next) and a rule's score (the injection heuristics) counts the whole prompt. The wording rules
+(injection, words, patterns) also read that document with leetspeak undone (``normalize.leet_view``).
+The texts are also scanned glued together with nothing between them, which finds a token split in two (``AKIAIOSF`` +
 ``ODNN7EXAMPLE``); there only matches that cross a junction count. Runs of base64 of at least
 ``BASE64_MIN`` characters that decode to readable UTF-8 are decoded, normalised and scanned too; a
 match inside one counts for the whole run. Every match maps back to the original characters of each slot it touches; a
@@ -22,7 +23,7 @@ from itertools import accumulate, chain, pairwise
 
 import re2
 
-from plugins.safety.normalize import OffsetMap, normalize
+from plugins.safety.normalize import OffsetMap, leet_view, normalize
 from plugins.safety.rules import Hit, Rule, RuleSet
 
 BASE64_MIN = 16
@@ -122,6 +123,13 @@ def scan_texts(rules: RuleSet, texts: Sequence[str], groups: Sequence[int] | Non
         add(hit, doc.data[hit.start : hit.end], _pieces(doc, maps, norms, start, end))
         first = bisect_index(doc.starts, start)
         main_hits.setdefault(first, []).append((hit.rule.id, start - doc.starts[first], end - doc.starts[first]))
+
+    # 1b. The leetspeak view, for the wording rules: the same characters at the same offsets.
+    leet = leet_view(doc.text) if rules.wording else doc.text
+    if leet is not doc.text:
+        for hit in rules.wording.scan(leet.encode()):
+            start, end = doc.char_span(hit)
+            add(hit, leet.encode()[hit.start : hit.end], _pieces(doc, maps, norms, start, end))
 
     # 2. The texts glued with nothing between them: a token split across two texts. Only matches that
     # cross a junction count (the rest the first pass saw), and not when the left text alone already

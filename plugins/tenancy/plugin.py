@@ -27,14 +27,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from redis.exceptions import RedisError
 
 from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
-from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.plugin import Plugin, SideCall
 from gateway.pipeline.services import TENANT_OF, Services
 from gateway.wire.errors import (
     AuthenticationFailed,
@@ -45,6 +44,7 @@ from gateway.wire.errors import (
 )
 from plugins.tenancy import estimate
 from plugins.tenancy.admin import TenancyAdmin
+from plugins.tenancy.admitted import Admitted
 from plugins.tenancy.budgets import budgets_for, exhausted, format_duration, scope_prefix
 from plugins.tenancy.config import Limits, TenancyConfig, TenantConfig
 from plugins.tenancy.keys import KeyInfo, KeyStore
@@ -56,29 +56,6 @@ REDIS_ERRORS = (RedisError, OSError, TimeoutError)
 _NO_LIMITS = TenantConfig()
 CLAMP_HEADER = "x-gateway-max-tokens"
 _RATE_NAMES = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
-
-
-@dataclass(slots=True)
-class Admitted:
-    """What the settlement needs: the counters the request reserved on and how much."""
-
-    plan: Plan
-    reserved: int  # tokens reserved on admission
-    prompt_estimate: int
-    via_redis: bool
-    answer: tuple[int, int] | None = None  # (prompt, completion) of the answer on_response saw
-    held: int = -1  # tokens the counters hold for this request now (the reservation until settled)
-    prompt_charged: int = 0
-    completion_charged: int = 0
-    finished: bool = False
-
-    def settle_to(self, prompt: int, completion: int) -> tuple[int, int, int] | None:
-        """Record that the request costs (prompt, completion) from now on; the (token delta, prompt
-        delta, completion delta) to apply to the counters, or None when nothing changes."""
-        held = self.reserved if self.held < 0 else self.held
-        change = (prompt + completion - held, prompt - self.prompt_charged, completion - self.completion_charged)
-        self.held, self.prompt_charged, self.completion_charged = prompt + completion, prompt, completion
-        return change if any(change) else None
 
 
 class TenancyPlugin(Plugin):
@@ -232,6 +209,20 @@ class TenancyPlugin(Plugin):
             return models
         info = await self._authenticate(headers)
         return [card for card in models if info.allows(card["id"], card.get("root", card["id"]))]
+
+    async def on_side_request(self, call: SideCall) -> None:
+        """A request to a route without inference (models, tokenize, detokenize) counts against the
+        key's and the tenant's request limits like any other (a 429 past them); it is charged no tokens
+        and touches no token bucket or budget."""
+        info = await self._authenticate(call.headers) if self.config.auth else None
+        tenant = info.tenant if info is not None else self.config.anonymous_tenant
+        plan = self._plan(info, tenant)
+        requests = Plan([b for b in plan.buckets if b.kind == "requests"], [])
+        if not requests.buckets:
+            return
+        decision, _ = await self._admit(requests, 0, 0, tenant)
+        if not decision.admitted:
+            raise self._refusal(decision, 0, tenant)
 
     async def _authenticate(self, headers: dict[str, str]) -> KeyInfo:
         scheme, _, token = headers.get("authorization", "").partition(" ")

@@ -134,7 +134,7 @@ def test_reload_history_names_who_and_why(
         newest, older = history["reloads"][:2]
         assert newest["outcome"] == "accepted" and newest["version"] == accepted.json()["version"]
         assert older["outcome"] == "refused" and "models" in older["reason"]
-        assert older["who"].startswith("admin API from 127.0.0.1")
+        assert older["who"].startswith("admin token holder from 127.0.0.1")
         assert newest["at"] >= older["at"]
 
 

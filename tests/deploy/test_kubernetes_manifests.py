@@ -279,3 +279,22 @@ def test_autoscalers_target_existing_deployments_with_sane_targets() -> None:
     for trigger in scaled["spec"]["triggers"]:
         assert trigger["type"] == "prometheus"
         assert float(trigger["metadata"]["threshold"]) > 0
+
+
+def _redis_policy(args: list[str]) -> tuple[str | None, str | None]:
+    flags = dict(zip(args[::2], args[1::2], strict=False))
+    return flags.get("--maxmemory"), flags.get("--maxmemory-policy")
+
+
+def test_redis_is_bounded_and_never_evicts_silently() -> None:
+    """Tenancy budgets, rate windows and stored responses have TTLs: any eviction policy could drop them
+    without a word. A full Redis must refuse writes instead (tenancy then fails closed, loudly)."""
+    redis = find(base_objects(), "Deployment", "redis")["spec"]["template"]["spec"]["containers"][0]
+    memory, policy = _redis_policy(redis["args"])
+    assert memory and policy == "noeviction", redis["args"]
+    limit = redis["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and int(memory.removesuffix("mb")) < float(limit.removesuffix("Gi")) * 1024
+    compose = yaml.safe_load((K8S.parent / "compose.yaml").read_text())
+    command = compose["services"]["redis"]["command"]
+    memory, policy = _redis_policy(command[1:])
+    assert memory and policy == "noeviction", command

@@ -34,6 +34,7 @@ class ServerThread:
         lifespan: str = "on",
         start_timeout_s: float = 30,
         http: Any = "httptools",
+        proxy: dict[str, Any] | None = None,
     ) -> None:
         self.start_timeout_s = start_timeout_s
         self.port = port or free_port()
@@ -48,6 +49,7 @@ class ServerThread:
             loop="asyncio",
             http=http,
             timeout_graceful_shutdown=5,
+            **(proxy or {}),  # a gateway's: Settings.proxy_options, as `gateway serve` passes them
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

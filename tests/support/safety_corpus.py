@@ -2,7 +2,9 @@
 
 Each sample is sent as a chat request, as is and under every evasion from issue 23: homoglyphs,
 fullwidth letters, soft hyphens, zero-width characters, odd whitespace, text split across content parts
-or messages, base64, mathematical letters and combining marks. Used by the corpus tests and by
+or messages, base64, mathematical letters and combining marks; and from issue 30: text spelled in
+Unicode tag characters, Hangul fillers as spaces, spaced-out letters and leetspeak (the last two only
+for the injections: they make a secret another string). Used by the corpus tests and by
 ``bench/bench_safety_corpus.py`` (which prints the rates).
 """
 
@@ -89,10 +91,34 @@ def combining(text: str) -> str:
     return "".join(c + "\u0307" if c.isalpha() and i % 3 == 0 else c for i, c in enumerate(text))
 
 
+def tag_characters(text: str) -> str:
+    """The text spelled in Unicode tag characters (U+E0020-U+E007E), invisible but read by some models."""
+    return "".join(chr(0xE0000 + ord(c)) if " " <= c <= "~" else c for c in text)
+
+
+def hangul_fillers(text: str) -> str:
+    return text.replace(" ", "\u3164")
+
+
+def spaced_letters(text: str) -> str:
+    """ "i g n o r e   a l l": a space between letters, a wider gap between words."""
+    return "   ".join(" ".join(word) for word in text.split(" "))
+
+
+_LEET = str.maketrans("aeiostAEIOST", "431057431057")
+
+
+def leetspeak(text: str) -> str:
+    return text.translate(_LEET)
+
+
 @dataclass(frozen=True)
 class Evasion:
     name: str
     messages: Callable[[str], list[dict[str, Any]]]  # the sample -> the request's messages
+    #: False: the evasion changes what a secret is (a leetspeak key is another string), so only the
+    #: injections are tried under it.
+    secrets: bool = True
 
 
 def _user(text: str) -> list[dict[str, Any]]:
@@ -127,6 +153,10 @@ EVASIONS: list[Evasion] = [
     Evasion("split parts", _split_parts),
     Evasion("split messages", _split_messages),
     Evasion("base64", _base64),
+    Evasion("tag characters", lambda t: _user(tag_characters(t))),
+    Evasion("hangul fillers", lambda t: _user(hangul_fillers(t))),
+    Evasion("spaced letters", lambda t: _user(spaced_letters(t)), secrets=False),
+    Evasion("leetspeak", lambda t: _user(leetspeak(t)), secrets=False),
 ]
 
 

@@ -25,6 +25,8 @@ from gateway.wire.errors import GatewayError
 from gateway.wire.protocol import check_single_credentials
 
 PLAYGROUND_PATH = "/admin/ui/chat"
+#: Where the playground reads the admin token: ``Authorization`` carries the client key it passes on.
+SEND_TOKEN = "'x-admin-token: <GATEWAY_ADMIN_TOKEN>' (here Authorization carries the client key, if any)"
 _TARGET = "/v1/chat/completions"
 
 ASGIApp = Any
@@ -64,7 +66,8 @@ class Playground:
         tokens = [v for k, v in headers if k.lower() == b"x-admin-token"]
         try:
             check_single_credentials(headers)  # x-admin-token twice is a 400, as on every admin route
-            check_admin(self.state.settings.admin_token, tokens[0].decode("latin-1").strip() if tokens else None)
+            presented = tokens[0].decode("latin-1").strip() if tokens else None
+            check_admin(self.state.settings.admin_token, presented or None, send_as=SEND_TOKEN)
         except GatewayError as error:
             await _send_error(error, send)
             return

@@ -3,7 +3,9 @@
 - ``POST /admin/reload``: re-read the config file named in the settings (never a path from the body).
 - ``PUT /admin/config``: a new config as YAML or JSON in the body; validated, prepared, then swapped.
 - ``GET /admin/config``: the running config (secrets redacted), its version (content hash) and load time.
-- ``POST /admin/plugins/{name}/{action}``: the live plugin's ``on_admin(action, body)``.
+- ``POST /admin/plugins/{name}/{action}``: the live plugin's ``on_admin(action, body)``; each one that
+  succeeds writes a ``gateway.admin`` audit line naming who (``caller``) and the id it returned (a key
+  made with ``create_key``, say).
 - ``GET /admin/engine``: the managed vLLM workers (name, url, pid, state, restarts, last exit code, model).
 - ``GET /admin/debug/tasks``: how many asyncio tasks the serving process holds, by name (leak checks).
 
@@ -13,6 +15,7 @@ A refused config answers 400 with the field and the reason, and the running conf
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 from collections import Counter
@@ -30,6 +33,7 @@ from gateway.server.routes import JSON
 from gateway.server.state import AppState
 from gateway.wire.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 
+audit_log = logging.getLogger("gateway.admin")
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
 
 REDACTED = "***"
@@ -76,9 +80,12 @@ def _reloader(request: Request) -> Reloader:
 
 
 def caller(request: Request) -> str:
-    """Who made an admin call, for the reload history: the admin token's holder at this address."""
+    """Who made an admin call, for the audit fields (reload history, plugin actions): the principal the
+    call authenticated as (the admin token, the only credential the admin API accepts) and the address
+    it came from. That address is the connection's peer; an ``X-Forwarded-For`` header changes it only
+    when the peer is a proxy named in ``GATEWAY_FORWARDED_ALLOW_IPS`` (``Settings.proxy_options``)."""
     host = request.client.host if request.client else "unknown address"
-    return f"admin API from {host}"
+    return f"admin token holder from {host}"
 
 
 def _live(request: Request) -> RuntimeSnapshot:
@@ -151,6 +158,10 @@ async def plugin_action(name: str, action: str, request: Request) -> JSON:
                 f"No plugin '{name}' is enabled (enabled: {enabled}).", param="name", code="plugin_not_found"
             )
         result = await bound.plugin.on_admin(action, body)
+    fields = {"who": caller(request), "plugin": name, "action": action}
+    if isinstance(result.get("id"), str):  # the object it created or changed (a key id; never a secret)
+        fields["id"] = result["id"]
+    audit_log.info("admin plugin action", extra={"fields": fields})
     return JSON({"plugin": name, "action": action, "result": result})
 
 

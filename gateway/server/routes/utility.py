@@ -5,11 +5,15 @@ Tokenize and detokenize are answered by a worker of the model the body names (al
 served name, as on every endpoint; an unknown model is a 404 ``model_not_found``). They do not run the
 request pipeline: they generate nothing, so there is nothing for tenancy to charge, for the cache to
 keep, for guided JSON to enforce or for output safety to check, and the plugins' ``on_request`` hooks
-assume an inference body. What does apply is who may call: the caller goes through the plugins'
-``on_models`` hook, the one through which tenancy authenticates a key and decides which models it may
-use, exactly as ``GET /v1/models/{id}`` does. With tenancy on, a request without a valid key is a 401 and
-a model the key may not use is a 404. The body passes the same allow-list as the inference endpoints
-(no client-written ``chat_template``, no processor kwargs) and, for chat messages, the same media URL
+assume an inference body. What does apply is who may call, how often and how much: the caller goes
+through the plugins' ``on_models`` hook, the one through which tenancy authenticates a key and decides
+which models it may use, exactly as ``GET /v1/models/{id}`` does (with tenancy on, a request without a
+valid key is a 401 and a model the key may not use is a 404), then through ``on_side_request``, where
+tenancy counts the request against the key's and tenant's request limits (a 429, no token charge) and
+safety applies the model's size and count bounds (messages, prompt characters and tokens, body bytes).
+A model the caller may not see is bounded by the default limits, as an unknown one, so the bounds tell
+nothing about which models exist. The body passes the same allow-list as the inference endpoints (no
+client-written ``chat_template``, no processor kwargs) and, for chat messages, the same media URL
 check, since the worker would fetch those URLs to tokenize them.
 
 ``/version`` tells the gateway's version and, per model, the vLLM version its workers report. The
@@ -29,6 +33,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.pipeline.config import AdapterModel
+from gateway.pipeline.plugin import SideCall, SideRoute
 from gateway.pipeline.services import Services
 from gateway.proxy.lease import WorkerLease
 from gateway.server.routes import JSON
@@ -72,11 +77,12 @@ async def detokenize(request: Request) -> Response:
     return await _relay(request, "detokenize")
 
 
-async def _relay(request: Request, route: str) -> Response:
+async def _relay(request: Request, route: SideRoute) -> Response:
     state: AppState = request.app.state.gateway
     if not state.holder.loaded:
         raise ServerError("The gateway has no config loaded yet.", code="not_ready", status=503)
-    payload = parse_body(await _read_body(request, state.holder.current.config.limits.max_body_bytes))
+    raw = await _read_body(request, state.holder.current.config.limits.max_body_bytes)
+    payload = parse_body(raw)
     name = payload.get("model")
     if name is None:
         raise InvalidRequest("You must provide a model parameter.", param="model", code="missing_required_parameter")
@@ -88,13 +94,14 @@ async def _relay(request: Request, route: str) -> Response:
         messages = payload.get("messages")
         if route == "tokenize" and isinstance(messages, list):
             check_media_urls(messages)
+        headers = header_dict(request.scope["headers"])
         model = snapshot.models.resolve(name)
-        if model is None:
-            await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), [])  # caller first
-            raise model_not_found(name)
-        card = model_card(name, model, int(snapshot.loaded_at))
-        if not await snapshot.pipeline.run_models(header_dict(request.scope["headers"]), [card]):
-            raise model_not_found(name)  # this caller may not use it: as if it did not exist
+        cards = [] if model is None else [model_card(name, model, int(snapshot.loaded_at))]
+        visible = await snapshot.pipeline.run_models(headers, cards)  # the caller first (401 without a key)
+        seen = model.name if model is not None and visible else None
+        await snapshot.pipeline.run_side(SideCall(route, headers, seen, payload, raw))
+        if model is None or not visible:
+            raise model_not_found(name)  # unknown, or this caller may not use it: the same answer
         base = snapshot.models.resolve(model.base) if isinstance(model, AdapterModel) else None
         # An adapter tokenizes as its base model: any worker has that, loaded adapter or not.
         payload["model"] = (base or model).upstream_name

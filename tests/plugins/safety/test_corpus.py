@@ -1,5 +1,6 @@
 """The red-team corpus: every injection and every secret, as is and under every evasion of issue 23,
-is blocked or redacted by the default rules, and no clean prompt is flagged."""
+is blocked or redacted by the default rules (issue 30 added tag characters, Hangul fillers, spaced letters
+and leetspeak), and no clean prompt is flagged."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_injection_is_blocked(plugin: Any, sample: str, evasion: Any) -> None:
     assert blocked == "prompt-injection"
 
 
-@pytest.mark.parametrize("evasion", EVASIONS, ids=lambda e: e.name)
+@pytest.mark.parametrize("evasion", [e for e in EVASIONS if e.secrets], ids=lambda e: e.name)
 @pytest.mark.parametrize(("kind", "sample"), secrets())
 def test_secret_is_redacted(plugin: Any, kind: str, sample: str, evasion: Any) -> None:
     messages = evasion.messages(sample)
