@@ -1,9 +1,8 @@
 """A Responses API request, checked, and the chat completions request it becomes.
 
 ``parse_request`` checks a Responses body and refuses what is not supported with a 400 naming it
-(built-in tools, background, conversation, ...); ``chat_request`` builds the chat completions body for
-the expanded conversation (instructions, earlier turns' items, this request's input items): the body the
-gateway's pipeline and the worker see. Pure functions: no I/O.
+(built-in tools, background, conversation, ...); ``gateway.wire.responses_chat`` builds the chat
+completions body from it. Pure functions: no I/O.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.wire.responses_items import bad, normalize_input, text_of, unsupported
+from gateway.wire.responses_items import bad, normalize_input, unsupported
 
 #: Fields of a Responses request the gateway understands (and forwards, translated, or echoes).
 _ACCEPTED = frozenset(
@@ -264,66 +263,3 @@ def _check_text(text: object) -> dict[str, Any]:
             "strict": fmt.get("strict"),
         }
     raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'.", "text.format.type")
-
-
-# -- the chat request ------------------------------------------------------------------------------
-
-
-def chat_request(req: ResponsesRequest, upstream_model: str, history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat completions body for ``history`` (earlier turns' items) followed by this request's input."""
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    for item in (*history, *req.input_items):
-        _append_message(messages, item)
-    chat: dict[str, Any] = {"model": upstream_model, "messages": messages, **req.sampling}
-    if req.tools:
-        chat["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    k: v
-                    for k, v in (
-                        ("name", t["name"]),
-                        ("description", t["description"]),
-                        ("parameters", t["parameters"]),
-                    )
-                    if v is not None
-                },
-            }
-            for t in req.tools
-        ]
-        choice = req.tool_choice
-        chat["tool_choice"] = (
-            {"type": "function", "function": {"name": choice["name"]}} if isinstance(choice, dict) else choice
-        )
-    fmt = req.text_format
-    if fmt["type"] == "json_object":
-        chat["response_format"] = {"type": "json_object"}
-    elif fmt["type"] == "json_schema":
-        schema = {k: fmt[k] for k in ("name", "schema", "description", "strict") if fmt.get(k) is not None}
-        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
-    if req.stream:
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
-    return chat
-
-
-def _append_message(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
-    kind = item["type"]
-    if kind == "message":
-        role = "system" if item["role"] == "developer" else item["role"]
-        messages.append({"role": role, "content": text_of(item["content"])})
-    elif kind == "function_call":
-        call = {
-            "id": item["call_id"],
-            "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]},
-        }
-        last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant":
-            last.setdefault("tool_calls", []).append(call)
-        else:
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    elif kind == "function_call_output":
-        messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})

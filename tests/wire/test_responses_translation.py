@@ -9,8 +9,9 @@ import orjson
 import pytest
 
 from gateway.wire.errors import InvalidRequest
+from gateway.wire.responses_chat import chat_request
 from gateway.wire.responses_output import EventStream, response_object
-from gateway.wire.responses_request import chat_request, parse_request
+from gateway.wire.responses_request import parse_request
 
 
 def events_of(data: list[bytes]) -> list[dict[str, Any]]:
@@ -47,7 +48,7 @@ def test_items_become_messages_in_order() -> None:
     assert chat["messages"] == [
         {"role": "system", "content": "Be nice."},
         {"role": "system", "content": "Rules."},
-        {"role": "user", "content": "ab"},
+        {"role": "user", "content": "a\nb"},  # parts are lines, as vLLM joins them
         {
             "role": "assistant",
             "content": "Let me check.",

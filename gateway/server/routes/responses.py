@@ -19,14 +19,15 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Depends, Path, Request
 
 from gateway.pipeline.config import LimitsConfig, ResponsesConfig
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.runtime import RuntimeSnapshot
 from gateway.proxy.forward import JSONReply, Proxy, Reply, StreamReply
 from gateway.proxy.responses_turn import ResponsesTurn
-from gateway.server.responses_store import ResponseStore, not_found
+from gateway.server.admin_auth import require_admin
+from gateway.server.responses_store import Chain, ResponseStore, not_found
 from gateway.server.routes import JSON
 from gateway.server.routes.openai import (
     _WATCH_AFTER_S,
@@ -40,10 +41,12 @@ from gateway.wire.allowlist import ParamAllowList
 from gateway.wire.errors import InvalidRequest, ServerError, model_not_found
 from gateway.wire.openapi import RESPONSES_CREATE_DOC
 from gateway.wire.protocol import ENDPOINTS, check_request, header_dict, parse_body
-from gateway.wire.responses_items import output_as_input
-from gateway.wire.responses_request import chat_request, parse_request
+from gateway.wire.responses_chat import chat_request
+from gateway.wire.responses_request import parse_request
 
 router = APIRouter()
+#: ``GET /admin/responses/usage`` (admin token): stored bytes per tenant, for operators and the console.
+admin_router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
 log = logging.getLogger("gateway.access")
 _CHAT = ENDPOINTS["/v1/chat/completions"]
 _EXTRAS_KEY = "responses"
@@ -89,12 +92,15 @@ class ResponsesService:
         config = self.config()
         req = parse_request(parse_body(body))
         scope = await self.store.scope_of(headers)
-        history: list[dict[str, Any]] = []
+        chain = Chain()
         if req.previous_response_id is not None:
             previous = await self.store.load(config, scope, req.previous_response_id)
             if previous is None:
                 raise not_found(req.previous_response_id, param="previous_response_id")
-            history = [*previous["input_items"], *output_as_input(previous["response"]["output"])]
+            chain = await self.store.chain(config, scope, previous, "previous_response_id")
+        if req.store:  # what the record will hold at least: refused now rather than after the worker ran
+            await self.store.check_room(config, scope, len(orjson.dumps(req.input_items)), chain)
+        history = chain.items
         pin = contextlib.ExitStack()
         try:
             snapshot: RuntimeSnapshot = pin.enter_context(self.state.holder.pin())
@@ -118,10 +124,9 @@ class ResponsesService:
                 started=started,
             )
             ctx.log["api"] = "responses"
-            conversation = [*history, *req.input_items]  # what the response answers: stored as its input
 
             async def save(response: dict[str, Any]) -> None:
-                await self.store.save(config, scope, response, conversation)
+                await self.store.save(config, scope, response, req.input_items, chain)
 
             turn = ResponsesTurn(self.proxy, self.state.services.metrics, req, ctx, save if req.store else None)
             record["turn"] = True  # from here on the turn records its own metrics and access log line
@@ -215,8 +220,9 @@ async def list_input_items(request: Request, response_id: ResponseId) -> JSON:
     raw_limit = query.get("limit", "20")
     if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
         raise InvalidRequest("'limit' must be an integer from 1 to 100.", param="limit")
-    _, _, stored = await ResponsesService.of(request).stored(request, response_id)
-    items: list[dict[str, Any]] = stored["input_items"]
+    service = ResponsesService.of(request)
+    config, scope, stored = await service.stored(request, response_id)
+    items = (await service.store.chain(config, scope, stored, None, output=False)).items
     if order == "desc":
         items = items[::-1]
     after = query.get("after")
@@ -245,4 +251,28 @@ async def cancel_response(request: Request, response_id: ResponseId) -> JSON:
         f"responses, so '{response_id}' finished before its creation returned.",
         param="response_id",
         code="not_cancellable",
+    )
+
+
+@admin_router.get("/responses/usage")
+async def stored_usage(request: Request) -> JSON:
+    """What the Responses store holds per tenant (bytes and responses, expired ones already taken off),
+    beside the bounds that apply: the figures an operator sizes Redis by (docs/responses.md#bounds)."""
+    service = ResponsesService.of(request)
+    config = service.config()
+    scopes = await service.store.tenants(config)
+    return JSON(
+        {
+            "max_tenant_bytes": config.max_tenant_bytes,
+            "max_response_bytes": config.max_response_bytes,
+            "tenants": [
+                {
+                    "tenant": scope[2:] if scope.startswith("t:") else None,
+                    "scope": scope,
+                    "bytes": usage.bytes,
+                    "responses": usage.responses,
+                }
+                for scope, usage in scopes
+            ],
+        }
     )
