@@ -42,6 +42,11 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   ``/v1/models/{id}``) is about to list, in list order, with the request's lower-cased headers, and
   returns the cards this caller may see (e.g. tenancy: only the models a key may use), or raises a
   ``GatewayError`` (e.g. 401 without a key).
+- Routes that reach no worker through the pipeline (stored Responses reads, ...) call no hook; the plugin
+  that knows the caller registers callables in ``services.shared`` instead (``gateway.pipeline.services``):
+  ``TENANT_OF`` (who is calling, for what the core keeps per tenant) and ``METER_SIDE_ROUTE``
+  (``async (headers, route) -> tenant``: the same, after counting one request against the caller's request
+  limits; raises 401/429). Registered in ``start()``, removed in ``aclose()``.
 - ``async on_admin(action, body)``: optional operator actions served at
   ``POST /admin/plugins/{name}/{action}`` (e.g. the cache's ``purge``); returns a JSON-able dict or
   raises a ``GatewayError``. Only the live snapshot's instance is called. Never loads code or files

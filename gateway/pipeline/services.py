@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 #: ``async (headers) -> tenant`` that raises a ``GatewayError`` (401) for missing or bad credentials. What
 #: the core keeps per caller (stored Responses) is scoped by it; without it, every caller shares one scope.
 TENANT_OF = "tenant_of"
+#: ``shared[METER_SIDE_ROUTE]``: registered by the plugin that enforces request limits (tenancy), an
+#: ``async (headers, route) -> tenant`` for a request that reaches no worker through the pipeline (a stored
+#: response read or deleted, ...): it authenticates the caller as ``TENANT_OF`` does and counts one request
+#: against the key's and tenant's request-rate limits, raising the plugin's 401 or 429. ``route`` names the
+#: route for the plugin's metrics. Without it, such routes are only scoped (``TENANT_OF``), not metered.
+METER_SIDE_ROUTE = "meter_side_route"
 
 
 @dataclass

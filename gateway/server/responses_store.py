@@ -30,7 +30,7 @@ import orjson
 from redis.exceptions import RedisError
 
 from gateway.pipeline.config import ResponsesConfig
-from gateway.pipeline.services import TENANT_OF, Services
+from gateway.pipeline.services import METER_SIDE_ROUTE, TENANT_OF, Services
 from gateway.server.responses_ledger import Ledger, Usage, scopes
 from gateway.wire.errors import GatewayError, InvalidRequest, NotFound, PayloadTooLarge, RateLimited, ServiceUnavailable
 from gateway.wire.responses_items import output_as_input
@@ -59,10 +59,16 @@ class ResponseStore:
         self.services = services
         self._ledgers: dict[float, Ledger] = {}
 
-    async def scope_of(self, headers: dict[str, str]) -> str:
+    async def scope_of(self, headers: dict[str, str], route: str | None = None) -> str:
         """The caller's scope: its tenant when a plugin tells tenants apart (else one shared scope).
-        Raises the plugin's 401 for a caller without valid credentials."""
-        tenant_of = self.services.shared.get(TENANT_OF)
+        Raises the plugin's 401 for a caller without valid credentials. ``route``: a request that reaches
+        no worker (a read, a delete), counted by the plugin's request limits when one meters such routes
+        (its 429)."""
+        shared = self.services.shared
+        meter = shared.get(METER_SIDE_ROUTE) if route is not None else None
+        if meter is not None:
+            return "t:" + await meter(headers, route)
+        tenant_of = shared.get(TENANT_OF)
         if tenant_of is None:
             return "shared"
         return "t:" + await tenant_of(headers)

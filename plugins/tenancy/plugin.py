@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
-from gateway.pipeline.services import TENANT_OF, Services
+from gateway.pipeline.services import METER_SIDE_ROUTE, TENANT_OF, Services
 from gateway.wire.errors import (
     AuthenticationFailed,
     GatewayError,
@@ -134,12 +134,15 @@ class TenancyPlugin(Plugin):
             log.warning("tenancy: %s is not set; key digests are unpeppered HMACs", self.config.pepper_env)
         self.services.shared[VERIFY_KEY] = self.verify_key
         self.services.shared[TENANT_OF] = self.tenant_of
+        self.services.shared[METER_SIDE_ROUTE] = self.meter_side_route
 
     async def aclose(self) -> None:
         if self.services.shared.get(VERIFY_KEY) == self.verify_key:
             del self.services.shared[VERIFY_KEY]
         if self.services.shared.get(TENANT_OF) == self.tenant_of:
             del self.services.shared[TENANT_OF]
+        if self.services.shared.get(METER_SIDE_ROUTE) == self.meter_side_route:
+            del self.services.shared[METER_SIDE_ROUTE]
         await self.settled()
 
     async def settled(self) -> None:
@@ -153,6 +156,21 @@ class TenancyPlugin(Plugin):
         if not self.config.auth:
             return self.config.anonymous_tenant
         return (await self._authenticate(headers)).tenant
+
+    async def meter_side_route(self, headers: dict[str, str], route: str) -> str:
+        """A request that reaches no worker (a stored response read, ...): the caller's tenant, after one
+        request was counted on the key's and the tenant's requests-per-minute limits (no tokens: nothing is
+        generated). Refuses as ``on_request`` does: 401 without a valid key, 429 over a request rate."""
+        info = await self._authenticate(headers) if self.config.auth else None
+        tenant = info.tenant if info is not None else self.config.anonymous_tenant
+        plan = self._plan(info, tenant)
+        requests = Plan([b for b in plan.buckets if b.kind == "requests"], [])
+        if requests.buckets:
+            decision, _ = await self._admit(requests, 0, 0, tenant)
+            if not decision.admitted:
+                log.debug("tenancy: %s refused for tenant %s", route, tenant)
+                raise self._refusal(decision, 0, tenant)
+        return tenant
 
     async def verify_key(self, token: str) -> dict[str, str] | None:
         """For the admin routes: the id and tenant of a valid client key, else None (never raises)."""

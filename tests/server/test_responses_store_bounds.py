@@ -1,7 +1,8 @@
 """What one tenant can make the Responses store keep, against the fake worker
 and the real Redis: empty parts are counted, a record and a tenant have byte bounds (413, 429) checked
 before any worker is asked, a chain stores each turn once (turn N never rewrites turns 1..N-1) and is
-bounded, and the stored bytes are visible per tenant on the admin API."""
+bounded, the stored bytes are visible per tenant on the admin API, and stored-response reads are
+metered by the key's request limits."""
 
 from __future__ import annotations
 
@@ -163,3 +164,28 @@ def test_a_tenant_over_its_stored_bytes_is_refused_and_others_are_not(
 
         acme.responses.delete(kept[0].id)  # deleting frees room
         acme.responses.create(model="m1", input="y" * 2500)
+
+
+def test_reading_stored_responses_is_metered_by_the_keys_request_limit(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, names: dict[str, str]
+) -> None:
+    plugins = [tenancy(names["tenancy"], key_limits={"requests_per_minute": 4}), {"name": "routing"}]
+    config = base_config([upstream_url], plugins=plugins, responses={"redis_prefix": names["responses"]})
+    with gateway_factory(config) as (_, server):
+        acme, globex = sdk(server, "acme-1"), sdk(server, "globex-1")
+        made = acme.responses.create(model="m1", input="hello")  # 1 of 4
+        acme.responses.retrieve(made.id)  # 2
+        acme.responses.input_items.list(made.id)  # 3
+        acme.responses.retrieve(made.id)  # 4
+        for call in (
+            lambda: acme.responses.retrieve(made.id),
+            lambda: acme.responses.input_items.list(made.id),
+            lambda: acme.responses.delete(made.id),
+            lambda: acme.responses.create(model="m1", input="more"),
+        ):
+            with pytest.raises(openai.RateLimitError) as caught:
+                call()
+            assert caught.value.code == "rate_limit_exceeded" and "requests per min" in caught.value.message
+        with pytest.raises(openai.NotFoundError):  # globex's own limit: metered, and scoped
+            globex.responses.retrieve(made.id)
+        assert redis.Redis().exists(*records(names["responses"])) == 1  # the refused delete deleted nothing

@@ -140,9 +140,12 @@ class ResponsesService:
 
     # -- stored responses ----------------------------------------------------------------------------
 
-    async def stored(self, request: Request, response_id: str) -> tuple[ResponsesConfig, str, dict[str, Any]]:
+    async def stored(
+        self, request: Request, response_id: str, route: str
+    ) -> tuple[ResponsesConfig, str, dict[str, Any]]:
+        """The caller's stored response (a 404 otherwise), after the caller was metered for ``route``."""
         config = self.config()
-        scope = await self.store.scope_of(header_dict(request.scope["headers"]))
+        scope = await self.store.scope_of(header_dict(request.scope["headers"]), route)
         stored = await self.store.load(config, scope, response_id)
         if stored is None:
             raise not_found(response_id)
@@ -197,7 +200,7 @@ async def retrieve_response(request: Request, response_id: ResponseId) -> JSON:
             param="stream",
             code="unsupported_parameter",
         )
-    _, _, stored = await ResponsesService.of(request).stored(request, response_id)
+    _, _, stored = await ResponsesService.of(request).stored(request, response_id, "responses.retrieve")
     return JSON(stored["response"])
 
 
@@ -205,7 +208,7 @@ async def retrieve_response(request: Request, response_id: ResponseId) -> JSON:
 async def delete_response(request: Request, response_id: ResponseId) -> JSON:
     service = ResponsesService.of(request)
     config = service.config()
-    scope = await service.store.scope_of(header_dict(request.scope["headers"]))
+    scope = await service.store.scope_of(header_dict(request.scope["headers"]), "responses.delete")
     if not await service.store.delete(config, scope, response_id):
         raise not_found(response_id)
     return JSON({"id": response_id, "object": "response", "deleted": True})
@@ -221,7 +224,7 @@ async def list_input_items(request: Request, response_id: ResponseId) -> JSON:
     if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
         raise InvalidRequest("'limit' must be an integer from 1 to 100.", param="limit")
     service = ResponsesService.of(request)
-    config, scope, stored = await service.stored(request, response_id)
+    config, scope, stored = await service.stored(request, response_id, "responses.input_items")
     items = (await service.store.chain(config, scope, stored, None, output=False)).items
     if order == "desc":
         items = items[::-1]
@@ -245,7 +248,8 @@ async def list_input_items(request: Request, response_id: ResponseId) -> JSON:
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(request: Request, response_id: ResponseId) -> JSON:
-    await ResponsesService.of(request).stored(request, response_id)  # 404 for an unknown or foreign id
+    # 404 for an unknown or foreign id
+    await ResponsesService.of(request).stored(request, response_id, "responses.cancel")
     raise InvalidRequest(
         f"Only responses created with background=true can be cancelled; this gateway does not run background "
         f"responses, so '{response_id}' finished before its creation returned.",
