@@ -1,8 +1,8 @@
 """What one tenant can make the Responses store keep, against the fake worker
 and the real Redis: empty parts are counted, a record and a tenant have byte bounds (413, 429) checked
 before any worker is asked, a chain stores each turn once (turn N never rewrites turns 1..N-1) and is
-bounded, the stored bytes are visible per tenant on the admin API, and stored-response reads are
-metered by the key's request limits."""
+bounded, the stored bytes are visible per tenant on the admin API, stored-response reads are metered
+by the key's request limits, and what is stored is what the worker saw (safety's redactions applied)."""
 
 from __future__ import annotations
 
@@ -189,3 +189,31 @@ def test_reading_stored_responses_is_metered_by_the_keys_request_limit(
         with pytest.raises(openai.NotFoundError):  # globex's own limit: metered, and scoped
             globex.responses.retrieve(made.id)
         assert redis.Redis().exists(*records(names["responses"])) == 1  # the refused delete deleted nothing
+
+
+def test_the_store_keeps_what_the_worker_saw(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, names: dict[str, str]
+) -> None:
+    rules = [{"id": "secrets", "kind": "secrets", "action": "redact"}]
+    plugins = [{"name": "safety", "config": {"rules": rules}}, {"name": "routing"}]
+    config = base_config([upstream_url], plugins=plugins, responses={"redis_prefix": names["responses"]})
+    secret = "AKIAIOSFODNN7EXAMPLE"
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        made = client.responses.create(
+            model="m1",
+            instructions=f"The key is {secret}.",
+            input=[
+                {"role": "user", "content": [{"type": "input_text", "text": f"use {secret}"}]},
+                {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": f'{{"k": "{secret}"}}'},
+                {"type": "function_call_output", "call_id": "c1", "output": f"found {secret}"},
+            ],
+        )
+        assert secret not in str(upstream.requests[-1].body)
+        listed = client.responses.input_items.list(made.id, order="asc").data
+        shown = str([item.model_dump() for item in listed]) + str(client.responses.retrieve(made.id).model_dump())
+        assert secret not in shown and shown.count("[SECRET]") >= 4, shown
+        assert secret not in str(records(names["responses"])) and all(
+            secret.encode() not in (redis.Redis().get(k) or b"") for k in records(names["responses"])
+        )
+        assert [item.type for item in listed] == ["message", "function_call", "function_call_output"]

@@ -41,7 +41,7 @@ from gateway.wire.allowlist import ParamAllowList
 from gateway.wire.errors import InvalidRequest, ServerError, model_not_found
 from gateway.wire.openapi import RESPONSES_CREATE_DOC
 from gateway.wire.protocol import ENDPOINTS, check_request, header_dict, parse_body
-from gateway.wire.responses_chat import chat_request
+from gateway.wire.responses_chat import chat_request, items_as_seen
 from gateway.wire.responses_request import parse_request
 
 router = APIRouter()
@@ -126,7 +126,8 @@ class ResponsesService:
             ctx.log["api"] = "responses"
 
             async def save(response: dict[str, Any]) -> None:
-                await self.store.save(config, scope, response, req.input_items, chain)
+                # the input as the worker saw it (redactions applied), never the raw request
+                await self.store.save(config, scope, response, items_as_seen(req, history, ctx.body), chain)
 
             turn = ResponsesTurn(self.proxy, self.state.services.metrics, req, ctx, save if req.store else None)
             record["turn"] = True  # from here on the turn records its own metrics and access log line
