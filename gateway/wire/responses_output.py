@@ -23,7 +23,11 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 def response_object(
     req: ResponsesRequest, response_id: str, model: str, created_at: int, status: str, output: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """A Response object (``status``: in_progress, completed, incomplete, failed), echoing the request."""
+    """A Response object (``status``: in_progress, completed, incomplete, failed), echoing the request.
+
+    Every field of the Responses schema of OpenAI's OpenAPI spec that admits null is present (null when
+    it does not apply), and so are the sampling fields strict conformance suites ask for
+    (``presence_penalty``, ``frequency_penalty``): tests check it against the spec itself."""
     return {
         "id": response_id,
         "object": "response",
@@ -31,6 +35,7 @@ def response_object(
         "status": status,
         "background": False,
         "completed_at": None,
+        "conversation": None,
         "error": None,
         "incomplete_details": None,
         "model": model,
@@ -41,7 +46,11 @@ def response_object(
         "tool_choice": req.tool_choice,
         "tools": req.tools,
         "truncation": "disabled",
-        "usage": None,
+        "top_logprobs": 0,
+        "max_tool_calls": None,
+        "prompt_cache_retention": None,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
         **req.echo,
     }
 
@@ -52,7 +61,9 @@ def finish(response: dict[str, Any], finish_reason: str | None, usage: object) -
     response["status"] = "incomplete" if reason else "completed"
     response["incomplete_details"] = {"reason": reason} if reason else None
     response["completed_at"] = int(time.time())
-    response["usage"] = _usage(usage)
+    counted = _usage(usage)
+    if counted is not None:  # an object in the spec, not nullable: left out while unknown
+        response["usage"] = counted
     if reason:
         for item in response["output"]:
             item["status"] = "incomplete"

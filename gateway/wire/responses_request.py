@@ -116,9 +116,8 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         "temperature": body.get("temperature", 1.0),
         "top_p": body.get("top_p", 1.0),
         "store": store,
-        "user": body.get("user"),
-        "safety_identifier": body.get("safety_identifier"),
-        "prompt_cache_key": body.get("prompt_cache_key"),
+        # strings in the spec (not nullable): echoed when sent, left out otherwise
+        **{k: body[k] for k in ("user", "safety_identifier", "prompt_cache_key") if body.get(k) is not None},
     }
     return ResponsesRequest(
         model=model,
@@ -255,11 +254,8 @@ def _check_text(text: object) -> dict[str, Any]:
             raise bad("'text.format.schema' must be a JSON schema object.", "text.format.schema")
         if not isinstance(fmt.get("name"), str) or not fmt["name"]:
             raise bad("'text.format.name' must be a non-empty string.", "text.format.name")
-        return {
-            "type": "json_schema",
-            "name": fmt["name"],
-            "schema": fmt["schema"],
-            "description": fmt.get("description"),
-            "strict": fmt.get("strict"),
-        }
+        checked = {"type": "json_schema", "name": fmt["name"], "schema": fmt["schema"], "strict": fmt.get("strict")}
+        if isinstance(fmt.get("description"), str):  # a string in the spec, not nullable
+            checked["description"] = fmt["description"]
+        return checked
     raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'.", "text.format.type")

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Path, Request, WebSocket
+from fastapi.responses import Response
 
 from gateway.pipeline.config import LimitsConfig, ResponsesConfig
 from gateway.pipeline.context import RequestContext
@@ -191,6 +192,33 @@ class ResponsesEndpoint(InferenceEndpoints):
             self._stop_watching(watcher, state)
             if not state.get("turn"):  # refused before it became a turn (bad body, unknown id or model, 401)
                 self.metrics.requests.labels("-", "responses", str(state["status"])).inc()
+
+
+@router.post("/v1/responses/compact", include_in_schema=False)  # always refused: not an API to fuzz
+async def compact_response() -> None:
+    """Refused: see docs/responses.md#what-is-supported-and-what-is-not-and-why."""
+    raise InvalidRequest(
+        "POST /v1/responses/compact is not supported by this gateway: OpenAI's compaction returns an encrypted "
+        "item only OpenAI's models can read back. Keep the conversation short with 'truncation': 'auto' (the "
+        "oldest turns are dropped to fit the context) or start a new one with the context you need as 'input'.",
+        code="unsupported_endpoint",
+    )
+
+
+@router.websocket("/v1/responses")
+async def responses_websocket(websocket: WebSocket) -> None:
+    """Refused before the handshake completes, with an OpenAI error as the HTTP answer (or, where the
+    server cannot send one, a close frame carrying the reason)."""
+    error = InvalidRequest(
+        "The Responses WebSocket mode is not supported by this gateway; send POST /v1/responses with "
+        "'stream': true for the same events over server-sent events.",
+        code="unsupported_transport",
+    )
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        body = Response(error.to_json(), status_code=error.status_code, media_type="application/json")
+        await websocket.send_denial_response(body)
+    else:
+        await websocket.close(code=1008, reason="WebSocket mode is not supported; POST /v1/responses with stream")
 
 
 @router.get("/v1/responses/{response_id}")
