@@ -95,13 +95,34 @@ def response_from_chat(
     output: list[dict[str, Any]] = []
     content = message.get("content")
     if content:
-        output.append(message_item("assistant", [{**text_part("output_text", content), "logprobs": []}]))
+        part = {**text_part("output_text", content), "logprobs": logprobs_of(choice)}
+        output.append(message_item("assistant", [part]))
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
         output.append(_function_call(call.get("id"), function.get("name") or "", function.get("arguments") or ""))
     response = response_object(req, response_id, model, created_at, "completed", output)
     finish(response, choice.get("finish_reason"), chat.get("usage"))
     return response
+
+
+def logprobs_of(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's (or chunk choice's) token logprobs, as the Responses API lists them on output_text."""
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    return [_logprob(entry, top=True) for entry in content or () if isinstance(entry, dict)]
+
+
+def _logprob(entry: dict[str, Any], *, top: bool) -> dict[str, Any]:
+    raw_bytes = entry.get("bytes")
+    out: dict[str, Any] = {
+        "token": str(entry.get("token") or ""),
+        "logprob": float(entry.get("logprob") or 0.0),
+        "bytes": raw_bytes if isinstance(raw_bytes, list) else list(str(entry.get("token") or "").encode()),
+    }
+    if top:
+        alternatives = entry.get("top_logprobs") or ()
+        out["top_logprobs"] = [_logprob(alt, top=False) for alt in alternatives if isinstance(alt, dict)]
+    return out
 
 
 def _function_call(call_id: object, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -170,14 +191,14 @@ class EventStream:
             delta = choice.get("delta") or {}
             text = delta.get("content")
             if text:
-                out += self._text(text)
+                out += self._text(text, logprobs_of(choice))
             for call in delta.get("tool_calls") or ():
                 out += self._tool_delta(call)
             if choice.get("finish_reason"):
                 self._finish_reason = choice["finish_reason"]
         return out
 
-    def _text(self, text: str) -> list[bytes]:
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
         out: list[bytes] = []
         if self._message is None:
             if self._calls:
@@ -197,6 +218,7 @@ class EventStream:
             )
         item = self._message
         item["content"][0]["text"] += text
+        item["content"][0]["logprobs"] += logprobs
         index = self.response["output"].index(item)
         out.append(
             self._event(
@@ -205,7 +227,7 @@ class EventStream:
                 output_index=index,
                 content_index=0,
                 delta=text,
-                logprobs=[],
+                logprobs=logprobs,
             )
         )
         return out
@@ -254,7 +276,7 @@ class EventStream:
                 output_index=index,
                 content_index=0,
                 text=part["text"],
-                logprobs=[],
+                logprobs=part["logprobs"],
             ),
             self._event(
                 "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part

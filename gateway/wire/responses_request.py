@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.wire.responses_items import bad, normalize_input, unsupported
+from gateway.wire.responses_options import check_options
 
 #: Fields of a Responses request the gateway understands (and forwards, translated, or echoes).
 _ACCEPTED = frozenset(
@@ -18,14 +19,13 @@ _ACCEPTED = frozenset(
         "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
         "tool_choice", "parallel_tool_calls", "store", "metadata", "previous_response_id", "stream", "user",
         "stream_options", "safety_identifier", "prompt_cache_key", "service_tier", "truncation", "include",
-        "reasoning", "background", "top_logprobs",
+        "reasoning", "background", "top_logprobs", "max_tool_calls", "prompt_cache_retention",
     }
 )  # fmt: skip
 #: Fields refused outright, with the reason the client reads.
 _UNSUPPORTED = {
     "conversation": "conversations are not supported; chain turns with 'previous_response_id'",
     "prompt": "stored prompt templates are not supported; send 'instructions' and 'input'",
-    "max_tool_calls": "'max_tool_calls' applies to built-in tools, which are not supported",
     "context_management": "server-side context compaction is not supported",
 }
 _MAX_METADATA = 16
@@ -46,6 +46,7 @@ class ResponsesRequest:
     tool_choice: Any
     text_format: dict[str, Any]
     echo: dict[str, Any] = field(default_factory=dict)  # request fields shown on the Response object
+    truncation: str = "disabled"  # "auto": the oldest turns may be dropped to fit the context
 
 
 def parse_request(body: dict[str, Any]) -> ResponsesRequest:
@@ -68,7 +69,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
             "(stream it if it is long).",
             "background",
         )
-    _check_options(body, stream)
+    options = check_options(body, stream)
     previous = body.get("previous_response_id")
     if previous is not None and (not isinstance(previous, str) or not previous):
         raise bad("'previous_response_id' must be a non-empty string.", "previous_response_id")
@@ -105,9 +106,13 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     tool_choice = _check_tool_choice(body.get("tool_choice"), tools)
     if tools and parallel is not None:
         sampling["parallel_tool_calls"] = parallel
+    sampling.update(options.chat)
     text_format = _check_text(body.get("text"))
     metadata = _check_metadata(body.get("metadata"))
+    verbosity = options.echo.pop("verbosity")
     echo = {
+        **options.echo,
+        "text": {"format": text_format, "verbosity": verbosity},
         "instructions": instructions,
         "max_output_tokens": max_output,
         "metadata": metadata,
@@ -131,6 +136,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         tool_choice=tool_choice,
         text_format=text_format,
         echo=echo,
+        truncation=options.truncation,
     )
 
 
@@ -141,35 +147,6 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise bad(f"'{name}' must be a boolean.", name)
     return value
-
-
-def _check_options(body: dict[str, Any], stream: bool) -> None:
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_obfuscation"}:
-            raise bad("'stream_options' may only hold 'include_obfuscation'.", "stream_options")
-        if not stream:
-            raise bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
-    tier = body.get("service_tier")
-    if tier not in (None, "auto", "default"):
-        raise unsupported(f"'service_tier' {tier!r} is not supported; use 'auto' or 'default'.", "service_tier")
-    truncation = body.get("truncation")
-    if truncation not in (None, "disabled"):
-        raise unsupported(
-            "'truncation' must be 'disabled': the gateway never drops turns; a conversation longer than the "
-            "model's context is refused.",
-            "truncation",
-        )
-    include = body.get("include")
-    if include:
-        raise unsupported(f"'include' values are not supported by this gateway: {include!r}.", "include")
-    reasoning = body.get("reasoning")
-    if reasoning is not None and (not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())):
-        raise unsupported(
-            "'reasoning' options are not supported: the served models are not reasoning models.", "reasoning"
-        )
-    if body.get("top_logprobs") not in (None, 0):
-        raise unsupported("'top_logprobs' is not supported on /v1/responses by this gateway.", "top_logprobs")
 
 
 def _check_metadata(metadata: object) -> dict[str, str]:
@@ -239,9 +216,7 @@ def _check_text(text: object) -> dict[str, Any]:
     if text is None:
         return {"type": "text"}
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
-        raise bad("'text' must be an object with 'format'.", "text")
-    if text.get("verbosity") not in (None, "medium"):
-        raise unsupported("'text.verbosity' is not supported by this gateway.", "text.verbosity")
+        raise bad("'text' must be an object with 'format' and 'verbosity'.", "text")
     fmt = text.get("format")
     if fmt is None:
         return {"type": "text"}

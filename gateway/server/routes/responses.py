@@ -22,10 +22,11 @@ import orjson
 from fastapi import APIRouter, Depends, Path, Request, WebSocket
 from fastapi.responses import Response
 
-from gateway.pipeline.config import LimitsConfig, ResponsesConfig
+from gateway.pipeline.config import LimitsConfig, ModelConfig, ResponsesConfig
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.runtime import RuntimeSnapshot
 from gateway.proxy.forward import JSONReply, Proxy, Reply, StreamReply
+from gateway.proxy.responses_fit import TRUNCATED_HEADER, fit_history
 from gateway.proxy.responses_turn import ResponsesTurn
 from gateway.server.admin_auth import require_admin
 from gateway.server.responses_store import Chain, ResponseStore, not_found
@@ -43,7 +44,7 @@ from gateway.wire.errors import InvalidRequest, ServerError, model_not_found
 from gateway.wire.openapi import RESPONSES_CREATE_DOC
 from gateway.wire.protocol import ENDPOINTS, check_request, header_dict, parse_body
 from gateway.wire.responses_chat import chat_request, items_as_seen
-from gateway.wire.responses_request import parse_request
+from gateway.wire.responses_request import ResponsesRequest, parse_request
 
 router = APIRouter()
 #: ``GET /admin/responses/usage`` (admin token): stored bytes per tenant, for operators and the console.
@@ -108,6 +109,9 @@ class ResponsesService:
             model = snapshot.models.resolve(req.model)
             if model is None:
                 raise model_not_found(req.model)
+            dropped = 0
+            if req.truncation == "auto" and history:
+                history, dropped = await self._fit(snapshot, model, req, history)
             chat = chat_request(req, model.upstream_name, history)
             allow(snapshot.config.limits).check(_CHAT.name, chat)
             check_request(_CHAT, chat)
@@ -125,6 +129,9 @@ class ResponsesService:
                 started=started,
             )
             ctx.log["api"] = "responses"
+            if dropped:  # said on the answer (and in the access log): the worker read fewer turns than stored
+                ctx.response_headers[TRUNCATED_HEADER] = str(dropped)
+                ctx.log["truncated_items"] = dropped
 
             async def save(response: dict[str, Any]) -> None:
                 # the input as the worker saw it (redactions applied), never the raw request
@@ -139,6 +146,23 @@ class ResponsesService:
             return StreamReply(turn.events(reply, pin.pop_all()), reply.headers)
         finally:
             pin.close()
+
+    async def _fit(
+        self, snapshot: RuntimeSnapshot, model: ModelConfig, req: ResponsesRequest, history: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], int]:
+        """``truncation: "auto"``: the newest turns of ``history`` that fit the context of a worker of
+        ``model`` with room for the answer's ``max_output_tokens`` (at least one token)."""
+        urls = [url for url in snapshot.models.worker_urls.get(model.name, []) if not url.startswith("dns://")]
+        if not urls:
+            return history, 0
+        reserve = int(req.sampling.get("max_tokens") or 1)
+        return await fit_history(
+            self.state.services.upstream,
+            urls[0],
+            lambda kept: chat_request(req, model.upstream_name, kept),
+            history,
+            reserve,
+        )
 
     # -- stored responses ----------------------------------------------------------------------------
 
