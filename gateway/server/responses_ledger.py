@@ -66,6 +66,9 @@ local n = tonumber(redis.call('HGET', KEYS[1], ARGV[1])) or 0
 redis.call('HDEL', KEYS[1], ARGV[1])
 if n > 0 then redis.call('HINCRBY', KEYS[1], '@total', -n) end
 redis.call('ZREM', KEYS[2], ARGV[1])
+if redis.call('HLEN', KEYS[1]) == 1 and (tonumber(redis.call('HGET', KEYS[1], '@total')) or 0) == 0 then
+  redis.call('DEL', KEYS[1])  -- the scope's last response: no empty ledger left behind
+end
 return existed
 """
 )

@@ -8,17 +8,16 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-import redis
 
 from tests.support.fakes import FakeUpstream, ServerThread
-from tests.support.gateways import REPO, GatewayFactory, base_config
+from tests.support.gateways import REPO, GatewayFactory
+from tests.support.responses import responses_gateway
 
 DOC = Path(REPO, "docs", "responses.md")
 
@@ -33,14 +32,9 @@ def sdk_example() -> str:
 
 
 @pytest.fixture
-def server(gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str) -> Iterator[ServerThread]:
-    prefix = f"test:respdoc:{uuid.uuid4().hex}"
-    with gateway_factory(base_config([upstream_url], responses={"redis_prefix": prefix})) as (_, srv):
+def server(gateway_factory: GatewayFactory, upstream_url: str) -> Iterator[ServerThread]:
+    with responses_gateway(gateway_factory, upstream_url) as srv:
         yield srv
-    client = redis.Redis()
-    keys = list(client.scan_iter(match=f"{prefix}*"))
-    if keys:
-        client.delete(*keys)
 
 
 def run_example(server: ServerThread) -> dict[str, Any]:

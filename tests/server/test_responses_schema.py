@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import os
 import socket
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,10 +16,10 @@ import httpx
 import openai
 import orjson
 import pytest
-import redis
 
 from tests.support.fakes import FakeUpstream, ServerThread
-from tests.support.gateways import GatewayFactory, base_config
+from tests.support.gateways import GatewayFactory
+from tests.support.responses import responses_gateway
 from tests.support.responses_schema import check_event, check_response, errors
 
 TOOL = {
@@ -33,14 +32,9 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 
 @pytest.fixture
-def server(gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str) -> Iterator[ServerThread]:
-    prefix = f"test:respschema:{uuid.uuid4().hex}"
-    with gateway_factory(base_config([upstream_url], responses={"redis_prefix": prefix})) as (_, srv):
+def server(gateway_factory: GatewayFactory, upstream_url: str) -> Iterator[ServerThread]:
+    with responses_gateway(gateway_factory, upstream_url) as srv:
         yield srv
-    client = redis.Redis()
-    keys = list(client.scan_iter(match=f"{prefix}*"))
-    if keys:
-        client.delete(*keys)
 
 
 def events(server: ServerThread, body: dict[str, Any]) -> list[dict[str, Any]]:
