@@ -22,6 +22,7 @@ continue any conversation (``previous_response_id``), and a worker restart loses
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,7 +151,8 @@ class ResponseStore:
             names = await scopes(client, config.redis_prefix)
         except _REDIS_ERRORS as exc:
             raise _unavailable("read", exc) from None
-        return [(name, await self.usage(config, name)) for name in names]
+        usages = await asyncio.gather(*(self.usage(config, name) for name in names))  # one pipelined batch
+        return list(zip(names, usages, strict=True))
 
     # -- bounds ----------------------------------------------------------------------------------------
 

@@ -266,7 +266,7 @@ def test_options_and_the_spec_schema_against_vllm(real_engine: RealEngine) -> No
         raw = client.responses.with_raw_response.create(**fourth, truncation="auto")  # type: ignore[arg-type]
         fitted = raw.parse()
         ids.append(fitted.id)
-        assert int(raw.headers["x-gateway-truncated-items"]) >= 2 and fitted.truncation == "auto"
+        assert int(raw.headers["x-gateway-truncated-items"]) >= 1 and fitted.truncation == "auto"  # whole turns
         assert fitted.usage is not None and fitted.usage.input_tokens + 2 <= 2048
     finally:
         for response_id in ids:

@@ -94,14 +94,7 @@ class ResponsesService:
         config = self.config()
         req = parse_request(parse_body(body))
         scope = await self.store.scope_of(headers)
-        chain = Chain()
-        if req.previous_response_id is not None:
-            previous = await self.store.load(config, scope, req.previous_response_id)
-            if previous is None:
-                raise not_found(req.previous_response_id, param="previous_response_id")
-            chain = await self.store.chain(config, scope, previous, "previous_response_id")
-        if req.store:  # what the record will hold at least: refused now rather than after the worker ran
-            await self.store.check_room(config, scope, len(orjson.dumps(req.input_items)), chain)
+        chain = await self._conversation(config, scope, req)
         history = chain.items
         pin = contextlib.ExitStack()
         try:
@@ -146,6 +139,19 @@ class ResponsesService:
             return StreamReply(turn.events(reply, pin.pop_all()), reply.headers)
         finally:
             pin.close()
+
+    async def _conversation(self, config: ResponsesConfig, scope: str, req: ResponsesRequest) -> Chain:
+        """The stored conversation this turn continues (empty without previous_response_id), after
+        refusing a turn the store could not keep: now, rather than after the worker ran."""
+        chain = Chain()
+        if req.previous_response_id is not None:
+            previous = await self.store.load(config, scope, req.previous_response_id)
+            if previous is None:
+                raise not_found(req.previous_response_id, param="previous_response_id")
+            chain = await self.store.chain(config, scope, previous, "previous_response_id")
+        if req.store:  # what the record will hold at least
+            await self.store.check_room(config, scope, len(orjson.dumps(req.input_items)), chain)
+        return chain
 
     async def _fit(
         self, snapshot: RuntimeSnapshot, model: ModelConfig, req: ResponsesRequest, history: list[dict[str, Any]]
