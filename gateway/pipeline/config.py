@@ -58,6 +58,20 @@ class ResponsesConfig(StrictModel):
         "gw:responses", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$", description="Redis key prefix"
     )
     redis_timeout_ms: float = Field(500, gt=0, le=10_000, description="bound on each Redis call of the store")
+    # What one tenant can make the store keep (a turn over a bound is refused, never truncated): see
+    # docs/responses.md#bounds.
+    max_response_bytes: int = Field(
+        512 * 1024, ge=1024, description="largest stored record of one response (its own input and output); 413"
+    )
+    max_tenant_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="stored bytes one tenant may hold at once (all its responses); 429"
+    )
+    max_conversation_turns: int = Field(
+        256, ge=1, le=10_000, description="longest previous_response_id chain a turn may continue; 400"
+    )
+    max_conversation_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="stored bytes of a whole chain a turn may continue; 400"
+    )
 
 
 class ModelConfig(StrictModel):

@@ -52,7 +52,8 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   The core publishes the whole graph as ``ctx.snapshot.models.reachable(name)`` (e.g. for tenancy, whose
   reservation must cover wherever a request may go).
 - ``async on_side_request(call)``: optional; a route that does not run the inference pipeline is about
-  to answer: ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /tokenize`` and ``/detokenize``. ``call``
+  to answer: ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /tokenize`` and ``/detokenize``, the stored
+  Responses' reads, input items, deletes and cancels. ``call``
   (``SideCall``) names the route, the request's lower-cased headers and, for tokenize and detokenize,
   the parsed body and the model (its config name, or None when the model does not exist or this
   caller may not see it: both look the same). Runs in list order, once per request; return None to
@@ -86,7 +87,16 @@ if TYPE_CHECKING:
     from gateway.pipeline.services import Services
 
 OnError = Literal["fail_closed", "fail_open"]
-SideRoute = Literal["models", "model", "tokenize", "detokenize"]
+SideRoute = Literal[
+    "models",
+    "model",
+    "tokenize",
+    "detokenize",
+    "responses.retrieve",
+    "responses.input_items",
+    "responses.delete",
+    "responses.cancel",
+]
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.proxy.answer import cut_short
 from gateway.proxy.forward import JSONReply, Proxy, StreamReply
 from gateway.wire.errors import GatewayError
+from gateway.wire.responses_chat import instructions_as_seen
 from gateway.wire.responses_items import new_id
 from gateway.wire.responses_output import EventStream, response_from_chat, response_object
 from gateway.wire.responses_request import ResponsesRequest
@@ -75,6 +76,8 @@ class ResponsesTurn:
         streaming = False
         try:
             reply = await self.proxy.serve(ctx)
+            # the Response echoes the instructions the worker was given (a redaction shows), not the raw ones
+            self.req.echo["instructions"] = instructions_as_seen(self.req, ctx.body)
             if isinstance(reply, StreamReply):
                 streaming = True
                 in_flight.dec()

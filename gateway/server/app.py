@@ -267,6 +267,7 @@ def create_app(
     if settings.admin_port is None:
         api.include_router(admin.router)
         api.include_router(admin_views.router)
+        api.include_router(responses.admin_router)
         api.include_router(console_router(console_assets, token_required=True))
         api.router.routes.append(playground_route(state, playground))
     else:
@@ -279,6 +280,7 @@ def create_app(
         _install_error_handlers(admin_api)
         admin_api.include_router(admin.router)
         admin_api.include_router(admin_views.router)
+        admin_api.include_router(responses.admin_router)
         admin_api.include_router(health.router)
         # The console's page holds no data and asks for the token itself: served here without one.
         admin_api.include_router(console_router(console_assets, token_required=False))

@@ -115,7 +115,10 @@ def text_part(kind: str, text: str) -> dict[str, Any]:
 
 
 def text_of(parts: list[dict[str, Any]]) -> str:
-    return "".join(p.get("text") or p.get("refusal") or "" for p in parts)
+    """The text the model reads for a list of parts: one line per part, as vLLM joins a chat message's
+    text parts. So every part costs at least a character (an empty or blank part is still counted by the
+    limits and charges that read the chat body, as what it is: a line of the prompt)."""
+    return "\n".join(p.get("text") or p.get("refusal") or "" for p in parts)
 
 
 def output_as_input(output: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -23,7 +23,11 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 def response_object(
     req: ResponsesRequest, response_id: str, model: str, created_at: int, status: str, output: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """A Response object (``status``: in_progress, completed, incomplete, failed), echoing the request."""
+    """A Response object (``status``: in_progress, completed, incomplete, failed), echoing the request.
+
+    Every field of the Responses schema of OpenAI's OpenAPI spec that admits null is present (null when
+    it does not apply), and so are the sampling fields strict conformance suites ask for
+    (``presence_penalty``, ``frequency_penalty``): tests check it against the spec itself."""
     return {
         "id": response_id,
         "object": "response",
@@ -31,6 +35,7 @@ def response_object(
         "status": status,
         "background": False,
         "completed_at": None,
+        "conversation": None,
         "error": None,
         "incomplete_details": None,
         "model": model,
@@ -41,7 +46,11 @@ def response_object(
         "tool_choice": req.tool_choice,
         "tools": req.tools,
         "truncation": "disabled",
-        "usage": None,
+        "top_logprobs": 0,
+        "max_tool_calls": None,
+        "prompt_cache_retention": None,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
         **req.echo,
     }
 
@@ -52,7 +61,9 @@ def finish(response: dict[str, Any], finish_reason: str | None, usage: object) -
     response["status"] = "incomplete" if reason else "completed"
     response["incomplete_details"] = {"reason": reason} if reason else None
     response["completed_at"] = int(time.time())
-    response["usage"] = _usage(usage)
+    counted = _usage(usage)
+    if counted is not None:  # an object in the spec, not nullable: left out while unknown
+        response["usage"] = counted
     if reason:
         for item in response["output"]:
             item["status"] = "incomplete"
@@ -84,13 +95,34 @@ def response_from_chat(
     output: list[dict[str, Any]] = []
     content = message.get("content")
     if content:
-        output.append(message_item("assistant", [{**text_part("output_text", content), "logprobs": []}]))
+        part = {**text_part("output_text", content), "logprobs": logprobs_of(choice)}
+        output.append(message_item("assistant", [part]))
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
         output.append(_function_call(call.get("id"), function.get("name") or "", function.get("arguments") or ""))
     response = response_object(req, response_id, model, created_at, "completed", output)
     finish(response, choice.get("finish_reason"), chat.get("usage"))
     return response
+
+
+def logprobs_of(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's (or chunk choice's) token logprobs, as the Responses API lists them on output_text."""
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    return [_logprob(entry, top=True) for entry in content or () if isinstance(entry, dict)]
+
+
+def _logprob(entry: dict[str, Any], *, top: bool) -> dict[str, Any]:
+    raw_bytes = entry.get("bytes")
+    out: dict[str, Any] = {
+        "token": str(entry.get("token") or ""),
+        "logprob": float(entry.get("logprob") or 0.0),
+        "bytes": raw_bytes if isinstance(raw_bytes, list) else list(str(entry.get("token") or "").encode()),
+    }
+    if top:
+        alternatives = entry.get("top_logprobs") or ()
+        out["top_logprobs"] = [_logprob(alt, top=False) for alt in alternatives if isinstance(alt, dict)]
+    return out
 
 
 def _function_call(call_id: object, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -159,14 +191,14 @@ class EventStream:
             delta = choice.get("delta") or {}
             text = delta.get("content")
             if text:
-                out += self._text(text)
+                out += self._text(text, logprobs_of(choice))
             for call in delta.get("tool_calls") or ():
                 out += self._tool_delta(call)
             if choice.get("finish_reason"):
                 self._finish_reason = choice["finish_reason"]
         return out
 
-    def _text(self, text: str) -> list[bytes]:
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
         out: list[bytes] = []
         if self._message is None:
             if self._calls:
@@ -186,6 +218,7 @@ class EventStream:
             )
         item = self._message
         item["content"][0]["text"] += text
+        item["content"][0]["logprobs"] += logprobs
         index = self.response["output"].index(item)
         out.append(
             self._event(
@@ -194,7 +227,7 @@ class EventStream:
                 output_index=index,
                 content_index=0,
                 delta=text,
-                logprobs=[],
+                logprobs=logprobs,
             )
         )
         return out
@@ -243,7 +276,7 @@ class EventStream:
                 output_index=index,
                 content_index=0,
                 text=part["text"],
-                logprobs=[],
+                logprobs=part["logprobs"],
             ),
             self._event(
                 "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part

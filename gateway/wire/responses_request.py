@@ -1,9 +1,8 @@
 """A Responses API request, checked, and the chat completions request it becomes.
 
 ``parse_request`` checks a Responses body and refuses what is not supported with a 400 naming it
-(built-in tools, background, conversation, ...); ``chat_request`` builds the chat completions body for
-the expanded conversation (instructions, earlier turns' items, this request's input items): the body the
-gateway's pipeline and the worker see. Pure functions: no I/O.
+(built-in tools, background, conversation, ...); ``gateway.wire.responses_chat`` builds the chat
+completions body from it. Pure functions: no I/O.
 """
 
 from __future__ import annotations
@@ -11,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.wire.responses_items import bad, normalize_input, text_of, unsupported
+from gateway.wire.responses_items import bad, normalize_input, unsupported
+from gateway.wire.responses_options import check_options
 
 #: Fields of a Responses request the gateway understands (and forwards, translated, or echoes).
 _ACCEPTED = frozenset(
@@ -19,14 +19,13 @@ _ACCEPTED = frozenset(
         "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
         "tool_choice", "parallel_tool_calls", "store", "metadata", "previous_response_id", "stream", "user",
         "stream_options", "safety_identifier", "prompt_cache_key", "service_tier", "truncation", "include",
-        "reasoning", "background", "top_logprobs",
+        "reasoning", "background", "top_logprobs", "max_tool_calls", "prompt_cache_retention",
     }
 )  # fmt: skip
 #: Fields refused outright, with the reason the client reads.
 _UNSUPPORTED = {
     "conversation": "conversations are not supported; chain turns with 'previous_response_id'",
     "prompt": "stored prompt templates are not supported; send 'instructions' and 'input'",
-    "max_tool_calls": "'max_tool_calls' applies to built-in tools, which are not supported",
     "context_management": "server-side context compaction is not supported",
 }
 _MAX_METADATA = 16
@@ -47,6 +46,7 @@ class ResponsesRequest:
     tool_choice: Any
     text_format: dict[str, Any]
     echo: dict[str, Any] = field(default_factory=dict)  # request fields shown on the Response object
+    truncation: str = "disabled"  # "auto": the oldest turns may be dropped to fit the context
 
 
 def parse_request(body: dict[str, Any]) -> ResponsesRequest:
@@ -69,7 +69,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
             "(stream it if it is long).",
             "background",
         )
-    _check_options(body, stream)
+    options = check_options(body, stream)
     previous = body.get("previous_response_id")
     if previous is not None and (not isinstance(previous, str) or not previous):
         raise bad("'previous_response_id' must be a non-empty string.", "previous_response_id")
@@ -106,9 +106,13 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     tool_choice = _check_tool_choice(body.get("tool_choice"), tools)
     if tools and parallel is not None:
         sampling["parallel_tool_calls"] = parallel
+    sampling.update(options.chat)
     text_format = _check_text(body.get("text"))
     metadata = _check_metadata(body.get("metadata"))
+    verbosity = options.echo.pop("verbosity")
     echo = {
+        **options.echo,
+        "text": {"format": text_format, "verbosity": verbosity},
         "instructions": instructions,
         "max_output_tokens": max_output,
         "metadata": metadata,
@@ -117,9 +121,8 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         "temperature": body.get("temperature", 1.0),
         "top_p": body.get("top_p", 1.0),
         "store": store,
-        "user": body.get("user"),
-        "safety_identifier": body.get("safety_identifier"),
-        "prompt_cache_key": body.get("prompt_cache_key"),
+        # strings in the spec (not nullable): echoed when sent, left out otherwise
+        **{k: body[k] for k in ("user", "safety_identifier", "prompt_cache_key") if body.get(k) is not None},
     }
     return ResponsesRequest(
         model=model,
@@ -133,6 +136,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         tool_choice=tool_choice,
         text_format=text_format,
         echo=echo,
+        truncation=options.truncation,
     )
 
 
@@ -143,35 +147,6 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise bad(f"'{name}' must be a boolean.", name)
     return value
-
-
-def _check_options(body: dict[str, Any], stream: bool) -> None:
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_obfuscation"}:
-            raise bad("'stream_options' may only hold 'include_obfuscation'.", "stream_options")
-        if not stream:
-            raise bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
-    tier = body.get("service_tier")
-    if tier not in (None, "auto", "default"):
-        raise unsupported(f"'service_tier' {tier!r} is not supported; use 'auto' or 'default'.", "service_tier")
-    truncation = body.get("truncation")
-    if truncation not in (None, "disabled"):
-        raise unsupported(
-            "'truncation' must be 'disabled': the gateway never drops turns; a conversation longer than the "
-            "model's context is refused.",
-            "truncation",
-        )
-    include = body.get("include")
-    if include:
-        raise unsupported(f"'include' values are not supported by this gateway: {include!r}.", "include")
-    reasoning = body.get("reasoning")
-    if reasoning is not None and (not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())):
-        raise unsupported(
-            "'reasoning' options are not supported: the served models are not reasoning models.", "reasoning"
-        )
-    if body.get("top_logprobs") not in (None, 0):
-        raise unsupported("'top_logprobs' is not supported on /v1/responses by this gateway.", "top_logprobs")
 
 
 def _check_metadata(metadata: object) -> dict[str, str]:
@@ -241,9 +216,7 @@ def _check_text(text: object) -> dict[str, Any]:
     if text is None:
         return {"type": "text"}
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
-        raise bad("'text' must be an object with 'format'.", "text")
-    if text.get("verbosity") not in (None, "medium"):
-        raise unsupported("'text.verbosity' is not supported by this gateway.", "text.verbosity")
+        raise bad("'text' must be an object with 'format' and 'verbosity'.", "text")
     fmt = text.get("format")
     if fmt is None:
         return {"type": "text"}
@@ -256,74 +229,8 @@ def _check_text(text: object) -> dict[str, Any]:
             raise bad("'text.format.schema' must be a JSON schema object.", "text.format.schema")
         if not isinstance(fmt.get("name"), str) or not fmt["name"]:
             raise bad("'text.format.name' must be a non-empty string.", "text.format.name")
-        return {
-            "type": "json_schema",
-            "name": fmt["name"],
-            "schema": fmt["schema"],
-            "description": fmt.get("description"),
-            "strict": fmt.get("strict"),
-        }
+        checked = {"type": "json_schema", "name": fmt["name"], "schema": fmt["schema"], "strict": fmt.get("strict")}
+        if isinstance(fmt.get("description"), str):  # a string in the spec, not nullable
+            checked["description"] = fmt["description"]
+        return checked
     raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'.", "text.format.type")
-
-
-# -- the chat request ------------------------------------------------------------------------------
-
-
-def chat_request(req: ResponsesRequest, upstream_model: str, history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat completions body for ``history`` (earlier turns' items) followed by this request's input."""
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    for item in (*history, *req.input_items):
-        _append_message(messages, item)
-    chat: dict[str, Any] = {"model": upstream_model, "messages": messages, **req.sampling}
-    if req.tools:
-        chat["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    k: v
-                    for k, v in (
-                        ("name", t["name"]),
-                        ("description", t["description"]),
-                        ("parameters", t["parameters"]),
-                    )
-                    if v is not None
-                },
-            }
-            for t in req.tools
-        ]
-        choice = req.tool_choice
-        chat["tool_choice"] = (
-            {"type": "function", "function": {"name": choice["name"]}} if isinstance(choice, dict) else choice
-        )
-    fmt = req.text_format
-    if fmt["type"] == "json_object":
-        chat["response_format"] = {"type": "json_object"}
-    elif fmt["type"] == "json_schema":
-        schema = {k: fmt[k] for k in ("name", "schema", "description", "strict") if fmt.get(k) is not None}
-        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
-    if req.stream:
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
-    return chat
-
-
-def _append_message(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
-    kind = item["type"]
-    if kind == "message":
-        role = "system" if item["role"] == "developer" else item["role"]
-        messages.append({"role": role, "content": text_of(item["content"])})
-    elif kind == "function_call":
-        call = {
-            "id": item["call_id"],
-            "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]},
-        }
-        last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant":
-            last.setdefault("tool_calls", []).append(call)
-        else:
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    elif kind == "function_call_output":
-        messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})

@@ -12,6 +12,7 @@ real vLLM CPU worker, with stored responses in the real Redis.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from gateway.pipeline.registry import PluginRegistry
 from gateway.server.app import create_app
 from tests.support.fakes import ServerThread, free_port
 from tests.support.gateways import REPO, RealEngine, engine_config
+from tests.support.responses_schema import check_event, check_response
 
 pytestmark = pytest.mark.engine
 
@@ -69,8 +71,12 @@ def test_create_stream_retrieve_input_items_delete(real_engine: RealEngine) -> N
         with client.responses.stream(
             model="default", input="And of Italy?", previous_response_id=first.id, temperature=0, max_output_tokens=24
         ) as stream:
-            deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
-            second = stream.get_final_response()
+            events = list(stream)
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        # the last lifecycle event: response.incomplete when max_output_tokens cut the answer, which
+        # the SDK's get_final_response() does not accept
+        second = events[-1].response  # type: ignore[union-attr]
+        assert events[-1].type in ("response.completed", "response.incomplete")
         # (vLLM merges tokens into fewer deltas when its reader falls behind: on a loaded machine, maybe one)
         assert deltas and "".join(deltas) == second.output_text
         assert client.responses.retrieve(second.id).output_text == second.output_text
@@ -214,3 +220,55 @@ def test_an_agents_sdk_agent_runs_to_completion(real_engine: RealEngine) -> None
     for response in result.raw_responses:  # the agent stored its turns (store defaults to true): clean up
         if response.response_id:
             client.responses.delete(response.response_id)
+
+
+def test_options_and_the_spec_schema_against_vllm(real_engine: RealEngine) -> None:
+    """Logprobs, reasoning effort and verbosity reach vLLM and come back; every object and event
+    validates against OpenAI's schema; truncation "auto" fits a conversation longer than the 2048-token
+    context that vLLM refuses whole."""
+    client = sdk(real_engine.gateway_url)
+    made = client.responses.create(
+        model="default", input="Say hi.", temperature=0, max_output_tokens=6,
+        include=["message.output_text.logprobs"], top_logprobs=2, reasoning={"effort": "low"},
+        text={"verbosity": "low"},
+    )  # fmt: skip
+    ids = [made.id]
+    try:
+        part = made.output[0].content[0]  # type: ignore[union-attr]
+        assert part.logprobs and "".join(lp.token for lp in part.logprobs) == part.text  # type: ignore[union-attr]
+        assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)  # type: ignore[union-attr]
+        check_response(httpx.get(f"{real_engine.gateway_url}/v1/responses/{made.id}", timeout=30).json())
+        body = {"model": "default", "input": "Count to twenty.", "max_output_tokens": 4, "stream": True}
+        with httpx.stream("POST", real_engine.gateway_url + "/v1/responses", json=body, timeout=300) as reply:
+            lines = reply.read().split(b"\n")
+        events = [json.loads(line[6:]) for line in lines if line.startswith(b"data: ")]
+        for event in events:
+            check_event(event)
+        assert events[-1]["type"] == "response.incomplete"
+        ids.append(events[-1]["response"]["id"])
+
+        previous = None
+        for turn in range(3):  # about 600 tokens each: three fit in 2048, four do not
+            previous = client.responses.create(
+                model="default", input=f"Note {turn}: " + "apple " * 600, max_output_tokens=2, temperature=0,
+                previous_response_id=previous.id if previous else None,
+            )  # fmt: skip
+            ids.append(previous.id)
+        assert previous is not None
+        fourth = {
+            "model": "default",
+            "input": "apple " * 600,
+            "max_output_tokens": 2,
+            "previous_response_id": previous.id,
+        }
+        with pytest.raises(openai.BadRequestError):  # the whole conversation is longer than the context
+            client.responses.create(**fourth)  # type: ignore[arg-type]
+        raw = client.responses.with_raw_response.create(**fourth, truncation="auto")  # type: ignore[arg-type]
+        fitted = raw.parse()
+        ids.append(fitted.id)
+        assert int(raw.headers["x-gateway-truncated-items"]) >= 1 and fitted.truncation == "auto"  # whole turns
+        assert fitted.usage is not None and fitted.usage.input_tokens + 2 <= 2048
+    finally:
+        for response_id in ids:
+            with contextlib.suppress(openai.NotFoundError):
+                client.responses.delete(response_id)

@@ -75,7 +75,7 @@ def test_create_translates_to_chat_and_back(server: ServerThread, upstream: Fake
     assert chat["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
     assert chat["max_tokens"] == 50 and chat["temperature"] == 0.2
     # stored under this gateway's prefix, with a TTL from the config
-    keys = list(redis.Redis().scan_iter(match=f"{prefix}:*"))
+    keys = list(redis.Redis().scan_iter(match=f"{prefix}:*resp_*"))
     assert len(keys) == 1 and 0 < redis.Redis().ttl(keys[0]) <= 120
     again = client.responses.retrieve(response.id)
     assert again.output_text == response.output_text and again.id == response.id
@@ -232,7 +232,7 @@ def test_store_false_keeps_nothing(server: ServerThread, prefix: str) -> None:
     client = sdk(server)
     response = client.responses.create(model="m1", input="hi", store=False)
     assert response.store is False
-    assert list(redis.Redis().scan_iter(match=f"{prefix}:*")) == []
+    assert list(redis.Redis().scan_iter(match=f"{prefix}:*resp_*")) == []
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
     with pytest.raises(openai.NotFoundError) as caught:
@@ -280,9 +280,9 @@ def test_cancel_explains_background_is_not_supported(server: ServerThread) -> No
         ),
         ({"background": True}, "background"),
         ({"conversation": "conv_1"}, "conversation"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"include": ["message.output_text.logprobs"]}, "include"),
-        ({"truncation": "auto"}, "truncation"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"kv_transfer_params": {}}, "kv_transfer_params"),
         ({"top_k": 3}, "top_k"),
     ],
@@ -329,7 +329,7 @@ def test_stream_cut_by_the_worker_ends_with_an_error_event_and_stores_nothing(
     upstream.behavior.cut_after = 2
     with pytest.raises(openai.APIError):
         list(sdk(server).responses.create(model="m1", input="hi", stream=True))
-    assert list(redis.Redis().scan_iter(match=f"{prefix}:*")) == []
+    assert list(redis.Redis().scan_iter(match=f"{prefix}:*resp_*")) == []
 
 
 def test_store_unreachable_is_a_503_and_store_false_still_works(
@@ -370,7 +370,7 @@ def test_client_leaving_a_stream_closes_the_worker_and_releases_everything(
             time.sleep(0.05)
         assert app.state.holder.current.in_flight == 0  # the pinned snapshot was released
         assert app.state.services.workers.get(upstream_url).in_flight == 0
-        assert list(redis.Redis().scan_iter(match=f"{prefix}:*")) == []  # an unfinished response is not stored
+        assert list(redis.Redis().scan_iter(match=f"{prefix}:*resp_*")) == []  # an unfinished response is not stored
         line = 'gateway_requests_total{model="m1",route="responses",status="499"} 1.0'
         while line not in httpx.get(server.url + "/metrics").text and time.monotonic() < deadline:
             time.sleep(0.05)

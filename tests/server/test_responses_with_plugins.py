@@ -207,8 +207,8 @@ def test_guided_json_validates_text_format(
         with pytest.raises(openai.APIStatusError) as caught:
             client.responses.create(model="m1", input="count", text=text)  # type: ignore[arg-type]
         assert caught.value.status_code >= 400 and set(caught.value.body) == {"message", "type", "param", "code"}  # type: ignore[arg-type]
-        assert list(redis.Redis().scan_iter(match=f"{names['responses']}:*"))  # the valid one only
-        assert len(list(redis.Redis().scan_iter(match=f"{names['responses']}:*"))) == 1
+        assert list(redis.Redis().scan_iter(match=f"{names['responses']}:*resp_*"))  # the valid one only
+        assert len(list(redis.Redis().scan_iter(match=f"{names['responses']}:*resp_*"))) == 1
 
 
 def test_prefix_affinity_routes_on_the_translated_conversation(

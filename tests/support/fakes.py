@@ -99,6 +99,9 @@ class Behavior:
     # /tokenize: "count" (a prompt counts 5 tokens, as in the usage the fake reports), "missing" (404, as
     # from a worker without the route) or "hang" (no answer until the client goes away).
     tokenize: str = "count"
+    # /tokenize with tokenize="chars": a chat prompt counts one token per character of its messages' contents,
+    # in a context of max_model_len tokens (what vLLM's /tokenize answers beside the count).
+    max_model_len: int = 2048
     # A continuation's prompt counts this many more tokens than the pieces it carries (a retokenized text
     # need not split as the generated tokens did).
     retokenized_extra: int = 0
@@ -171,7 +174,10 @@ class FakeUpstream:
         if path == "/tokenize":
             self.tokenized.append(body)
             if b.tokenize == "count":
-                await _send_json(send, 200, {"count": 5, "max_model_len": 2048, "tokens": [1, 2, 3, 4, 5]})
+                await _send_json(send, 200, {"count": 5, "max_model_len": b.max_model_len, "tokens": [1, 2, 3, 4, 5]})
+            elif b.tokenize == "chars":
+                count = sum(len(str(m.get("content") or "")) for m in body.get("messages") or ())
+                await _send_json(send, 200, {"count": count, "max_model_len": b.max_model_len, "tokens": []})
             elif b.tokenize == "hang":
                 await _wait_disconnect(receive)
             else:
@@ -285,7 +291,10 @@ class FakeUpstream:
         if b.tool_calls is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [_tool_call(c) for c in b.tool_calls]}
             finish_reason = "tool_calls"
-        choices = [{"index": i, "message": message, "logprobs": None, "finish_reason": finish_reason} for i in range(n)]
+        logprobs = _logprobs(_split(b.text, b.chunks), body) if b.tool_calls is None else None
+        choices = [
+            {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason} for i in range(n)
+        ]
         out = {
             "id": "chatcmpl-fake",
             "object": "chat.completion",
@@ -358,7 +367,14 @@ class FakeUpstream:
                 events.append(
                     {
                         **base,
-                        "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}],
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"content": piece},
+                                "logprobs": _logprobs([piece], body),
+                                "finish_reason": None,
+                            }
+                        ],
                     }
                 )
             else:
@@ -428,6 +444,23 @@ def _continued_prefix(chat: bool, body: dict[str, Any], text: str) -> str:
         if prompt.endswith(text[:k]):
             return text[:k]
     return ""
+
+
+def _logprobs(pieces: list[str], body: dict[str, Any]) -> dict[str, Any] | None:
+    """Chat logprobs for ``pieces`` (one token each) when the request asks for them, as vLLM sends them."""
+    if not body.get("logprobs"):
+        return None
+    top = body.get("top_logprobs") or 0
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {**entry(p, -0.25), "top_logprobs": [entry(p if k == 0 else f"alt{k}", -0.25 - k) for k in range(top)]}
+            for p in pieces
+        ]
+    }
 
 
 def _tool_call(call: dict[str, str]) -> dict[str, Any]:

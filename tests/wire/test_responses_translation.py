@@ -9,8 +9,9 @@ import orjson
 import pytest
 
 from gateway.wire.errors import InvalidRequest
+from gateway.wire.responses_chat import chat_request, instructions_as_seen, items_as_seen
 from gateway.wire.responses_output import EventStream, response_object
-from gateway.wire.responses_request import chat_request, parse_request
+from gateway.wire.responses_request import parse_request
 
 
 def events_of(data: list[bytes]) -> list[dict[str, Any]]:
@@ -47,7 +48,7 @@ def test_items_become_messages_in_order() -> None:
     assert chat["messages"] == [
         {"role": "system", "content": "Be nice."},
         {"role": "system", "content": "Rules."},
-        {"role": "user", "content": "ab"},
+        {"role": "user", "content": "a\nb"},  # parts are lines, as vLLM joins them
         {
             "role": "assistant",
             "content": "Let me check.",
@@ -139,3 +140,30 @@ def test_a_stream_cut_by_max_tokens_is_incomplete() -> None:
     final = events_of([stream.completed()])[0]
     assert final["type"] == "response.incomplete"
     assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_items_as_seen_take_every_text_from_what_the_worker_was_given() -> None:
+    req = parse_request(
+        {
+            "model": "m",
+            "instructions": "key sk-1",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+                {"role": "user", "content": "secret sk-1"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"k": "sk-1"}'},
+                {"type": "function_call_output", "call_id": "c", "output": "sk-1"},
+            ],
+        }
+    )
+    history = [{"type": "message", "id": "m0", "role": "user", "status": "completed", "content": []}]
+    body = chat_request(req, "m", history)
+    seen = orjson.loads(orjson.dumps(body).replace(b"sk-1", b"[SECRET]"))
+    items = items_as_seen(req, history, seen)
+    assert items[0] is req.input_items[0]  # untouched: its parts kept as sent
+    assert items[1]["content"] == [{"type": "input_text", "text": "secret [SECRET]"}]
+    assert items[2]["arguments"] == '{"k": "[SECRET]"}' and items[3]["output"] == "[SECRET]"
+    assert [i["id"] for i in items] == [i["id"] for i in req.input_items]
+    assert instructions_as_seen(req, seen) == "key [SECRET]"
+    # a plugin that added a message: every text comes from the messages' tail, none from the raw input
+    seen["messages"].insert(1, {"role": "system", "content": "added"})
+    assert "sk-1" not in str(items_as_seen(req, history, seen))

@@ -19,15 +19,19 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Depends, Path, Request, WebSocket
+from fastapi.responses import Response
 
-from gateway.pipeline.config import LimitsConfig, ResponsesConfig
+from gateway.pipeline.config import LimitsConfig, ModelConfig, ResponsesConfig
 from gateway.pipeline.context import RequestContext
+from gateway.pipeline.plugin import SideCall, SideRoute
 from gateway.pipeline.runtime import RuntimeSnapshot
 from gateway.proxy.forward import JSONReply, Proxy, Reply, StreamReply
+from gateway.proxy.responses_fit import TRUNCATED_HEADER, fit_history
 from gateway.proxy.responses_turn import ResponsesTurn
+from gateway.server.admin_auth import require_admin
 from gateway.server.cycle import Receive, RequestCycle, Scope, Send
-from gateway.server.responses_store import ResponseStore, not_found
+from gateway.server.responses_store import Chain, ResponseStore, not_found
 from gateway.server.routes import JSON
 from gateway.server.routes.openai import _WATCH_AFTER_S, InferenceEndpoints
 from gateway.server.state import AppState
@@ -35,10 +39,12 @@ from gateway.wire.allowlist import ParamAllowList
 from gateway.wire.errors import InvalidRequest, ServerError, model_not_found
 from gateway.wire.openapi import RESPONSES_CREATE_DOC
 from gateway.wire.protocol import ENDPOINTS, check_request, header_dict, parse_body
-from gateway.wire.responses_items import output_as_input
-from gateway.wire.responses_request import chat_request, parse_request
+from gateway.wire.responses_chat import chat_request, items_as_seen
+from gateway.wire.responses_request import ResponsesRequest, parse_request
 
 router = APIRouter()
+#: ``GET /admin/responses/usage`` (admin token): stored bytes per tenant, for operators and the console.
+admin_router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
 log = logging.getLogger("gateway.access")
 _CHAT = ENDPOINTS["/v1/chat/completions"]
 _EXTRAS_KEY = "responses"
@@ -82,18 +88,17 @@ class ResponsesService:
         config = self.config()
         req = parse_request(parse_body(body))
         scope = await self.store.scope_of(headers)
-        history: list[dict[str, Any]] = []
-        if req.previous_response_id is not None:
-            previous = await self.store.load(config, scope, req.previous_response_id)
-            if previous is None:
-                raise not_found(req.previous_response_id, param="previous_response_id")
-            history = [*previous["input_items"], *output_as_input(previous["response"]["output"])]
+        chain = await self._conversation(config, scope, req)
+        history = chain.items
         pin = contextlib.ExitStack()
         try:
             snapshot: RuntimeSnapshot = pin.enter_context(self.state.holder.pin())
             model = snapshot.models.resolve(req.model)
             if model is None:
                 raise model_not_found(req.model)
+            dropped = 0
+            if req.truncation == "auto" and history:
+                history, dropped = await self._fit(snapshot, model, req, history)
             chat = chat_request(req, model.upstream_name, history)
             allow(snapshot.config.limits).check(_CHAT.name, chat)
             check_request(_CHAT, chat)
@@ -111,10 +116,13 @@ class ResponsesService:
                 started=cycle.started,
             )
             ctx.log["api"] = "responses"
-            conversation = [*history, *req.input_items]  # what the response answers: stored as its input
+            if dropped:  # said on the answer (and in the access log): the worker read fewer turns than stored
+                ctx.response_headers[TRUNCATED_HEADER] = str(dropped)
+                ctx.log["truncated_items"] = dropped
 
             async def save(response: dict[str, Any]) -> None:
-                await self.store.save(config, scope, response, conversation)
+                # the input as the worker saw it (redactions applied), never the raw request
+                await self.store.save(config, scope, response, items_as_seen(req, history, ctx.body), chain)
 
             turn = ResponsesTurn(self.proxy, self.state.services.metrics, req, ctx, save if req.store else None)
             cycle.self_recorded = True  # from here on the turn records its own metrics and access log line
@@ -126,11 +134,53 @@ class ResponsesService:
         finally:
             pin.close()
 
+    async def _conversation(self, config: ResponsesConfig, scope: str, req: ResponsesRequest) -> Chain:
+        """The stored conversation this turn continues (empty without previous_response_id), after
+        refusing a turn the store could not keep: now, rather than after the worker ran."""
+        chain = Chain()
+        if req.previous_response_id is not None:
+            previous = await self.store.load(config, scope, req.previous_response_id)
+            if previous is None:
+                raise not_found(req.previous_response_id, param="previous_response_id")
+            chain = await self.store.chain(config, scope, previous, "previous_response_id")
+        if req.store:  # what the record will hold at least
+            await self.store.check_room(config, scope, len(orjson.dumps(req.input_items)), chain)
+        return chain
+
+    async def _fit(
+        self, snapshot: RuntimeSnapshot, model: ModelConfig, req: ResponsesRequest, history: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], int]:
+        """``truncation: "auto"``: the newest turns of ``history`` that fit the context of a worker of
+        ``model`` with room for the answer's ``max_output_tokens`` (at least one token)."""
+        urls = [url for url in snapshot.models.worker_urls.get(model.name, []) if not url.startswith("dns://")]
+        if not urls:
+            return history, 0
+        reserve = int(req.sampling.get("max_tokens") or 1)
+        return await fit_history(
+            self.state.services.upstream,
+            urls[0],
+            lambda kept: chat_request(req, model.upstream_name, kept),
+            history,
+            reserve,
+        )
+
     # -- stored responses ----------------------------------------------------------------------------
 
-    async def stored(self, request: Request, response_id: str) -> tuple[ResponsesConfig, str, dict[str, Any]]:
+    async def scope_of(self, request: Request, route: SideRoute) -> str:
+        """The caller's scope, after the plugins' ``on_side_request`` metered and bounded it for ``route``
+        (tenancy: one request on the key's request limits, a 429 past them; 401 without a valid key)."""
+        headers = header_dict(request.scope["headers"])
+        if self.state.holder.loaded:
+            with self.state.holder.pin() as snapshot:
+                await snapshot.pipeline.run_side(SideCall(route, headers))
+        return await self.store.scope_of(headers)
+
+    async def stored(
+        self, request: Request, response_id: str, route: SideRoute
+    ) -> tuple[ResponsesConfig, str, dict[str, Any]]:
+        """The caller's stored response (a 404 otherwise), after the caller was metered for ``route``."""
         config = self.config()
-        scope = await self.store.scope_of(header_dict(request.scope["headers"]))
+        scope = await self.scope_of(request, route)
         stored = await self.store.load(config, scope, response_id)
         if stored is None:
             raise not_found(response_id)
@@ -172,6 +222,33 @@ class ResponsesEndpoint(InferenceEndpoints):
                 self.metrics.requests.labels("-", "responses", str(cycle.status)).inc()
 
 
+@router.post("/v1/responses/compact", include_in_schema=False)  # always refused: not an API to fuzz
+async def compact_response() -> None:
+    """Refused: see docs/responses.md#what-is-supported-and-what-is-not-and-why."""
+    raise InvalidRequest(
+        "POST /v1/responses/compact is not supported by this gateway: OpenAI's compaction returns an encrypted "
+        "item only OpenAI's models can read back. Keep the conversation short with 'truncation': 'auto' (the "
+        "oldest turns are dropped to fit the context) or start a new one with the context you need as 'input'.",
+        code="unsupported_endpoint",
+    )
+
+
+@router.websocket("/v1/responses")
+async def responses_websocket(websocket: WebSocket) -> None:
+    """Refused before the handshake completes, with an OpenAI error as the HTTP answer (or, where the
+    server cannot send one, a close frame carrying the reason)."""
+    error = InvalidRequest(
+        "The Responses WebSocket mode is not supported by this gateway; send POST /v1/responses with "
+        "'stream': true for the same events over server-sent events.",
+        code="unsupported_transport",
+    )
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        body = Response(error.to_json(), status_code=error.status_code, media_type="application/json")
+        await websocket.send_denial_response(body)
+    else:
+        await websocket.close(code=1008, reason="WebSocket mode is not supported; POST /v1/responses with stream")
+
+
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: ResponseId) -> JSON:
     if request.query_params.get("stream") in ("true", "True", "1"):
@@ -180,7 +257,7 @@ async def retrieve_response(request: Request, response_id: ResponseId) -> JSON:
             param="stream",
             code="unsupported_parameter",
         )
-    _, _, stored = await ResponsesService.of(request).stored(request, response_id)
+    _, _, stored = await ResponsesService.of(request).stored(request, response_id, "responses.retrieve")
     return JSON(stored["response"])
 
 
@@ -188,7 +265,7 @@ async def retrieve_response(request: Request, response_id: ResponseId) -> JSON:
 async def delete_response(request: Request, response_id: ResponseId) -> JSON:
     service = ResponsesService.of(request)
     config = service.config()
-    scope = await service.store.scope_of(header_dict(request.scope["headers"]))
+    scope = await service.scope_of(request, "responses.delete")
     if not await service.store.delete(config, scope, response_id):
         raise not_found(response_id)
     return JSON({"id": response_id, "object": "response", "deleted": True})
@@ -203,8 +280,9 @@ async def list_input_items(request: Request, response_id: ResponseId) -> JSON:
     raw_limit = query.get("limit", "20")
     if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
         raise InvalidRequest("'limit' must be an integer from 1 to 100.", param="limit")
-    _, _, stored = await ResponsesService.of(request).stored(request, response_id)
-    items: list[dict[str, Any]] = stored["input_items"]
+    service = ResponsesService.of(request)
+    config, scope, stored = await service.stored(request, response_id, "responses.input_items")
+    items = (await service.store.chain(config, scope, stored, None, output=False)).items
     if order == "desc":
         items = items[::-1]
     after = query.get("after")
@@ -227,10 +305,35 @@ async def list_input_items(request: Request, response_id: ResponseId) -> JSON:
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(request: Request, response_id: ResponseId) -> JSON:
-    await ResponsesService.of(request).stored(request, response_id)  # 404 for an unknown or foreign id
+    # 404 for an unknown or foreign id
+    await ResponsesService.of(request).stored(request, response_id, "responses.cancel")
     raise InvalidRequest(
         f"Only responses created with background=true can be cancelled; this gateway does not run background "
         f"responses, so '{response_id}' finished before its creation returned.",
         param="response_id",
         code="not_cancellable",
+    )
+
+
+@admin_router.get("/responses/usage")
+async def stored_usage(request: Request) -> JSON:
+    """What the Responses store holds per tenant (bytes and responses, expired ones already taken off),
+    beside the bounds that apply: the figures an operator sizes Redis by (docs/responses.md#bounds)."""
+    service = ResponsesService.of(request)
+    config = service.config()
+    scopes = await service.store.tenants(config)
+    return JSON(
+        {
+            "max_tenant_bytes": config.max_tenant_bytes,
+            "max_response_bytes": config.max_response_bytes,
+            "tenants": [
+                {
+                    "tenant": scope[2:] if scope.startswith("t:") else None,
+                    "scope": scope,
+                    "bytes": usage.bytes,
+                    "responses": usage.responses,
+                }
+                for scope, usage in scopes
+            ],
+        }
     )
