@@ -39,7 +39,7 @@ from gateway.server.console.routes import console_router
 from gateway.server.drain import install_sigterm_drain
 from gateway.server.front_door import http_protocol
 from gateway.server.paths import path_problem
-from gateway.server.routes import JSON, admin, admin_views, health, models, responses, utility
+from gateway.server.routes import JSON, admin, admin_views, health, messages, models, responses, utility
 from gateway.server.routes.openai import InferenceEndpoints, Receive, Scope, Send, request_id_from
 from gateway.server.state import AppState
 from gateway.upstream.client import UpstreamClient, UpstreamConfig
@@ -118,6 +118,7 @@ class GatewayApp:
         self.api = api
         self.inference = inference
         self.responses = responses.ResponsesEndpoint(state)
+        self.messages = messages.MessagesEndpoint(state)
         self.state = state
         self._tagged_api = RequestIdTagger(api)
 
@@ -136,6 +137,9 @@ class GatewayApp:
                 if scope["path"] == "/v1/responses":
                     await self.responses(scope, receive, send)
                     return
+            if scope["path"] in messages.PATHS:  # every method: a wrong one gets Anthropic's error shape
+                await self.messages(scope, receive, send)
+                return
         await self._tagged_api(scope, receive, send)
 
 

@@ -173,7 +173,7 @@ def _check_prompt(prompt: object) -> None:
 
 #: Headers that carry a credential: sent twice, a request is refused rather than one of them picked
 #: (two readers picking differently is how one credential gets checked and another used).
-CREDENTIAL_HEADERS = ("authorization", "x-admin-token", "api-key")
+CREDENTIAL_HEADERS = ("authorization", "x-admin-token", "api-key", "x-api-key")
 
 
 def header_dict(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:

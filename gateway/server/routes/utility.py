@@ -95,7 +95,7 @@ async def _relay(request: Request, route: str) -> Response:
             raise model_not_found(name)  # this caller may not use it: as if it did not exist
         payload["model"] = model.upstream_name
         urls = snapshot.models.worker_urls[model.name]
-        status, body = await _call_worker(state.services, state.services.workers.expand(urls), f"/{route}", payload)
+        status, body = await call_worker(state.services, state.services.workers.expand(urls), f"/{route}", payload)
     if status != 200:
         raise from_upstream(status, body)
     return Response(body, media_type="application/json")
@@ -115,7 +115,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def _call_worker(services: Services, urls: list[str], path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+async def call_worker(services: Services, urls: list[str], path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
     """POST to the least busy available worker; on a failure before any answer, the next one."""
     table = services.workers
     candidates = sorted((table.get(url) for url in urls), key=lambda w: w.in_flight)

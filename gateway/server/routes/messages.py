@@ -1,0 +1,189 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+A Messages request is translated into a chat completions request (``gateway.wire.anthropic_request``) and
+runs the same path as one (``gateway.proxy.messages_turn``): the plugins read the one body they know, the
+worker answers chat, and the answer or its stream comes back in Anthropic's shapes. Every error on these
+routes, the gateway's or a worker's, is rendered in Anthropic's shape (``gateway.wire.errors.anthropic_*``)
+from the one error tree. The key may come as ``x-api-key`` (what Anthropic's SDK sends) or as
+``Authorization: Bearer``; the plugins see it as the latter. ``anthropic-version`` and ``anthropic-beta``
+are accepted and need no answer: the gateway speaks one version of the API.
+
+``count_tokens`` generates nothing, so, like ``/tokenize``, it does not run the request pipeline: the caller
+passes the plugins' ``on_models`` hook (tenancy's key check and allowed models) and a worker of the model
+counts the translated conversation with its own chat template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import orjson
+
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.runtime import RuntimeSnapshot
+from gateway.proxy.forward import JSONReply, Reply, StreamReply
+from gateway.proxy.messages_turn import MessagesTurn
+from gateway.server.routes.models import model_card
+from gateway.server.routes.openai import _WATCH_AFTER_S, InferenceEndpoints, Receive, Scope, Send, _send_json
+from gateway.server.routes.utility import call_worker
+from gateway.server.state import AppState
+from gateway.wire.anthropic_request import chat_request, parse_request
+from gateway.wire.errors import (
+    GatewayError,
+    InvalidRequest,
+    MethodNotAllowed,
+    ServerError,
+    anthropic_json,
+    anthropic_sse,
+    endpoint_not_served,
+    from_upstream,
+    model_not_found,
+)
+from gateway.wire.media_urls import check_media_urls, check_request_media
+from gateway.wire.protocol import ENDPOINTS, check_content_type, check_request, header_dict, parse_body
+
+MESSAGES = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"
+PATHS = frozenset({MESSAGES, COUNT_TOKENS})
+_CHAT = ENDPOINTS["/v1/chat/completions"]
+
+
+def anthropic_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's headers as plugins see them, with an ``x-api-key`` given as ``Authorization: Bearer``
+    (the one header tenancy reads). Two different keys in the two headers are refused: one checked and
+    the other used is how a credential gets past a check."""
+    headers = header_dict(raw)
+    key = headers.get("x-api-key")
+    if key is not None:
+        bearer = f"Bearer {key.strip()}"
+        given = headers.get("authorization")
+        if given is not None and given.strip() != bearer:
+            raise InvalidRequest(
+                "The request has an 'x-api-key' and an 'authorization' header with different keys; send one.",
+                param="x-api-key",
+                code="duplicate_credentials",
+            )
+        headers["authorization"] = bearer
+    return headers
+
+
+class MessagesEndpoint(InferenceEndpoints):
+    """ASGI app for the two Messages paths (any method: a wrong one is a 405 in Anthropic's shape), served
+    like the inference endpoints: the same body limit, request ids, disconnect watch and senders."""
+
+    def __init__(self, state: AppState) -> None:
+        super().__init__(state.holder, state.services)
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
+        request_id = self.request_ids(raw_headers)
+        state: dict[str, Any] = {"status": 0, "model": "-", "sent": False, "finished": False}
+        task = asyncio.current_task()
+        assert task is not None
+        watcher: asyncio.TimerHandle | None = None
+        try:
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(f"Method {scope['method']} is not allowed on {scope['path']}.")
+            check_content_type(raw_headers)
+            body = await self._read_body(raw_headers, receive)
+            watcher = asyncio.get_running_loop().call_later(_WATCH_AFTER_S, self._start_watcher, receive, task, state)
+            headers = anthropic_headers(raw_headers)
+            if scope["path"] == COUNT_TOKENS:
+                reply: Reply = await self.count_tokens(parse_body(body), headers)
+            else:
+                reply = await self.create(parse_body(body), headers, request_id, started, state)
+            await self._send_reply(reply, request_id, send, state)
+        except BaseException as exc:  # _answer_failure raises again what it does not answer
+            await self._answer_failure(exc, request_id, send, state)
+        finally:
+            self._stop_watching(watcher, state)
+            if not state.get("turn"):  # refused before it became a turn, or count_tokens
+                self.metrics.requests.labels(state["model"], "messages", str(state["status"])).inc()
+
+    def _snapshot(self, pin: contextlib.ExitStack) -> RuntimeSnapshot:
+        if not self.holder.loaded:
+            raise ServerError("The gateway has no config loaded yet.", code="not_ready", status=503)
+        return pin.enter_context(self.holder.pin())
+
+    async def create(
+        self, body: dict[str, Any], headers: dict[str, str], request_id: str, started: float, state: dict[str, Any]
+    ) -> Reply:
+        """One ``POST /v1/messages``: a whole JSON reply (or error), or the translated stream."""
+        req = parse_request(body)
+        pin = contextlib.ExitStack()
+        try:
+            snapshot = self._snapshot(pin)
+            model = snapshot.models.resolve(req.model)
+            if model is None:
+                await snapshot.pipeline.run_models(headers, [])  # who is asking comes first (a 401)
+                raise model_not_found(req.model)
+            state["model"] = model.name
+            chat = chat_request(req, model.upstream_name)
+            self._allow_list(snapshot.config.limits).check(_CHAT.name, chat)
+            check_request(_CHAT, chat)
+            check_request_media(_CHAT.name, chat)
+            ctx = RequestContext(
+                request_id=request_id,
+                endpoint=_CHAT.name,
+                path=_CHAT.path,
+                body=chat,
+                raw_body=orjson.dumps(chat),
+                headers=headers,
+                model=model,
+                requested_model=req.model,
+                snapshot=snapshot,
+                stream=req.stream,
+                started=started,
+            )
+            ctx.log["api"] = "messages"
+            turn = MessagesTurn(self.proxy, self.metrics, ctx, req.model)
+            state["turn"] = True  # from here on the turn records its own metrics and access log line
+            reply = await turn.start()
+            if isinstance(reply, JSONReply):
+                return reply
+            # The stream owns the pin (and the context) from here until its last byte.
+            return StreamReply(turn.events(reply, pin.pop_all()), reply.headers)
+        finally:
+            pin.close()
+
+    async def count_tokens(self, body: dict[str, Any], headers: dict[str, str]) -> JSONReply:
+        """``{"input_tokens": n}``: the translated conversation counted by a worker of the model."""
+        req = parse_request(body, count_tokens=True)
+        with contextlib.ExitStack() as pin:
+            snapshot = self._snapshot(pin)
+            model = snapshot.models.resolve(req.model)
+            if model is None:
+                await snapshot.pipeline.run_models(headers, [])
+                raise model_not_found(req.model)
+            card = model_card(req.model, model, int(snapshot.loaded_at))
+            if not await snapshot.pipeline.run_models(headers, [card]):
+                raise model_not_found(req.model)  # this caller may not use it: as if it did not exist
+            chat = chat_request(req, model.upstream_name)
+            tokenize = {"model": chat["model"], "messages": chat["messages"], "add_generation_prompt": True}
+            if "tools" in chat:
+                tokenize["tools"] = chat["tools"]
+            self._allow_list(snapshot.config.limits).check("tokenize", tokenize)
+            check_media_urls(chat["messages"])
+            urls = self.services.workers.expand(snapshot.models.worker_urls[model.name])
+            status, answer = await call_worker(self.services, urls, "/tokenize", tokenize)
+        if status != 200:
+            raise endpoint_not_served(status, answer, req.model, "messages/count_tokens") or from_upstream(
+                status, answer
+            )
+        count = orjson.loads(answer).get("count")
+        return JSONReply(200, orjson.dumps({"input_tokens": count}))
+
+    @staticmethod
+    async def _send_error(error: GatewayError, request_id: str, send: Send, state: dict[str, Any]) -> None:
+        """The error in Anthropic's shape: a JSON body, or after SSE headers one ``error`` event."""
+        state["error"] = (error.type, error.code)
+        if state["sent"]:
+            state["finished"] = True
+            await send({"type": "http.response.body", "body": anthropic_sse(error.body()["error"]), "more_body": False})
+            return
+        await _send_json(send, state, error.status_code, anthropic_json(error), request_id, error.headers)
