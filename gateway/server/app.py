@@ -36,6 +36,7 @@ from gateway.pipeline.services import Services
 from gateway.server.console.assets import load_assets
 from gateway.server.console.playground import playground_handler, playground_route
 from gateway.server.console.routes import console_router
+from gateway.server.cors import Cors
 from gateway.server.drain import install_sigterm_drain
 from gateway.server.front_door import http_protocol
 from gateway.server.paths import path_problem
@@ -121,8 +122,17 @@ class GatewayApp:
         self.messages = messages.MessagesEndpoint(state)
         self.state = state
         self._tagged_api = RequestIdTagger(api)
+        self.cors = Cors(state.holder, send_path_error)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            cors = self.cors.policy(scope)  # None unless CORS is on and the request has an Origin
+            if cors is not None:
+                await self.cors.serve(*cors, scope, receive, send, self._route)
+                return
+        await self._route(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             raw = scope.get("raw_path") or b"%"
             if b"%" in raw or b"/." in raw or b"\\" in raw:  # path_problem's own first test, inlined
