@@ -148,6 +148,10 @@ def error_for_status(status: int, message: str, *, param: str | None = None, cod
     return cls(message, param=param, code=code, status=status)
 
 
+#: Endpoints whose path is not ``/v1/<name>`` (vLLM serves them at the root), for messages that name them.
+_UNVERSIONED = {"classify": "/classify", "pooling": "/pooling", "v2/rerank": "/v2/rerank", "tokenize": "/tokenize"}
+
+
 def endpoint_not_served(status: int, body: bytes, model: str, endpoint: str) -> NotFound | None:
     """A worker that does not serve ``endpoint`` at all for its model (vLLM registers ``/v1/embeddings``
     only for embedding models: a generative worker answers the web framework's bare 404
@@ -162,8 +166,9 @@ def endpoint_not_served(status: int, body: bytes, model: str, endpoint: str) -> 
             return None
     elif status != 501:
         return None
+    path = _UNVERSIONED.get(endpoint, f"/v1/{endpoint}")
     return NotFound(
-        f"The model '{model}' does not support /v1/{endpoint}: none of its workers serves that endpoint.",
+        f"The model '{model}' does not support {path}: none of its workers serves that endpoint.",
         param="model",
         code="unsupported_endpoint",
     )

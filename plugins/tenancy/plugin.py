@@ -59,6 +59,10 @@ CLAMP_HEADER = "x-gateway-max-tokens"
 _RATE_NAMES = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
 
 
+#: Endpoints whose answer is generated tokens (the rest, embeddings and the pooling routes, cost their prompt).
+_GENERATING = frozenset({"chat/completions", "completions"})
+
+
 @dataclass(slots=True)
 class Admitted:
     """What the settlement needs: the counters the request reserved on and how much."""
@@ -205,7 +209,7 @@ class TenancyPlugin(Plugin):
     def _reservation(self, ctx: RequestContext, prompt: int) -> tuple[int, int, bool]:
         """(tokens wanted, the least acceptable, clamping?) for the admission script. Without max_tokens
         the request can cost (context - prompt) per choice; clamping reserves what is left instead."""
-        if not self.config.reserve_max_tokens or ctx.endpoint == "embeddings":
+        if not self.config.reserve_max_tokens or ctx.endpoint not in _GENERATING:
             return prompt, prompt, False
         given = estimate.reserved_completion(ctx.body)
         if given:
