@@ -40,7 +40,7 @@ from gateway.server.cors import Cors
 from gateway.server.drain import install_sigterm_drain
 from gateway.server.front_door import http_protocol
 from gateway.server.paths import path_problem
-from gateway.server.routes import JSON, admin, admin_views, health, messages, models, responses, utility
+from gateway.server.routes import JSON, admin, admin_views, audio, health, messages, models, responses, utility
 from gateway.server.routes.openai import InferenceEndpoints, Receive, Scope, Send, request_id_from
 from gateway.server.state import AppState
 from gateway.upstream.client import UpstreamClient, UpstreamConfig
@@ -120,6 +120,7 @@ class GatewayApp:
         self.inference = inference
         self.responses = responses.ResponsesEndpoint(state)
         self.messages = messages.MessagesEndpoint(state)
+        self.audio = audio.AudioEndpoints(state.holder, state.services)
         self.state = state
         self._tagged_api = RequestIdTagger(api)
         self.cors = Cors(state.holder, send_path_error)
@@ -147,6 +148,9 @@ class GatewayApp:
                 if scope["path"] == "/v1/responses":
                     await self.responses(scope, receive, send)
                     return
+            if scope["path"] in audio.AUDIO_ROUTES:  # multipart uploads, every method (a wrong one: 405)
+                await self.audio(scope, receive, send)
+                return
             if scope["path"] in messages.PATHS:  # every method: a wrong one gets Anthropic's error shape
                 await self.messages(scope, receive, send)
                 return

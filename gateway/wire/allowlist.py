@@ -127,6 +127,16 @@ _VLLM_RERANK = _VLLM_SCORING | {"query", "documents", "top_n"}
 _VLLM_SCORE = _VLLM_SCORING | {"text_1", "text_2", "queries", "documents", "items", "data_1", "data_2"}
 _VLLM_CLASSIFY = _VLLM_POOLING_INPUT
 _VLLM_POOLING = _VLLM_POOLING_INPUT | {"task", "data", "dimensions", "encoding_format", "embed_dtype", "endianness"}
+#: vLLM 0.32's transcription and translation form fields, less ``vllm_xargs`` (the array field is sent as
+#: ``timestamp_granularities[]`` by OpenAI's SDK).
+_VLLM_AUDIO = frozenset(
+    {
+        "file", "model", "language", "to_language", "prompt", "response_format", "temperature", "stream",
+        "timestamp_granularities", "timestamp_granularities[]", "hotwords", "frequency_penalty", "presence_penalty",
+        "repetition_penalty", "length_penalty", "min_p", "top_k", "top_p", "seed", "max_completion_tokens",
+        "use_beam_search", "include_stop_str_in_output", "watermarking",
+    }
+)  # fmt: skip
 _PATHS = {  # not under /v1, as on vLLM
     "tokenize": "/tokenize", "detokenize": "/detokenize", "classify": "/classify", "pooling": "/pooling",
     "v2/rerank": "/v2/rerank",
@@ -143,6 +153,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "score": _VLLM_SCORE,
     "classify": _VLLM_CLASSIFY,
     "pooling": _VLLM_POOLING,
+    "audio/transcriptions": _VLLM_AUDIO,
+    "audio/translations": _VLLM_AUDIO,
 }
 
 

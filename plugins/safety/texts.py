@@ -31,6 +31,7 @@ from typing import Any
 _CONTENT_PARAM = {
     "chat/completions": "messages", "completions": "prompt", "embeddings": "input", "classify": "input",
     "pooling": "input", "rerank": "documents", "v2/rerank": "documents", "score": "documents",
+    "audio/transcriptions": "prompt", "audio/translations": "prompt",
 }  # fmt: skip
 #: Where the texts of vLLM's scoring routes (rerank, score) are: strings, or ``{"content": [parts]}``.
 _SCORING_FIELDS = ("query", "documents", "text_1", "text_2", "queries", "items", "data_1", "data_2")
@@ -158,6 +159,9 @@ def prompt_slots(endpoint: str, body: dict[str, Any]) -> list[TextSlot]:
             # The suffix goes with every prompt of a batch; scanned on its own when there are several.
             group = 0 if isinstance(body.get("prompt"), str) else -1
             slots.append(TextSlot(body, "suffix", body["suffix"], group=group))
+        return slots
+    if endpoint.startswith("audio/"):  # the text prompt that guides a transcription (the audio is not text)
+        _strings_of(body, "prompt", slots)
         return slots
     if endpoint in ("rerank", "v2/rerank", "score"):
         for name in _SCORING_FIELDS:
