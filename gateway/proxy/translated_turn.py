@@ -19,8 +19,9 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.ops.metrics import Metrics
-from gateway.pipeline.context import RequestContext
-from gateway.proxy.forward import JSONReply, Proxy, StreamReply
+from gateway.pipeline.config import ModelConfig
+from gateway.pipeline.context import PinnedSnapshot, RequestContext
+from gateway.proxy.forward import JSONReply, Proxy, Reply, StreamReply
 from gateway.proxy.passthrough import cut_short
 from gateway.wire.errors import GatewayError
 from gateway.wire.streaming import SSEParser
@@ -28,6 +29,35 @@ from gateway.wire.streaming import SSEParser
 log = logging.getLogger("gateway.access")
 _NOT_JSON = {"message": "The model worker sent an event that is not JSON.", "type": "server_error",
              "param": None, "code": "upstream_error"}  # fmt: skip
+
+
+def chat_context(
+    *,
+    api: str,
+    request_id: str,
+    chat: dict[str, Any],
+    headers: dict[str, str],
+    model: ModelConfig,
+    requested_model: str,
+    snapshot: PinnedSnapshot,
+    started: float,
+) -> RequestContext:
+    """The context of a translated request: a chat completions request like any other, its API logged."""
+    ctx = RequestContext(
+        request_id=request_id,
+        endpoint="chat/completions",
+        path="/v1/chat/completions",
+        body=chat,
+        raw_body=orjson.dumps(chat),
+        headers=headers,
+        model=model,
+        requested_model=requested_model,
+        snapshot=snapshot,
+        stream=chat.get("stream") is True,
+        started=started,
+    )
+    ctx.log["api"] = api
+    return ctx
 
 
 class Translator(Protocol):
@@ -119,6 +149,14 @@ class TranslatedTurn:
             if not streaming:
                 in_flight.dec()
                 self._done(status)
+
+    async def reply(self, pin: contextlib.ExitStack) -> Reply:
+        """The turn's answer: a whole JSON reply, or the translated stream, which then owns the pinned
+        snapshot (``pin``'s callbacks move to it) until its last byte."""
+        reply = await self.start()
+        if isinstance(reply, JSONReply):
+            return reply
+        return StreamReply(self.events(reply, pin.pop_all()), reply.headers)
 
     def events(self, reply: StreamReply, pin: contextlib.ExitStack) -> TranslatedEvents:
         """The API's event sequence, translated from the chat stream as it arrives. Closing it

@@ -22,10 +22,10 @@ from typing import Any
 
 import orjson
 
-from gateway.pipeline.context import RequestContext
 from gateway.pipeline.runtime import RuntimeSnapshot
-from gateway.proxy.forward import JSONReply, Reply, StreamReply
+from gateway.proxy.forward import JSONReply, Reply
 from gateway.proxy.messages_turn import MessagesTurn
+from gateway.proxy.translated_turn import chat_context
 from gateway.server.routes.models import model_card
 from gateway.server.routes.openai import _WATCH_AFTER_S, InferenceEndpoints, Receive, Scope, Send, _send_json
 from gateway.server.routes.utility import call_worker
@@ -127,27 +127,19 @@ class MessagesEndpoint(InferenceEndpoints):
             self._allow_list(snapshot.config.limits).check(_CHAT.name, chat)
             check_request(_CHAT, chat)
             check_request_media(_CHAT.name, chat)
-            ctx = RequestContext(
+            ctx = chat_context(
+                api="messages",
                 request_id=request_id,
-                endpoint=_CHAT.name,
-                path=_CHAT.path,
-                body=chat,
-                raw_body=orjson.dumps(chat),
+                chat=chat,
                 headers=headers,
                 model=model,
                 requested_model=req.model,
                 snapshot=snapshot,
-                stream=req.stream,
                 started=started,
             )
-            ctx.log["api"] = "messages"
             turn = MessagesTurn(self.proxy, self.metrics, ctx, req.model)
             state["turn"] = True  # from here on the turn records its own metrics and access log line
-            reply = await turn.start()
-            if isinstance(reply, JSONReply):
-                return reply
-            # The stream owns the pin (and the context) from here until its last byte.
-            return StreamReply(turn.events(reply, pin.pop_all()), reply.headers)
+            return await turn.reply(pin)
         finally:
             pin.close()
 

@@ -18,14 +18,13 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Any
 
-import orjson
 from fastapi import APIRouter, Path, Request
 
 from gateway.pipeline.config import LimitsConfig, ResponsesConfig
-from gateway.pipeline.context import RequestContext
 from gateway.pipeline.runtime import RuntimeSnapshot
-from gateway.proxy.forward import JSONReply, Proxy, Reply, StreamReply
+from gateway.proxy.forward import Proxy, Reply
 from gateway.proxy.responses_turn import ResponsesTurn
+from gateway.proxy.translated_turn import chat_context
 from gateway.server.responses_store import ResponseStore, not_found
 from gateway.server.routes import JSON
 from gateway.server.routes.openai import (
@@ -104,20 +103,16 @@ class ResponsesService:
             chat = chat_request(req, model.upstream_name, history)
             allow(snapshot.config.limits).check(_CHAT.name, chat)
             check_request(_CHAT, chat)
-            ctx = RequestContext(
+            ctx = chat_context(
+                api="responses",
                 request_id=request_id,
-                endpoint=_CHAT.name,
-                path=_CHAT.path,
-                body=chat,
-                raw_body=orjson.dumps(chat),
+                chat=chat,
                 headers=headers,
                 model=model,
                 requested_model=req.model,
                 snapshot=snapshot,
-                stream=req.stream,
                 started=started,
             )
-            ctx.log["api"] = "responses"
             conversation = [*history, *req.input_items]  # what the response answers: stored as its input
 
             async def save(response: dict[str, Any]) -> None:
@@ -125,11 +120,7 @@ class ResponsesService:
 
             turn = ResponsesTurn(self.proxy, self.state.services.metrics, req, ctx, save if req.store else None)
             record["turn"] = True  # from here on the turn records its own metrics and access log line
-            reply = await turn.start()
-            if isinstance(reply, JSONReply):
-                return reply
-            # The stream owns the pin (and the context) from here until its last byte.
-            return StreamReply(turn.events(reply, pin.pop_all()), reply.headers)
+            return await turn.reply(pin)
         finally:
             pin.close()
 
