@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.support.fakes import FakeUpstream, ServerThread
+from tests.support.gateways import GatewayFactory, base_config
 
 WEATHER = {
     "name": "get_weather",
@@ -255,3 +256,23 @@ def test_anthropic_version_and_key_headers_are_accepted(gateway: ServerThread) -
         400,
         "invalid_request_error",
     )
+
+
+def test_a_stream_cut_by_a_failing_worker_is_resumed_on_another(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    text = "The quick brown fox jumps over the lazy dog, again and again."
+    survivor = FakeUpstream(name="survivor")
+    with ServerThread(survivor) as other:
+        for fake in (upstream, survivor):
+            fake.behavior.text, fake.behavior.chunks = text, 12
+        upstream.behavior.die_after = 4  # the connection breaks after the role chunk and three pieces
+        # round robin sends the first request to the first worker listed: the doomed one
+        with gateway_factory(base_config([upstream_url, other.url])) as (_, server):
+            ask = [{"role": "user", "content": "tell me"}]
+            with sdk(server).messages.stream(model="m1", max_tokens=64, messages=ask) as stream:
+                deltas = [e.delta.text for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
+                final = stream.get_final_message()
+    assert "".join(deltas) == final.content[0].text == text  # type: ignore[union-attr]
+    assert final.stop_reason == "end_turn"
+    assert chats(upstream) and chats(survivor)[-1]["continue_final_message"] is True
