@@ -10,6 +10,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import orjson
 import pytest
 
 from tests.support.fakes import FakeUpstream, ServerThread
@@ -250,12 +251,13 @@ def test_anthropic_version_and_key_headers_are_accepted(gateway: ServerThread) -
     body = {"model": "m1", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
     headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-04-04", "x-api-key": "k"}
     assert httpx.post(gateway.url + "/v1/messages", json=body, headers=headers).status_code == 200
-    # two different keys in the two headers: refused, never one checked and the other used
+    # two different keys in the two headers, or the key header twice: refused, never one checked and another used
     headers["authorization"] = "Bearer other"
-    assert _error(httpx.post(gateway.url + "/v1/messages", json=body, headers=headers)) == (
-        400,
-        "invalid_request_error",
-    )
+    reply = httpx.post(gateway.url + "/v1/messages", json=body, headers=headers)
+    assert _error(reply) == (400, "invalid_request_error")
+    twice = [("x-api-key", "k1"), ("x-api-key", "k2"), ("content-type", "application/json")]
+    reply = httpx.post(gateway.url + "/v1/messages", content=orjson.dumps(body), headers=twice)
+    assert _error(reply) == (400, "invalid_request_error") and "x-api-key" in reply.json()["error"]["message"]
 
 
 def test_a_stream_cut_by_a_failing_worker_is_resumed_on_another(
