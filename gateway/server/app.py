@@ -119,18 +119,17 @@ class GatewayApp:
         self.api = api
         self.inference = inference
         self.responses = responses.ResponsesEndpoint(state)
-        self.messages = messages.MessagesEndpoint(state)
-        self.audio = audio.AudioEndpoints(state.holder, state.services)
+        endpoints = (messages.MessagesEndpoint(state), audio.AudioEndpoints(state.holder, state.services))
+        self._own = dict.fromkeys(messages.PATHS, endpoints[0]) | dict.fromkeys(audio.AUDIO_ROUTES, endpoints[1])
         self.state = state
         self._tagged_api = RequestIdTagger(api)
         self.cors = Cors(state.holder, send_path_error)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            cors = self.cors.policy(scope)  # None unless CORS is on and the request has an Origin
-            if cors is not None:
-                await self.cors.serve(*cors, scope, receive, send, self._route)
-                return
+        cors = self.cors.policy(scope) if scope["type"] == "http" else None  # None unless on and with an Origin
+        if cors is not None:
+            await self.cors.serve(*cors, scope, receive, send, self._route)
+            return
         await self._route(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -148,11 +147,9 @@ class GatewayApp:
                 if scope["path"] == "/v1/responses":
                     await self.responses(scope, receive, send)
                     return
-            if scope["path"] in audio.AUDIO_ROUTES:  # multipart uploads, every method (a wrong one: 405)
-                await self.audio(scope, receive, send)
-                return
-            if scope["path"] in messages.PATHS:  # every method: a wrong one gets Anthropic's error shape
-                await self.messages(scope, receive, send)
+            own = self._own.get(scope["path"])  # Messages and audio, every method: their own 405 (and shape)
+            if own is not None:
+                await own(scope, receive, send)
                 return
         await self._tagged_api(scope, receive, send)
 
