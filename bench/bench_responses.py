@@ -1,4 +1,5 @@
-"""What the Responses API costs over chat completions, through the same gateway, on the mock worker.
+"""What the Responses API and Anthropic's Messages API cost over chat completions, through the same gateway,
+on the mock worker.
 
 Starts the benchmark mock worker (``bench/mock_upstream.py``, instant answers) and one gateway
 (``gateway serve``, routing only by default, pinned to its own core) and measures with wrk, interleaved
@@ -6,7 +7,8 @@ Starts the benchmark mock worker (``bench/mock_upstream.py``, instant answers) a
 
 - ``chat``: ``POST /v1/chat/completions`` (a new prompt per request);
 - ``responses, store=false``: ``POST /v1/responses``, translated to the same chat request and back;
-- ``responses, store=true``: the same, also writing the response and its input to Redis (the default).
+- ``responses, store=true``: the same, also writing the response and its input to Redis (the default);
+- ``messages``: ``POST /v1/messages`` (Anthropic's shape), translated to the same chat request and back.
 
 Prints requests/s and p50/p99 per concurrency, the p50 added over ``chat`` (at c=1 that is the
 per-request overhead of the translation, and of the Redis write with store=true), and the gateway
@@ -14,6 +16,7 @@ process's CPU time per request (user + system, from /proc): the number that move
 work shares the machine.
 
     .venv/bin/python bench/bench_responses.py -d 5 -c 1 16 --reps 3
+    .venv/bin/python bench/bench_responses.py -d 5 -c 1 16 --reps 3 --cases chat messages
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import peers
 
 CHAT_LUA = Path(__file__).with_name("wrk_post.lua")
 RESPONSES_LUA = Path(__file__).with_name("wrk_responses.lua")
-CASES = ("chat", "responses, store=false", "responses, store=true")
+MESSAGES_LUA = Path(__file__).with_name("wrk_messages.lua")
+CASES = ("chat", "responses, store=false", "responses, store=true", "messages")
 
 
 def wrk(url: str, case: str, connections: int, duration_s: float) -> dict[str, Any]:
@@ -44,6 +48,8 @@ def wrk(url: str, case: str, connections: int, duration_s: float) -> dict[str, A
     cmd = ["taskset", "-c", peers.LOAD_CPU, "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s", "--timeout", "10s"]
     if case == "chat":
         cmd += ["-s", str(CHAT_LUA), url, "--", peers.GATEWAY_MODEL, "unique", "/v1/chat/completions", tag]
+    elif case == "messages":
+        cmd += ["-s", str(MESSAGES_LUA), url, "--", peers.GATEWAY_MODEL, tag]
     else:
         store = "true" if case.endswith("store=true") else "false"
         cmd += ["-s", str(RESPONSES_LUA), url, "--", peers.GATEWAY_MODEL, store, tag]
@@ -56,10 +62,13 @@ def main() -> None:
     parser.add_argument("-d", "--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("-c", "--connections", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians are reported)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="what to measure")
     parser.add_argument(
         "--plugins", choices=["routing", "default"], default="routing", help="routing only, or config.yaml's set"
     )
     args = parser.parse_args()
+    if "chat" not in args.cases:  # the baseline every other case is compared with
+        args.cases.insert(0, "chat")
     prefix = f"bench:responses:{uuid.uuid4().hex}"
     plugins: list[dict[str, Any]] = [{"name": "routing"}]
     if args.plugins == "default":
@@ -78,13 +87,13 @@ def main() -> None:
                 tmp, "gateway", mock.url, plugins, extra={"responses": {"redis_prefix": prefix, "ttl_s": 600}}
             )
             try:
-                for case in CASES:
+                for case in args.cases:
                     wrk(gateway.url, case, 8, 1)  # warm-up: pools, code paths
                 assert gateway.proc is not None
                 pid = gateway.proc.pid
                 for _ in range(args.reps):
                     for c in args.connections:
-                        for case in CASES:
+                        for case in args.cases:
                             cpu_before = peers.cpu_seconds(pid)
                             result = wrk(gateway.url, case, c, args.duration)
                             cpu = peers.cpu_seconds(pid) - cpu_before
@@ -110,7 +119,7 @@ def main() -> None:
     )
     for c in args.connections:
         base = median("chat", c, "p50_ms")
-        for case in CASES:
+        for case in args.cases:
             p50 = median(case, c, "p50_ms")
             errors = sum(r["errors"] for r in results[(case, c)])
             print(

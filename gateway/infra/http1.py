@@ -446,6 +446,8 @@ class Http1Client:
 
     def __init__(self, *, base_headers: Mapping[str, str], limit: int, limit_per_host: int, keepalive_s: float) -> None:
         self._base = "".join(f"{k}: {v}\r\n" for k, v in base_headers.items())
+        # A request that names its own content type (a multipart upload) sends it instead of the default.
+        self._base_type = "".join(f"{k}: {v}\r\n" for k, v in base_headers.items() if k.lower() == "content-type")
         self._pool = ConnectionPool(limit=limit, limit_per_host=limit_per_host, keepalive_s=keepalive_s)
         self._targets: dict[str, tuple[tuple[str, int, bool], bytes]] = {}
 
@@ -470,7 +472,11 @@ class Http1Client:
         self, url: str, body: bytes, headers: Mapping[str, str] | None, *, connect_timeout_s: float
     ) -> Http1Response:
         key, head = self._target(url)
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1") if headers else b""
+        extra = b""
+        if headers:
+            extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
+            if self._base_type and any(k.lower() == "content-type" for k in headers):
+                head = head.replace(self._base_type.encode("latin-1"), b"", 1)
         request = b"%sContent-Length: %d\r\n%s\r\n%s" % (head, len(body), extra, body)
         pool = self._pool
         for attempt in (1, 2):

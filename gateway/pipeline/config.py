@@ -74,6 +74,37 @@ class ResponsesConfig(StrictModel):
     )
 
 
+class CorsConfig(StrictModel):
+    """Calls from web pages of other origins (CORS), answered by ``gateway.server.cors``; off while
+    ``allow_origins`` is empty."""
+
+    allow_origins: list[str] = Field(
+        default_factory=list,
+        description="origins (scheme://host[:port]) whose pages may call the API; '*' for any; empty: CORS off",
+    )
+    allow_methods: list[str] = Field(
+        default_factory=lambda: ["GET", "POST", "DELETE"], description="methods a cross-origin request may use"
+    )
+    allow_headers: list[str] = Field(
+        default_factory=lambda: ["authorization", "content-type", "x-api-key", "anthropic-version", "anthropic-beta",
+                                 "anthropic-dangerous-direct-browser-access", "x-request-id", "x-stainless-*"],
+        description="request headers a cross-origin request may send (a trailing '*' matches a prefix)",
+    )  # fmt: skip
+    expose_headers: list[str] = Field(
+        default_factory=lambda: ["x-request-id", "retry-after"], description="response headers a page may read"
+    )
+    max_age_s: int = Field(600, ge=0, le=86400, description="how long a browser may keep a preflight's answer")
+
+    @field_validator("allow_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:
+            scheme, sep, rest = origin.partition("://")
+            if origin != "*" and (scheme not in ("http", "https") or not sep or not rest or "/" in rest):
+                raise ValueError(f"'{origin}' is not an origin: write scheme://host[:port] (no path) or '*'")
+        return [o.lower() for o in origins]
+
+
 class ModelConfig(StrictModel):
     """A model clients may name, and the workers that serve it.
 
@@ -177,6 +208,7 @@ class GatewayConfig(StrictModel):
     responses: ResponsesConfig = Field(
         default_factory=ResponsesConfig, description="the Responses API's store of responses (Redis, per tenant)"
     )
+    cors: CorsConfig = Field(default_factory=CorsConfig, description="calls from web pages of other origins")
 
     @functools.cached_property
     def served_models(self) -> list[ModelConfig]:

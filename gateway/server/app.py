@@ -37,11 +37,12 @@ from gateway.pipeline.services import Services
 from gateway.server.console.assets import load_assets
 from gateway.server.console.playground import playground_handler, playground_route
 from gateway.server.console.routes import console_router
+from gateway.server.cors import Cors
 from gateway.server.cycle import Receive, Scope, Send, request_id_from
 from gateway.server.drain import install_sigterm_drain
 from gateway.server.front_door import http_protocol
 from gateway.server.paths import path_problem
-from gateway.server.routes import JSON, admin, admin_views, health, models, responses, utility
+from gateway.server.routes import JSON, admin, admin_views, audio, health, messages, models, responses, utility
 from gateway.server.routes.openai import InferenceEndpoints
 from gateway.server.state import AppState
 from gateway.upstream.client import UpstreamClient, UpstreamConfig, make_http_client
@@ -120,10 +121,20 @@ class GatewayApp:
         self.api = api
         self.inference = inference
         self.responses = responses.ResponsesEndpoint(state)
+        endpoints = (messages.MessagesEndpoint(state), audio.AudioEndpoints(state.holder, state.services))
+        self._own = dict.fromkeys(messages.PATHS, endpoints[0]) | dict.fromkeys(audio.AUDIO_ROUTES, endpoints[1])
         self.state = state
         self._tagged_api = RequestIdTagger(api)
+        self.cors = Cors(state.holder, send_path_error)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        cors = self.cors.policy(scope) if scope["type"] == "http" else None  # None unless on and with an Origin
+        if cors is not None:
+            await self.cors.serve(*cors, scope, receive, send, self._route)
+            return
+        await self._route(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             raw = scope.get("raw_path") or b"%"
             if b"%" in raw or b"/." in raw or b"\\" in raw:  # path_problem's own first test, inlined
@@ -138,6 +149,10 @@ class GatewayApp:
                 if scope["path"] == "/v1/responses":
                     await self.responses(scope, receive, send)
                     return
+            own = self._own.get(scope["path"])  # Messages and audio, every method: their own 405 (and shape)
+            if own is not None:
+                await own(scope, receive, send)
+                return
         await self._tagged_api(scope, receive, send)
 
 

@@ -109,7 +109,38 @@ _VLLM_TOKENIZE = frozenset(
     }
 )  # fmt: skip
 _VLLM_DETOKENIZE = frozenset({"model", "tokens"})
-_PATHS = {"tokenize": "/tokenize", "detokenize": "/detokenize"}  # not under /v1, as on vLLM
+
+#: vLLM's pooling routes (``gateway.wire.protocol.MODEL_ROUTES``): the request fields of vLLM 0.32's rerank,
+#: score, classification and pooling requests, less those refused everywhere (priority, request_id,
+#: mm_processor_kwargs, media_io_kwargs, chat_template).
+_VLLM_POOLING_BASE = frozenset(
+    {"model", "user", "cache_salt", "padding", "truncate_prompt_tokens", "truncation_side", "use_activation"}
+)
+_VLLM_SCORING = _VLLM_POOLING_BASE | {
+    "chat_template_kwargs", "instruction", "max_tokens_per_doc", "max_tokens_per_query",
+}  # fmt: skip
+_VLLM_POOLING_INPUT = _VLLM_POOLING_BASE | {
+    "input", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs",
+}  # fmt: skip
+_VLLM_RERANK = _VLLM_SCORING | {"query", "documents", "top_n"}
+_VLLM_SCORE = _VLLM_SCORING | {"text_1", "text_2", "queries", "documents", "items", "data_1", "data_2"}
+_VLLM_CLASSIFY = _VLLM_POOLING_INPUT
+_VLLM_POOLING = _VLLM_POOLING_INPUT | {"task", "data", "dimensions", "encoding_format", "embed_dtype", "endianness"}
+#: vLLM 0.32's transcription and translation form fields, less ``vllm_xargs`` (the array field is sent as
+#: ``timestamp_granularities[]`` by OpenAI's SDK).
+_VLLM_AUDIO = frozenset(
+    {
+        "file", "model", "language", "to_language", "prompt", "response_format", "temperature", "stream",
+        "timestamp_granularities", "timestamp_granularities[]", "hotwords", "frequency_penalty", "presence_penalty",
+        "repetition_penalty", "length_penalty", "min_p", "top_k", "top_p", "seed", "max_completion_tokens",
+        "use_beam_search", "include_stop_str_in_output", "watermarking",
+    }
+)  # fmt: skip
+_PATHS = {  # not under /v1, as on vLLM
+    "tokenize": "/tokenize", "detokenize": "/detokenize", "classify": "/classify", "pooling": "/pooling",
+    "v2/rerank": "/v2/rerank",
+}  # fmt: skip
 
 ALLOWED: dict[str, frozenset[str]] = {
     "chat/completions": _OPENAI_SAMPLING | _OPENAI_CHAT | _VLLM_SAMPLING | _VLLM_CHAT | _GUIDED_LEGACY,
@@ -117,6 +148,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     "embeddings": _OPENAI_EMBEDDINGS | _VLLM_EMBEDDINGS,
     "tokenize": _VLLM_TOKENIZE,
     "detokenize": _VLLM_DETOKENIZE,
+    "rerank": _VLLM_RERANK,
+    "v2/rerank": _VLLM_RERANK,
+    "score": _VLLM_SCORE,
+    "classify": _VLLM_CLASSIFY,
+    "pooling": _VLLM_POOLING,
+    "audio/transcriptions": _VLLM_AUDIO,
+    "audio/translations": _VLLM_AUDIO,
 }
 
 

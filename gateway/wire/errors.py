@@ -148,6 +148,10 @@ def error_for_status(status: int, message: str, *, param: str | None = None, cod
     return cls(message, param=param, code=code, status=status)
 
 
+#: Endpoints whose path is not ``/v1/<name>`` (vLLM serves them at the root), for messages that name them.
+_UNVERSIONED = {"classify": "/classify", "pooling": "/pooling", "v2/rerank": "/v2/rerank", "tokenize": "/tokenize"}
+
+
 def endpoint_not_served(status: int, body: bytes, model: str, endpoint: str) -> NotFound | None:
     """A worker that does not serve ``endpoint`` at all for its model (vLLM registers ``/v1/embeddings``
     only for embedding models: a generative worker answers the web framework's bare 404
@@ -162,8 +166,9 @@ def endpoint_not_served(status: int, body: bytes, model: str, endpoint: str) -> 
             return None
     elif status != 501:
         return None
+    path = _UNVERSIONED.get(endpoint, f"/v1/{endpoint}")
     return NotFound(
-        f"The model '{model}' does not support /v1/{endpoint}: none of its workers serves that endpoint.",
+        f"The model '{model}' does not support {path}: none of its workers serves that endpoint.",
         param="model",
         code="unsupported_endpoint",
     )
@@ -218,3 +223,80 @@ def from_upstream(status: int, body: bytes) -> GatewayError:
         # A worker's internal failure is a gateway-side failure to the client: 502, never its trace.
         return BadGateway(f"The model worker failed (HTTP {status}): {_readable_message(message)}"[:500])
     return error_for_status(status, _readable_message(message), param=_param_name(param), code=code_str)
+
+
+# -- Anthropic's rendering of the same errors ----------------------------------------------------------
+
+#: The Anthropic Messages API's error ``type`` for an HTTP status (its documented table; a 503 here means
+#: no worker has room or none is up, which is what Anthropic's ``overloaded_error`` tells a client).
+_ANTHROPIC_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+#: After SSE headers there is no status: the OpenAI type (and for a few, the code) tells the kind.
+_ANTHROPIC_BY_CODE = {
+    "no_healthy_worker": "overloaded_error",
+    "upstream_timeout": "timeout_error",
+    "model_not_found": "not_found_error",
+}
+_ANTHROPIC_BY_TYPE = {
+    "invalid_request_error": "invalid_request_error",
+    "authentication_error": "authentication_error",
+    "permission_error": "permission_error",
+    "rate_limit_error": "rate_limit_error",
+}
+
+
+def anthropic_type(status: int | None, error: dict[str, Any]) -> str:
+    """Anthropic's error type for an error in OpenAI's shape (``error`` is its inner object), by the
+    HTTP status when there is one, else by its code and type."""
+    if status is not None:
+        found = _ANTHROPIC_BY_STATUS.get(status)
+        if found is not None:
+            return found
+        return "invalid_request_error" if 400 <= status < 500 else "api_error"
+    code = error.get("code")
+    if isinstance(code, str) and code in _ANTHROPIC_BY_CODE:
+        return _ANTHROPIC_BY_CODE[code]
+    return _ANTHROPIC_BY_TYPE.get(str(error.get("type")), "api_error")
+
+
+def anthropic_body(status: int | None, error: dict[str, Any]) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}``: the error in Anthropic's shape."""
+    message = error.get("message")
+    return {
+        "type": "error",
+        "error": {"type": anthropic_type(status, error), "message": message if isinstance(message, str) else ""},
+    }
+
+
+def anthropic_json(error: GatewayError) -> bytes:
+    """A gateway error as an Anthropic Messages API error body."""
+    return orjson.dumps(anthropic_body(error.status_code, error.body()["error"]))
+
+
+def anthropic_sse(error: dict[str, Any]) -> bytes:
+    """An error after SSE headers, as Anthropic streams one: an ``error`` event (the stream then ends)."""
+    return b"event: error\ndata: " + orjson.dumps(anthropic_body(None, error)) + b"\n\n"
+
+
+def anthropic_from_openai(status: int, body: bytes) -> bytes:
+    """An error already rendered in OpenAI's shape (a refusal, a worker's 4xx) in Anthropic's."""
+    try:
+        payload = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        payload = None
+    inner = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(inner, dict):
+        inner = {"message": f"The request failed with HTTP {status}."}
+    return orjson.dumps(anthropic_body(status, inner))

@@ -32,6 +32,11 @@ _URL_PARTS = ("image_url", "audio_url", "video_url", "input_image")
 _INTERNAL_SUFFIXES = (".localhost", ".local", ".internal", ".lan", ".home.arpa", ".svc", ".cluster.local")
 
 
+_SCORING = frozenset({"rerank", "v2/rerank", "score"})
+_SCORING_FIELDS = ("query", "documents", "text_1", "text_2", "queries", "items", "data_1", "data_2")
+_CONVERSATIONS = frozenset({"embeddings", "classify", "pooling"})  # input or messages may be conversations
+
+
 def check_request_media(endpoint: str, body: dict[str, Any]) -> None:
     """``check_media_urls`` on every chat conversation of a request: a chat completion's ``messages``,
     and on embeddings ``messages`` or ``input`` holding one conversation or a batch of them (vLLM
@@ -41,7 +46,15 @@ def check_request_media(endpoint: str, body: dict[str, Any]) -> None:
         if isinstance(messages, list):
             check_media_urls(messages)
         return
-    if endpoint != "embeddings":
+    if endpoint in _SCORING:
+        # Multimodal queries and documents are ``{"content": [parts]}`` objects, fetched like chat's.
+        for name in _SCORING_FIELDS:
+            value = body.get(name)
+            items = [item for item in (value if isinstance(value, list) else [value]) if isinstance(item, dict)]
+            if items:
+                check_media_urls(items, name)
+        return
+    if endpoint not in _CONVERSATIONS:
         return
     for name in ("messages", "input"):
         value = body.get(name)

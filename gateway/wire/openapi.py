@@ -158,6 +158,36 @@ class DetokenizeRequest(BaseModel):
     tokens: _Tokens
 
 
+class RerankRequest(BaseModel):
+    """vLLM's rerank (``/v1/rerank``, ``/rerank``, ``/v2/rerank``), answered by a worker of the model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="a name or alias from GET /v1/models")
+    query: str
+    documents: _Texts
+    top_n: int | None = Field(None, ge=0)
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's score (``/v1/score``, ``/score``); also ``queries`` with ``documents`` or ``items``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="a name or alias from GET /v1/models")
+    text_1: str | _Texts
+    text_2: str | _Texts
+
+
+class PoolingInputRequest(BaseModel):
+    """vLLM's ``/classify`` and ``/pooling``: ``input`` (or ``messages``), answered by a worker of the model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="a name or alias from GET /v1/models")
+    input: str | _Texts
+
+
 def documented_body(model: type[BaseModel]) -> dict[str, Any]:
     """``openapi_extra`` for a route that reads its body itself: the body's schema, inlined."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -182,6 +212,13 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/rerank": RerankRequest,
+    "/rerank": RerankRequest,
+    "/v2/rerank": RerankRequest,
+    "/v1/score": ScoreRequest,
+    "/score": ScoreRequest,
+    "/classify": PoolingInputRequest,
+    "/pooling": PoolingInputRequest,
 }
 
 #: Statuses the inference endpoints may answer with an error body, for the schema's ``responses``.
@@ -211,7 +248,7 @@ def placeholder_for(path: str) -> Any:
 
     # Set after definition: with postponed annotations a local class cannot be named in the signature.
     served_by_asgi.__annotations__ = {"body": model, "return": None}
-    served_by_asgi.__name__ = "create_" + path.removeprefix("/v1/").replace("/", "_")
+    served_by_asgi.__name__ = "create_" + path.removeprefix("/v1/").strip("/").replace("/", "_")
     return served_by_asgi
 
 

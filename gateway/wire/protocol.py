@@ -35,6 +35,19 @@ ENDPOINTS = {
     "/v1/completions": Endpoint("completions", "/v1/completions", True),
     "/v1/embeddings": Endpoint("embeddings", "/v1/embeddings", False),
 }
+#: vLLM's other model-addressed JSON routes (pooling models: rerankers, cross-encoders, classifiers),
+#: served like embeddings: the body's model picks the workers, no streaming, the worker checks the rest.
+#: Each goes to the same path on the worker (vLLM serves the unversioned spellings with the same handler).
+MODEL_ROUTES = {
+    "/v1/rerank": Endpoint("rerank", "/v1/rerank", False),
+    "/rerank": Endpoint("rerank", "/rerank", False),
+    "/v2/rerank": Endpoint("v2/rerank", "/v2/rerank", False),
+    "/v1/score": Endpoint("score", "/v1/score", False),
+    "/score": Endpoint("score", "/score", False),
+    "/classify": Endpoint("classify", "/classify", False),
+    "/pooling": Endpoint("pooling", "/pooling", False),
+}
+ENDPOINTS.update(MODEL_ROUTES)
 
 
 def check_content_type(headers: list[tuple[bytes, bytes]]) -> None:
@@ -120,7 +133,7 @@ def check_request(endpoint: Endpoint, body: dict[str, Any]) -> tuple[str, bool]:
         _check_messages(body.get("messages"))
     elif endpoint.name == "completions":
         _check_prompt(body.get("prompt"))
-    elif body.get("input") is None:
+    elif endpoint.name == "embeddings" and body.get("input") is None:
         raise InvalidRequest("You must provide an 'input' parameter.", param="input", code="missing_required_parameter")
 
     for name in ("n", "max_tokens", "max_completion_tokens"):
@@ -173,7 +186,7 @@ def _check_prompt(prompt: object) -> None:
 
 #: Headers that carry a credential: sent twice, a request is refused rather than one of them picked
 #: (two readers picking differently is how one credential gets checked and another used).
-CREDENTIAL_HEADERS = ("authorization", "x-admin-token", "api-key")
+CREDENTIAL_HEADERS = ("authorization", "x-admin-token", "api-key", "x-api-key")
 
 
 def header_dict(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -28,7 +28,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-_CONTENT_PARAM = {"chat/completions": "messages", "completions": "prompt", "embeddings": "input"}
+_CONTENT_PARAM = {
+    "chat/completions": "messages", "completions": "prompt", "embeddings": "input", "classify": "input",
+    "pooling": "input", "rerank": "documents", "v2/rerank": "documents", "score": "documents",
+    "audio/transcriptions": "prompt", "audio/translations": "prompt",
+}  # fmt: skip
+#: Where the texts of vLLM's scoring routes (rerank, score) are: strings, or ``{"content": [parts]}``.
+_SCORING_FIELDS = ("query", "documents", "text_1", "text_2", "queries", "items", "data_1", "data_2")
 
 #: Content-part keys whose values are media (URLs, base64 payloads, tensors) or bookkeeping, not text
 #: the model reads as words. Media URLs are checked by ``gateway.wire.media_urls`` instead.
@@ -154,7 +160,18 @@ def prompt_slots(endpoint: str, body: dict[str, Any]) -> list[TextSlot]:
             group = 0 if isinstance(body.get("prompt"), str) else -1
             slots.append(TextSlot(body, "suffix", body["suffix"], group=group))
         return slots
-    if endpoint == "embeddings":
+    if endpoint.startswith("audio/"):  # the text prompt that guides a transcription (the audio is not text)
+        _strings_of(body, "prompt", slots)
+        return slots
+    if endpoint in ("rerank", "v2/rerank", "score"):
+        for name in _SCORING_FIELDS:
+            value = body.get(name)
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, dict):
+                    _content(item, slots)
+            _strings_of(body, name, slots)
+        return slots
+    if endpoint in ("embeddings", "classify", "pooling"):  # text, token ids or conversations, as vLLM reads them
         for name in ("input", "messages"):
             value = body.get(name)
             if _is_conversation(value):

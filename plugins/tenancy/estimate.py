@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 _PER_MESSAGE = 4  # role markers and separators of a chat template
+_SCORING = frozenset({"rerank", "v2/rerank", "score"})
+_SCORING_FIELDS = ("query", "documents", "text_1", "text_2", "queries", "items", "data_1", "data_2")
 
 
 def _text_chars(value: Any) -> int:
@@ -39,6 +41,8 @@ def prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
                 chars += _text_chars(message.get("content"))
                 overhead += _PER_MESSAGE
         return max(1, -(-chars // 4) + overhead)
+    if endpoint in _SCORING:  # a query and its documents, or pairs of texts
+        return max(1, -(-sum(_text_chars(body.get(name)) for name in _SCORING_FIELDS) // 4))
     field = "prompt" if endpoint == "completions" else "input"
     return max(1, -(-_text_chars(body.get(field)) // 4))
 

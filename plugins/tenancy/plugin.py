@@ -58,6 +58,10 @@ CLAMP_HEADER = "x-gateway-max-tokens"
 _RATE_NAMES = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
 
 
+#: Endpoints whose answer is generated tokens (the rest, embeddings and the pooling routes, cost their prompt).
+_GENERATING = frozenset({"chat/completions", "completions"})
+
+
 class TenancyPlugin(Plugin):
     name = "tenancy"
     Config = TenancyConfig
@@ -180,7 +184,7 @@ class TenancyPlugin(Plugin):
     def _reservation(self, ctx: RequestContext, prompt: int) -> tuple[int, int, bool]:
         """(tokens wanted, the least acceptable, clamping?) for the admission script. Without max_tokens
         the request can cost (context - prompt) per choice; clamping reserves what is left instead."""
-        if not self.config.reserve_max_tokens or ctx.endpoint == "embeddings":
+        if not self.config.reserve_max_tokens or ctx.endpoint not in _GENERATING:
             return prompt, prompt, False
         given = estimate.reserved_completion(ctx.body)
         if given:

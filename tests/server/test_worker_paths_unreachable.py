@@ -1,7 +1,8 @@
 """No endpoint of a vLLM worker that is not meant for clients is reachable through the gateway.
 
-The gateway forwards exactly three paths (chat, completions, embeddings) to workers; everything else
-is answered by the gateway itself. Each worker-only path, in every method and a few spellings, gets an
+The gateway forwards the inference paths (chat, completions, embeddings) and vLLM's model-addressed
+routes (rerank, score, classify, pooling, audio: tests/server/test_model_routes.py) to workers; everything
+else is answered by the gateway itself. Each worker-only path, in every method and a few spellings, gets an
 OpenAI-shaped 404/405 from the gateway (a spelling with dot segments a 400 ``invalid_path``:
 gateway/server/paths.py), and the fake worker records no request at all.
 """
@@ -40,13 +41,8 @@ WORKER_ONLY = [
     "/start_profile",
     "/stop_profile",
     # (/v1/responses is the gateway's own: translated to chat completions, never forwarded; see
-    # tests/server/test_responses_api.py)
-    "/v1/audio/transcriptions",
-    "/v1/rerank",
-    "/rerank",
-    "/score",
-    "/pooling",
-    "/classify",
+    # tests/server/test_responses_api.py. /v1/audio/*, /v1/rerank, /rerank, /score, /pooling and /classify
+    # are routed by model behind the pipeline: tests/server/test_model_routes.py, test_audio_routes.py)
     "/v1/chat/completions/render",
     "/v1/completions/render",
     "/inference/v1/generate",

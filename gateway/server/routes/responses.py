@@ -23,12 +23,12 @@ from fastapi import APIRouter, Depends, Path, Request, WebSocket
 from fastapi.responses import Response
 
 from gateway.pipeline.config import LimitsConfig, ModelConfig, ResponsesConfig
-from gateway.pipeline.context import RequestContext
 from gateway.pipeline.plugin import SideCall, SideRoute
 from gateway.pipeline.runtime import RuntimeSnapshot
-from gateway.proxy.forward import JSONReply, Proxy, Reply, StreamReply
+from gateway.proxy.forward import Proxy, Reply
 from gateway.proxy.responses_fit import TRUNCATED_HEADER, fit_history
 from gateway.proxy.responses_turn import ResponsesTurn
+from gateway.proxy.translated_turn import chat_context
 from gateway.server.admin_auth import require_admin
 from gateway.server.cycle import Receive, RequestCycle, Scope, Send
 from gateway.server.responses_store import Chain, ResponseStore, not_found
@@ -102,20 +102,16 @@ class ResponsesService:
             chat = chat_request(req, model.upstream_name, history)
             allow(snapshot.config.limits).check(_CHAT.name, chat)
             check_request(_CHAT, chat)
-            ctx = RequestContext(
+            ctx = chat_context(
+                api="responses",
                 request_id=cycle.request_id,
-                endpoint=_CHAT.name,
-                path=_CHAT.path,
-                body=chat,
-                raw_body=orjson.dumps(chat),
+                chat=chat,
                 headers=headers,
                 model=model,
                 requested_model=req.model,
                 snapshot=snapshot,
-                stream=req.stream,
                 started=cycle.started,
             )
-            ctx.log["api"] = "responses"
             if dropped:  # said on the answer (and in the access log): the worker read fewer turns than stored
                 ctx.response_headers[TRUNCATED_HEADER] = str(dropped)
                 ctx.log["truncated_items"] = dropped
@@ -126,11 +122,7 @@ class ResponsesService:
 
             turn = ResponsesTurn(self.proxy, self.state.services.metrics, req, ctx, save if req.store else None)
             cycle.self_recorded = True  # from here on the turn records its own metrics and access log line
-            reply = await turn.start()
-            if isinstance(reply, JSONReply):
-                return reply
-            # The stream owns the pin (and the context) from here until its last byte.
-            return StreamReply(turn.events(reply, pin.pop_all()), reply.headers)
+            return await turn.reply(pin)
         finally:
             pin.close()
 

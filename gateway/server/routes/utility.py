@@ -106,7 +106,7 @@ async def _relay(request: Request, route: SideRoute) -> Response:
         # An adapter tokenizes as its base model: any worker has that, loaded adapter or not.
         payload["model"] = (base or model).upstream_name
         urls = snapshot.models.worker_urls[model.name]
-        status, body = await _call_worker(state.services, state.services.workers.expand(urls), f"/{route}", payload)
+        status, body = await call_worker(state.services, state.services.workers.expand(urls), f"/{route}", payload)
     if status != 200:
         raise from_upstream(status, body)
     return Response(body, media_type="application/json")
@@ -126,7 +126,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def _call_worker(services: Services, urls: list[str], path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+async def call_worker(services: Services, urls: list[str], path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
     """POST to the least busy available worker; on a failure before any answer, the next one."""
     table = services.workers
     candidates = sorted((table.get(url) for url in urls), key=lambda w: w.in_flight)

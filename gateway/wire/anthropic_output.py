@@ -1,0 +1,194 @@
+"""A chat completions answer as an Anthropic Messages API answer: a Message object from a whole chat
+completion (``message_from_chat``), or Anthropic's event sequence from a chat SSE stream, chunk by chunk
+(``MessageStream``). Pure: no I/O.
+
+The stream is the one Anthropic sends: ``message_start``, ``ping``, then per content block
+``content_block_start``, ``content_block_delta`` (``text_delta`` for text, ``input_json_delta`` for a tool
+call's arguments) and ``content_block_stop``, then ``message_delta`` with ``stop_reason`` and usage, and
+``message_stop``. Each SSE event carries its type in both the ``event:`` line and the data.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+
+from gateway.wire.errors import anthropic_sse
+
+
+def new_message_id() -> str:
+    return "msg_" + uuid.uuid4().hex
+
+
+def stop_reason(finish_reason: object, matched: object, used_tools: bool) -> tuple[str | None, str | None]:
+    """Anthropic's ``(stop_reason, stop_sequence)`` for a chat ``finish_reason``; ``matched`` is vLLM's
+    ``stop_reason`` (the stop string that ended the answer, when one did)."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason == "content_filter":
+        return "refusal", None
+    if finish_reason == "tool_calls" or used_tools:
+        return "tool_use", None
+    if isinstance(matched, str):
+        return "stop_sequence", matched
+    return ("end_turn", None) if finish_reason is not None else (None, None)
+
+
+def usage_of(usage: object) -> dict[str, Any]:
+    """Anthropic counts cached prompt tokens apart: ``input_tokens`` are the ones that were not."""
+    if not isinstance(usage, dict):
+        return {"input_tokens": 0, "output_tokens": 0}
+    prompt = usage.get("prompt_tokens") or 0
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    out = {"input_tokens": prompt - (cached or 0), "output_tokens": usage.get("completion_tokens") or 0}
+    if cached is not None:
+        out["cache_read_input_tokens"] = cached
+    return out
+
+
+def _tool_input(arguments: object) -> dict[str, Any]:
+    """A tool call's arguments as the ``input`` object (a model that wrote no valid JSON object gives {})."""
+    try:
+        parsed = orjson.loads(arguments) if isinstance(arguments, str) and arguments else {}
+    except orjson.JSONDecodeError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def message_object(message_id: str, model: str) -> dict[str, Any]:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 0, "output_tokens": 0},
+    }
+
+
+def message_from_chat(message_id: str, model: str, chat: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed chat completion as a Message."""
+    choices = chat.get("choices") or [{}]
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    answer = choice.get("message") or {}
+    out = message_object(message_id, model)
+    content = answer.get("content")
+    if content:
+        out["content"].append({"type": "text", "text": content})
+    calls = answer.get("tool_calls") or ()
+    for call in calls:
+        function = call.get("function") or {}
+        out["content"].append(
+            {
+                "type": "tool_use",
+                "id": call.get("id") or "toolu_" + uuid.uuid4().hex[:24],
+                "name": function.get("name") or "",
+                "input": _tool_input(function.get("arguments")),
+            }
+        )
+    out["stop_reason"], out["stop_sequence"] = stop_reason(
+        choice.get("finish_reason"), choice.get("stop_reason"), bool(calls)
+    )
+    out["usage"] = usage_of(chat.get("usage"))
+    return out
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+class MessageStream:
+    """Chat completion chunks in, Anthropic's event sequence out.
+
+    ``start()`` gives message_start and a ping; ``feed(chunk)`` the events of one chunk; ``close()`` the
+    open block's content_block_stop and the message_delta (stop reason, usage); ``end()`` message_stop.
+    """
+
+    def __init__(self, message_id: str, model: str) -> None:
+        self.message_id, self.model = message_id, model
+        self._index = -1  # the open content block (-1: none yet)
+        self._open: str | None = None  # "text" or "tool:<chat tool call index>"
+        self._used_tools = False
+        self._finish_reason: object = None
+        self._matched: object = None
+        self._usage: object = None
+
+    def start(self) -> list[bytes]:
+        return [
+            sse({"type": "message_start", "message": message_object(self.message_id, self.model)}),
+            sse({"type": "ping"}),
+        ]
+
+    def error(self, error: dict[str, Any]) -> bytes:
+        return anthropic_sse(error)
+
+    def feed(self, chunk: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            if text:
+                out += self._block("text", {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": text}))
+            for call in delta.get("tool_calls") or ():
+                out += self._tool_delta(call)
+            if choice.get("finish_reason"):
+                self._finish_reason = choice["finish_reason"]
+                self._matched = choice.get("stop_reason")
+        return out
+
+    def _block(self, key: str, block: dict[str, Any]) -> list[bytes]:
+        """Open the block ``key`` unless it is the open one (closing the open one first)."""
+        if self._open == key:
+            return []
+        out = self._close_block()
+        self._index += 1
+        self._open = key
+        out.append(sse({"type": "content_block_start", "index": self._index, "content_block": block}))
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return sse({"type": "content_block_delta", "index": self._index, "delta": delta})
+
+    def _tool_delta(self, call: dict[str, Any]) -> list[bytes]:
+        function = call.get("function") or {}
+        key = f"tool:{call.get('index', 0)}"
+        out: list[bytes] = []
+        if self._open != key:
+            self._used_tools = True
+            block: dict[str, Any] = {
+                "type": "tool_use",
+                "id": call.get("id") or "toolu_" + uuid.uuid4().hex[:24],
+                "name": function.get("name") or "",
+                "input": {},
+            }
+            out += self._block(key, block)
+        arguments = function.get("arguments")
+        if arguments:
+            out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+        return out
+
+    def _close_block(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [sse({"type": "content_block_stop", "index": self._index})]
+
+    def close(self) -> list[bytes]:
+        out = self._close_block()
+        reason, sequence = stop_reason(self._finish_reason, self._matched, self._used_tools)
+        delta = {"stop_reason": reason or "end_turn", "stop_sequence": sequence}
+        out.append(sse({"type": "message_delta", "delta": delta, "usage": usage_of(self._usage)}))
+        return out
+
+    def end(self) -> bytes:
+        return sse({"type": "message_stop"})

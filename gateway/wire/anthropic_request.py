@@ -1,0 +1,333 @@
+"""An Anthropic Messages API request, checked, and the chat completions request it becomes.
+
+``parse_request`` checks a ``POST /v1/messages`` body (``count_tokens=True``: a ``/v1/messages/count_tokens``
+body, which has no ``max_tokens`` and generates nothing) and refuses what it cannot honour with a 400
+naming the field; ``chat_request`` builds the chat completions body every plugin and the worker read. The
+mapping follows vLLM's own Anthropic entrypoint (``vllm/entrypoints/anthropic/serving.py``), so a prompt
+reaches the model the same through the gateway as on a worker's ``/v1/messages``:
+
+- ``system`` (a string or text blocks) becomes the first system message; text blocks are joined;
+- a user turn's ``tool_result`` blocks become ``tool`` messages (before the turn's other content), an
+  assistant turn's ``tool_use`` blocks its ``tool_calls``; ``thinking`` blocks a client echoes back are
+  dropped (the served models do not read them); ``image`` blocks become ``image_url`` parts;
+- ``tools`` become functions (``input_schema`` as ``parameters``); ``tool_choice`` auto / any / tool / none
+  becomes auto / required / a named function / none, ``disable_parallel_tool_use`` ``parallel_tool_calls``;
+- ``stop_sequences`` becomes ``stop``, ``metadata.user_id`` the chat ``user``; a stream asks for usage.
+
+Pure functions: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.wire.errors import InvalidRequest
+
+_ACCEPTED = frozenset(
+    {
+        "model", "messages", "max_tokens", "system", "stream", "stop_sequences", "temperature", "top_p",
+        "top_k", "tools", "tool_choice", "metadata", "thinking", "service_tier", "cache_control", "output_config",
+        "speed",
+    }
+)  # fmt: skip
+#: Fields refused outright, with the reason the client reads.
+_UNSUPPORTED = {
+    "container": "code execution containers are Anthropic's servers' own",
+    "mcp_servers": "remote MCP servers are called by Anthropic's servers, not by this gateway",
+    "context_management": "server-side context management is not supported",
+    "inference_geo": "the region is where this gateway's workers run, not the client's choice",
+    "diagnostics": "prompt-cache diagnostics are Anthropic's servers' own",
+    "user_profile_id": "user profiles are Anthropic's servers' own",
+    "workspace_id": "workspaces are Anthropic's servers' own; keys and tenants are this gateway's",
+}
+#: ``cache_control`` (top level or on a block) is accepted and needs nothing: vLLM caches prefixes by itself.
+_COUNT_FIELDS = frozenset(
+    {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control", "output_config"}
+)
+_ROLES = ("user", "assistant")
+
+
+def bad(message: str, param: str, code: str | None = None) -> InvalidRequest:
+    return InvalidRequest(message, param=param, code=code)
+
+
+@dataclass(slots=True)
+class MessagesRequest:
+    """A checked Messages request: the client's model name, the chat body's parts, and the stream flag."""
+
+    model: str
+    stream: bool
+    messages: list[dict[str, Any]]  # chat messages, system first
+    options: dict[str, Any] = field(default_factory=dict)  # chat fields: max_tokens, stop, tools, ...
+
+
+def parse_request(body: dict[str, Any], *, count_tokens: bool = False) -> MessagesRequest:
+    """Check a Messages (or count_tokens) body; raise a 400 naming the first problem."""
+    accepted = _COUNT_FIELDS if count_tokens else _ACCEPTED
+    for name in body:
+        if name in _UNSUPPORTED or (name in _ACCEPTED and name not in accepted):
+            reason = _UNSUPPORTED.get(name, "it does not apply to counting tokens")
+            raise bad(f"'{name}' is not supported by this gateway: {reason}.", name, "unsupported_parameter")
+        if name not in accepted:
+            raise bad(f"{name}: Extra inputs are not permitted", name, "unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model: Field required (a non-empty string)", "model", "missing_required_parameter")
+    options: dict[str, Any] = {}
+    stream = False
+    if not count_tokens:
+        options.update(_sampling(body))
+        stream = body.get("stream") is True
+        if body.get("stream") not in (None, True, False):
+            raise bad("stream: Input should be a valid boolean", "stream")
+    _check_thinking(body.get("thinking"))
+    options.update(_output_config(body.get("output_config")))
+    tools = _tools(body.get("tools"))
+    if tools:
+        options["tools"] = tools
+    options.update(_tool_choice(body.get("tool_choice"), tools))
+    messages = _system(body.get("system"))
+    for i, message in enumerate(_list(body.get("messages"), "messages", required=True)):
+        _append_turn(messages, message, f"messages.{i}")
+    if stream:
+        options["stream"] = True
+        options["stream_options"] = {"include_usage": True}
+    return MessagesRequest(model=model, stream=stream, messages=messages, options=options)
+
+
+def chat_request(req: MessagesRequest, upstream_model: str) -> dict[str, Any]:
+    """The chat completions body for a checked Messages request."""
+    return {"model": upstream_model, "messages": req.messages, **req.options}
+
+
+def _list(value: object, param: str, *, required: bool = False) -> list[Any]:
+    if value is None and not required:
+        return []
+    if not isinstance(value, list) or (required and not value):
+        raise bad(f"{param}: Input should be a non-empty list", param, "missing_required_parameter")
+    return value
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise bad("max_tokens: Field required (a positive integer)", "max_tokens", "missing_required_parameter")
+    out["max_tokens"] = max_tokens
+    for name, low, high in (("temperature", 0.0, 1.0), ("top_p", 0.0, 1.0)):
+        value = body.get(name)
+        if value is not None:
+            if not _number(value) or not low <= value <= high:
+                raise bad(f"{name}: Input should be a number from {low:g} to {high:g}", name)
+            out[name] = value
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise bad("top_k: Input should be a positive integer", "top_k")
+        out["top_k"] = top_k
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise bad("stop_sequences: Input should be a list of non-empty strings", "stop_sequences")
+        if stops:
+            out["stop"] = stops
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict) or set(metadata) - {"user_id"}:
+            raise bad("metadata: Input should be an object with at most 'user_id'", "metadata")
+        user = metadata.get("user_id")
+        if user is not None and (not isinstance(user, str) or len(user) > 256):
+            raise bad("metadata.user_id: Input should be a string of at most 256 characters", "metadata.user_id")
+        if user:
+            out["user"] = user
+    if body.get("service_tier") not in (None, "auto", "standard_only"):
+        raise bad("service_tier: Input should be 'auto' or 'standard_only'", "service_tier")
+    if body.get("speed") not in (None, "standard"):
+        raise bad("speed: only 'standard' is supported by this gateway", "speed", "unsupported_parameter")
+    return out
+
+
+def _output_config(config: object) -> dict[str, Any]:
+    """``output_config.format`` (a JSON schema) becomes the chat ``response_format``, which the guided JSON
+    plugin and the worker enforce; ``effort`` is refused like ``thinking``."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict) or set(config) - {"effort", "format"}:
+        raise bad("output_config: Input should be an object with 'format' and/or 'effort'", "output_config")
+    if config.get("effort") is not None:
+        raise bad(
+            "output_config.effort: the models this gateway serves do not reason; omit 'effort'.",
+            "output_config.effort",
+            "unsupported_parameter",
+        )
+    fmt = config.get("format")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad(
+            "output_config.format: Input should be {'type': 'json_schema', 'schema': {...}}", "output_config.format"
+        )
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}}
+
+
+def _check_thinking(thinking: object) -> None:
+    """Extended thinking is refused unless disabled: the served models are not reasoning models, and an
+    option that silently does nothing would mislead the client."""
+    if thinking is None or (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
+        return
+    raise bad(
+        "thinking: extended thinking is not supported by the models this gateway serves; omit 'thinking' "
+        "or send {'type': 'disabled'}.",
+        "thinking",
+        "unsupported_parameter",
+    )
+
+
+# -- tools ---------------------------------------------------------------------------------------------
+
+
+def _tools(tools: object) -> list[dict[str, Any]]:
+    out = []
+    for i, tool in enumerate(_list(tools, "tools")):
+        param = f"tools.{i}"
+        if not isinstance(tool, dict):
+            raise bad(f"{param}: Input should be an object", param)
+        if tool.get("type") not in (None, "custom"):
+            raise bad(
+                f"{param}.type: server tools ({tool.get('type')!r}) run on Anthropic's servers; only client tools "
+                "(name, description, input_schema) are supported by this gateway.",
+                f"{param}.type",
+                "unsupported_parameter",
+            )
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise bad(f"{param}.name: Field required (a non-empty string)", f"{param}.name")
+        if not isinstance(schema, dict):
+            raise bad(f"{param}.input_schema: Field required (a JSON schema object)", f"{param}.input_schema")
+        function: dict[str, Any] = {"name": name, "parameters": {"type": "object", **schema}}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: object, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    if choice is None:
+        return {"tool_choice": "auto"} if tools else {}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "any", "tool", "none"):
+        raise bad("tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none'", "tool_choice.type")
+    assert isinstance(choice, dict)
+    out: dict[str, Any] = {}
+    if kind == "tool":
+        name = choice.get("name")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad(f"tool_choice.name: {name!r} is not one of the request's tools", "tool_choice.name")
+        out["tool_choice"] = {"type": "function", "function": {"name": name}}
+    else:
+        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+    if tools and choice.get("disable_parallel_tool_use") is True:
+        out["parallel_tool_calls"] = False
+    return out
+
+
+# -- the conversation ----------------------------------------------------------------------------------
+
+
+def _system(system: object) -> list[dict[str, Any]]:
+    if system is None:
+        return []
+    if isinstance(system, str):
+        text = system
+    elif isinstance(system, list):
+        parts = []
+        for i, block in enumerate(system):
+            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+                raise bad(f"system.{i}: system blocks must be text blocks", f"system.{i}")
+            parts.append(block["text"])
+        text = "".join(parts)
+    else:
+        raise bad("system: Input should be a string or a list of text blocks", "system")
+    return [{"role": "system", "content": text}] if text else []
+
+
+def _append_turn(messages: list[dict[str, Any]], turn: object, param: str) -> None:
+    if not isinstance(turn, dict) or turn.get("role") not in _ROLES:
+        raise bad(f"{param}.role: Input should be 'user' or 'assistant'", f"{param}.role")
+    role, content = turn["role"], turn.get("content")
+    if isinstance(content, str):
+        messages.append({"role": role, "content": content})
+        return
+    if not isinstance(content, list):
+        raise bad(f"{param}.content: Input should be a string or a list of content blocks", f"{param}.content")
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        where = f"{param}.content.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        assert kind is None or isinstance(block, dict)
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), where)}})
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_call(block, where))
+        elif kind == "tool_result" and role == "user":
+            messages.append(_tool_message(block, where))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue
+        else:
+            raise bad(f"{where}: a {role} turn cannot carry a block of type {kind!r} here", f"{where}.type")
+    message: dict[str, Any] = {"role": role}
+    if parts:
+        only_text = len(parts) == 1 and parts[0]["type"] == "text"
+        message["content"] = parts[0]["text"] if only_text else parts
+    if calls:
+        message["tool_calls"] = calls
+        message.setdefault("content", None)
+    if "content" in message:  # a turn of tool results only, or of dropped thinking, adds no message
+        messages.append(message)
+
+
+def _image_url(source: object, where: str) -> str:
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source, dict) and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/jpeg'};base64,{source['data']}"
+    if kind == "url" and isinstance(source, dict) and isinstance(source.get("url"), str):
+        return source["url"]
+    raise bad(f"{where}.source: an image source must be base64 data or a URL", f"{where}.source")
+
+
+def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
+    if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not isinstance(arguments, dict):
+        raise bad(f"{where}: a tool_use block needs 'id', 'name' and an 'input' object", where)
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": orjson.dumps(arguments).decode()},
+    }
+
+
+def _tool_message(block: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id, content = block.get("tool_use_id"), block.get("content")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad(f"{where}.tool_use_id: Field required", f"{where}.tool_use_id")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        text = "\n".join(str(p.get("text") or "") for p in content)
+    else:
+        raise bad(f"{where}.content: a tool result must be a string or text blocks", f"{where}.content")
+    if block.get("is_error") is True:
+        text = f"Error: {text}"  # the chat format has no error flag: the model reads it in the text
+    return {"role": "tool", "tool_call_id": call_id, "content": text}

@@ -1,0 +1,280 @@
+"""Anthropic's Messages API through the gateway, driven by the real ``anthropic`` SDK against the fake worker:
+``messages.create`` and ``messages.stream`` (text and a tool round trip), ``count_tokens``, and the errors
+in Anthropic's shape (wrong method, bad input, unknown model, a worker's failure, a stream cut midway).
+What the worker receives is the chat completions request the translation promises."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import httpx
+import orjson
+import pytest
+
+from tests.support.fakes import FakeUpstream, ServerThread
+from tests.support.gateways import GatewayFactory, base_config
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Get the current weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def sdk(server: ServerThread, key: str = "unused") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=20)
+
+
+def chats(upstream: FakeUpstream) -> list[dict[str, Any]]:
+    return [r.body for r in upstream.requests if r.path == "/v1/chat/completions"]
+
+
+def test_create_translates_the_request_and_the_answer(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    message = sdk(gateway).messages.create(
+        model="alias-1",
+        max_tokens=64,
+        system=[{"type": "text", "text": "Be brief. "}, {"type": "text", "text": "Be kind."}],
+        messages=[
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello!"}]},
+            {"role": "user", "content": [{"type": "text", "text": "How are you?"}]},
+        ],
+        stop_sequences=["END"],
+        metadata={"user_id": "u-42"},
+        # sampling options: no longer arguments of the SDK's create(), still sent by other clients
+        extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 40},
+    )
+    assert message.type == "message" and message.role == "assistant" and message.model == "alias-1"
+    assert message.id.startswith("msg_")
+    assert [b.type for b in message.content] == ["text"] and message.content[0].text == "Hello from the fake worker."  # type: ignore[union-attr]
+    assert message.stop_reason == "end_turn" and message.stop_sequence is None
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (5, 3)
+    sent = chats(upstream)[-1]
+    assert sent["model"] == "m1"  # the alias resolved, as on every endpoint
+    assert sent["messages"] == [
+        {"role": "system", "content": "Be brief. Be kind."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "How are you?"},
+    ]
+    assert {k: sent[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "stop", "user")} == {
+        "max_tokens": 64, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "stop": ["END"], "user": "u-42",
+    }  # fmt: skip
+    assert "stream" not in sent
+
+
+def test_stop_reasons(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    client = sdk(gateway)
+    upstream.behavior.finish_reason = "length"
+    cut = client.messages.create(model="m1", max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
+    assert cut.stop_reason == "max_tokens"
+    upstream.behavior.finish_reason = "stop"
+    with client.messages.stream(model="m1", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 2
+
+
+def test_stream_sends_anthropics_event_sequence(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    client = sdk(gateway)
+    with client.messages.stream(model="m1", max_tokens=64, messages=[{"role": "user", "content": "Hi"}]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == "Hello from the fake worker."  # type: ignore[union-attr]
+    assert final.stop_reason == "end_turn" and (final.usage.input_tokens, final.usage.output_tokens) == (5, 3)
+    raw = [e for e in kinds if e not in ("text",)]  # the SDK adds "text" events of its own
+    assert raw == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_delta", "content_block_stop", "message_delta", "message_stop",
+    ]  # fmt: skip
+    sent = chats(upstream)[-1]
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+
+    # the wire itself: each event named in its `event:` line, a ping after message_start
+    reply = httpx.post(
+        gateway.url + "/v1/messages",
+        json={"model": "m1", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "Hi"}]},
+    )
+    names = [line[7:] for line in reply.text.splitlines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "ping", "content_block_start"] and names[-1] == "message_stop"
+    assert reply.headers["content-type"].startswith("text/event-stream")
+
+
+def test_tool_round_trip_plain_and_streamed(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    client = sdk(gateway)
+    upstream.behavior.tool_calls = [{"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    first = client.messages.create(
+        model="m1", max_tokens=64, tools=[WEATHER], tool_choice={"type": "any"},  # type: ignore[list-item]
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+    )  # fmt: skip
+    assert first.stop_reason == "tool_use"
+    call = first.content[0]
+    assert call.type == "tool_use" and call.id == "call_1" and call.name == "get_weather"
+    assert call.input == {"city": "Paris"}
+    sent = chats(upstream)[-1]
+    assert sent["tool_choice"] == "required"
+    assert sent["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": WEATHER["description"],
+                "parameters": WEATHER["input_schema"],
+            },
+        }
+    ]
+
+    # streamed, with a named tool: the arguments arrive as input_json_delta events
+    with client.messages.stream(
+        model="m1", max_tokens=64, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"},  # type: ignore[list-item]
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+    ) as stream:  # fmt: skip
+        partials = [e.delta.partial_json for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
+        streamed = stream.get_final_message()
+    assert len(partials) == 2 and json.loads("".join(partials)) == {"city": "Paris"}
+    assert streamed.stop_reason == "tool_use" and streamed.content[0].input == {"city": "Paris"}  # type: ignore[union-attr]
+    assert chats(upstream)[-1]["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+
+    # the result goes back as a tool_result block: a tool message the chat template reads
+    upstream.behavior.tool_calls = None
+    answer = client.messages.create(
+        model="m1", max_tokens=64, tools=[WEATHER], tool_choice={"type": "auto", "disable_parallel_tool_use": True},  # type: ignore[list-item]
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "call_1", "content": [{"type": "text", "text": "Sunny, 21 C"}]},
+                {"type": "text", "text": "Thanks."},
+            ]},
+        ],
+    )  # fmt: skip
+    assert answer.stop_reason == "end_turn"
+    sent = chats(upstream)[-1]
+    assert sent["messages"][1:] == [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+        {"role": "user", "content": "Thanks."},
+    ]
+    assert sent["tool_choice"] == "auto" and sent["parallel_tool_calls"] is False
+
+
+def test_count_tokens_asks_a_worker_to_tokenize_the_conversation(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    counted = sdk(gateway).messages.count_tokens(
+        model="alias-1", system="Be brief.", tools=[WEATHER],  # type: ignore[list-item]
+        messages=[{"role": "user", "content": "Hi"}],
+    )  # fmt: skip
+    assert counted.input_tokens == 5
+    sent = upstream.tokenized[-1]
+    assert sent["model"] == "m1" and sent["add_generation_prompt"] is True
+    assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert sent["tools"][0]["function"]["name"] == "get_weather"
+    assert chats(upstream) == []  # nothing generated
+
+    upstream.behavior.tokenize = "missing"
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        sdk(gateway).messages.count_tokens(model="m1", messages=[{"role": "user", "content": "Hi"}])
+    assert caught.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+
+
+def _error(reply: httpx.Response) -> tuple[int, str]:
+    body = reply.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    assert body["error"]["message"]
+    return reply.status_code, body["error"]["type"]
+
+
+USER = [{"role": "user", "content": "x"}]
+TOOL_ROLE = {"role": "tool", "content": "x"}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "kind"),
+    [
+        ({"model": "m1", "messages": USER}, 400, "invalid_request_error"),  # no max_tokens
+        ({"model": "m1", "max_tokens": 8, "messages": []}, 400, "invalid_request_error"),
+        ({"model": "m1", "max_tokens": 8, "messages": [TOOL_ROLE]}, 400, "invalid_request_error"),
+        ({"model": "m1", "max_tokens": 8, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 2000}},
+         400, "invalid_request_error"),
+        ({"model": "m1", "max_tokens": 8, "messages": USER, "priority": 5}, 400, "invalid_request_error"),
+        ({"model": "m1", "max_tokens": 8, "messages": USER, "tools": [{"type": "web_search_20250305", "name": "w"}]},
+         400, "invalid_request_error"),
+        ({"model": "nope", "max_tokens": 8, "messages": USER}, 404, "not_found_error"),
+    ],
+)  # fmt: skip
+def test_errors_have_anthropics_shape(
+    gateway: ServerThread, upstream: FakeUpstream, body: dict[str, Any], status: int, kind: str
+) -> None:
+    assert _error(httpx.post(gateway.url + "/v1/messages", json=body)) == (status, kind)
+    assert chats(upstream) == []
+
+
+def test_transport_errors_and_worker_failures_have_anthropics_shape(
+    gateway: ServerThread, upstream: FakeUpstream
+) -> None:
+    url = gateway.url + "/v1/messages"
+    assert _error(httpx.get(url)) == (405, "invalid_request_error")
+    assert _error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})) == (
+        400,
+        "invalid_request_error",
+    )
+    assert _error(httpx.post(url, content=b"x", headers={"content-type": "text/plain"}))[0] == 415
+    assert _error(httpx.post(url, content=b"x" * (5 * 1024 * 1024))) == (413, "request_too_large")
+    body = {"model": "m1", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    upstream.behavior.status = 400
+    assert _error(httpx.post(url, json=body)) == (400, "invalid_request_error")
+    upstream.behavior.status = 500
+    assert _error(httpx.post(url, json=body)) == (502, "api_error")
+    upstream.behavior.status = 200
+
+    # a stream cut midway (no other worker to continue it) ends with one error event, which the SDK raises
+    upstream.behavior.cut_after = 2
+    with pytest.raises(anthropic.APIStatusError) as caught, sdk(gateway).messages.stream(**body) as stream:  # type: ignore[arg-type]
+        for _ in stream:
+            pass
+    assert caught.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+
+
+def test_anthropic_version_and_key_headers_are_accepted(gateway: ServerThread) -> None:
+    body = {"model": "m1", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-04-04", "x-api-key": "k"}
+    assert httpx.post(gateway.url + "/v1/messages", json=body, headers=headers).status_code == 200
+    # two different keys in the two headers, or the key header twice: refused, never one checked and another used
+    headers["authorization"] = "Bearer other"
+    reply = httpx.post(gateway.url + "/v1/messages", json=body, headers=headers)
+    assert _error(reply) == (400, "invalid_request_error")
+    twice = [("x-api-key", "k1"), ("x-api-key", "k2"), ("content-type", "application/json")]
+    reply = httpx.post(gateway.url + "/v1/messages", content=orjson.dumps(body), headers=twice)
+    assert _error(reply) == (400, "invalid_request_error") and "x-api-key" in reply.json()["error"]["message"]
+
+
+def test_a_stream_cut_by_a_failing_worker_is_resumed_on_another(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    text = "The quick brown fox jumps over the lazy dog, again and again."
+    survivor = FakeUpstream(name="survivor")
+    with ServerThread(survivor) as other:
+        for fake in (upstream, survivor):
+            fake.behavior.text, fake.behavior.chunks = text, 12
+        upstream.behavior.die_after = 4  # the connection breaks after the role chunk and three pieces
+        # round robin sends the first request to the first worker listed: the doomed one
+        with gateway_factory(base_config([upstream_url, other.url])) as (_, server):
+            ask = [{"role": "user", "content": "tell me"}]
+            with sdk(server).messages.stream(model="m1", max_tokens=64, messages=ask) as stream:
+                deltas = [e.delta.text for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
+                final = stream.get_final_message()
+    assert "".join(deltas) == final.content[0].text == text  # type: ignore[union-attr]
+    assert final.stop_reason == "end_turn"
+    assert chats(upstream) and chats(survivor)[-1]["continue_final_message"] is True
