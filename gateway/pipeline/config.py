@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gateway.engine.spec import ManagedWorkerSpec
 from gateway.ops.logs import LoggingConfig
+from gateway.pipeline.batch_config import BatchesConfig
 from gateway.upstream.client import UpstreamConfig
 
 
@@ -128,6 +129,9 @@ class GatewayConfig(StrictModel):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="log level and content")
     responses: ResponsesConfig = Field(
         default_factory=ResponsesConfig, description="the Responses API's store of responses (Redis, per tenant)"
+    )
+    batches: BatchesConfig = Field(
+        default_factory=BatchesConfig, description="the Files and Batch APIs, run on idle capacity (gateway.batch)"
     )
 
     @model_validator(mode="after")

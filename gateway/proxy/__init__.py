@@ -3,5 +3,6 @@ answer back through ``on_response``/``on_chunk`` (``forward``); streams that no 
 as bytes, straight from the worker's connection to the client's (``passthrough``). A Responses API request,
 translated to chat, takes the same trip and is translated back (``responses_turn``).
 
-May import pipeline, upstream, wire, ops and infra; imported only by ``gateway.server``.
+May import pipeline, upstream, wire, ops and infra; imported by ``gateway.server`` and by ``gateway.batch``
+(whose runner sends batch lines through it in-process).
 """

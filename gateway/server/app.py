@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.batch.service import BatchService
 from gateway.ops.logs import apply_logging
 from gateway.ops.metrics import Metrics
 from gateway.ops.settings import Settings
@@ -39,7 +40,7 @@ from gateway.server.console.routes import console_router
 from gateway.server.drain import install_sigterm_drain
 from gateway.server.front_door import http_protocol
 from gateway.server.paths import path_problem
-from gateway.server.routes import JSON, admin, admin_views, health, models, responses, utility
+from gateway.server.routes import JSON, admin, admin_views, batches, files, health, models, responses, utility
 from gateway.server.routes.openai import InferenceEndpoints, Receive, Scope, Send, request_id_from
 from gateway.server.state import AppState
 from gateway.upstream.client import UpstreamClient, UpstreamConfig
@@ -200,6 +201,9 @@ def create_app(
         try:
             await state.holder.load(initial)
             apply_logging(initial.logging, override=settings.log_level)
+            if initial.batches.enabled:  # a restart resumes every replica's unfinished batches from Redis
+                batch_service = state.extras[files.SERVICE_KEY] = BatchService(state.holder, services, initial.batches)
+                batch_service.runner.start()
             services.workers.start_health_checks(
                 lambda url: _probe(services, url), state.holder.current.config.upstream.health_interval_s
             )
@@ -218,6 +222,8 @@ def create_app(
             if restore_sigterm is not None:
                 restore_sigterm()
             await reloader.aclose()
+            if files.SERVICE_KEY in state.extras:
+                await state.extras[files.SERVICE_KEY].runner.aclose()
             if admin_server is not None:
                 await admin_server.stop()
             await state.holder.aclose()
@@ -237,6 +243,8 @@ def create_app(
     api.include_router(models.router)
     api.include_router(utility.router)
     api.include_router(responses.router, responses=ERROR_RESPONSES)
+    api.include_router(files.router, responses=ERROR_RESPONSES)
+    api.include_router(batches.router, responses=ERROR_RESPONSES)
     for path in ENDPOINTS:
         # Declared for the OpenAPI schema and so other methods get 405; POSTs never reach FastAPI.
         api.add_api_route(

@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.ops.metrics import LATENCY_BUCKETS
+from gateway.pipeline.capacity import ADMISSION_OF, ModelAdmission
 from gateway.pipeline.services import Services
 from gateway.upstream.workers import WorkerTable
 from plugins.routing.admission import ModelGate
@@ -85,6 +86,14 @@ class RoutingShared:
         )
         r.register(_WorkerCollector(services.workers, self.gates))
         self._queued_gauge = services.metrics.queued
+        services.shared[ADMISSION_OF] = self.admission_of
+
+    def admission_of(self, model: str) -> ModelAdmission | None:
+        """The model's admission now (the core's ``ADMISSION_OF``: the batch runner's idle check)."""
+        gate = self.gates.get(model)
+        if gate is None:
+            return None
+        return ModelAdmission(gate.in_flight, gate.limits.max_in_flight, gate.queued)
 
     @classmethod
     def of(cls, services: Services) -> RoutingShared:
