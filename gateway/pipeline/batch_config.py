@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 BATCH_LINE = "batch_line"
 #: ``services.shared`` key of the ``async (headers) -> Caller`` the access-control plugin registers.
 CALLER_OF = "caller_of"
+#: ``ctx.priority`` of a batch line (routing's admission order): below every tenant's (theirs end at -1000).
+LINE_PRIORITY = -1001
 
 
 @dataclass(frozen=True, slots=True)
