@@ -97,7 +97,7 @@ class Files:
         async with guarded("store the file"):
             pipe = self.redis.pipeline(transaction=True)
             pipe.set(self._key(file_id), record, ex=ttl)
-            pipe.zadd(self._index(scope), {file_id: now})
+            pipe.zadd(self._index(scope), {file_id: time.time_ns() // 1000})  # ordered within a second too
             await pipe.execute()
         return obj
 

@@ -99,7 +99,7 @@ class Jobs:
         async with guarded("create the batch"):
             pipe = self.redis.pipeline(transaction=True)
             pipe.hset(self.key(batch_id), mapping=fields)  # type: ignore[arg-type]
-            pipe.zadd(self._index(scope), {batch_id: now})
+            pipe.zadd(self._index(scope), {batch_id: time.time_ns() // 1000})  # ordered within a second too
             pipe.sadd(self.active_key, batch_id)
             await pipe.execute()
         return {**obj, "request_counts": {"total": 0, "completed": 0, "failed": 0}}
