@@ -5,6 +5,8 @@
   ``n_completed``, ``n_failed``, ``n_input_tokens``, ``n_output_tokens``).
 - ``<prefix>:batches:<scope>``: the scope's batch ids by creation time (listing, newest first).
 - ``<prefix>:active``: the ids of batches not yet in a final state: what the runners look at.
+- ``<prefix>:all``: every batch id by creation time, for operators (the admin API); pruned of expired
+  batches as it is read.
 
 Status changes are compare-and-set (a Lua script): a change applies only from the statuses it names, so
 two replicas (or a cancel racing a completion) never both move a batch on.
@@ -101,6 +103,7 @@ class Jobs:
             pipe.hset(self.key(batch_id), mapping=fields)  # type: ignore[arg-type]
             pipe.zadd(self._index(scope), {batch_id: time.time_ns() // 1000})  # ordered within a second too
             pipe.sadd(self.active_key, batch_id)
+            pipe.zadd(self._all_key, {batch_id: time.time_ns() // 1000})
             await pipe.execute()
         return {**obj, "request_counts": {"total": 0, "completed": 0, "failed": 0}}
 
@@ -141,6 +144,23 @@ class Jobs:
             if obj is not None:
                 page.append(obj)
         return page[:limit], len(page) > limit
+
+    @property
+    def _all_key(self) -> str:
+        return f"{self.config.redis_prefix}:all"
+
+    async def recent(self, limit: int) -> list[dict[str, Any]]:
+        """The newest ``limit`` batches of every scope, as stored records (operators only)."""
+        async with guarded("list the batches"):
+            ids = [text(i) for i in await self.redis.zrange(self._all_key, 0, limit - 1, desc=True)]
+        records = []
+        for batch_id in ids:
+            record = await self.load(batch_id)
+            if record is None:
+                await self.redis.zrem(self._all_key, batch_id)
+            else:
+                records.append(record)
+        return records
 
     async def move(self, batch_id: str, allowed: tuple[str, ...], status: str, **fields: Any) -> bool:
         """Set ``status`` (and ``fields``) if the batch is in one of ``allowed``; whether it was."""

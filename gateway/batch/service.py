@@ -81,21 +81,28 @@ class BatchService:
 
     async def cancel_batch(self, headers: dict[str, str], batch_id: str) -> dict[str, Any]:
         scope = self.scope(await self.caller_of(headers))
-        batch = await self.jobs.get(scope, batch_id)
-        if batch is None:
+        if await self.jobs.get(scope, batch_id) is None:
             raise batch_not_found(batch_id)
-        if batch["status"] in ("validating", "in_progress"):
-            await self.jobs.move(batch_id, ("validating", "in_progress"), "cancelling", cancelling_at=int(time.time()))
-            self.runner.wake()
-        elif batch["status"] not in ("cancelling", "cancelled"):
-            raise InvalidRequest(
-                f"Batch '{batch_id}' is {batch['status']} and can no longer be cancelled.",
-                param="batch_id",
-                code="batch_not_cancellable",
-            )
+        await self.cancel(batch_id)
         batch = await self.jobs.get(scope, batch_id)
         assert batch is not None
         return batch
+
+    async def cancel(self, batch_id: str) -> None:
+        """Ask the runners to cancel the batch (its owner was checked, or an operator asks)."""
+        record = await self.jobs.load(batch_id)
+        if record is None:
+            raise batch_not_found(batch_id)
+        status = record["status"]
+        if status in ("validating", "in_progress"):
+            await self.jobs.move(batch_id, ("validating", "in_progress"), "cancelling", cancelling_at=int(time.time()))
+            self.runner.wake()
+        elif status not in ("cancelling", "cancelled"):
+            raise InvalidRequest(
+                f"Batch '{batch_id}' is {status} and can no longer be cancelled.",
+                param="batch_id",
+                code="batch_not_cancellable",
+            )
 
 
 def _create_fields(body: dict[str, Any]) -> tuple[str, str, dict[str, str] | None]:

@@ -40,7 +40,18 @@ from gateway.server.console.routes import console_router
 from gateway.server.drain import install_sigterm_drain
 from gateway.server.front_door import http_protocol
 from gateway.server.paths import path_problem
-from gateway.server.routes import JSON, admin, admin_views, batches, files, health, models, responses, utility
+from gateway.server.routes import (
+    JSON,
+    admin,
+    admin_batches,
+    admin_views,
+    batches,
+    files,
+    health,
+    models,
+    responses,
+    utility,
+)
 from gateway.server.routes.openai import InferenceEndpoints, Receive, Scope, Send, request_id_from
 from gateway.server.state import AppState
 from gateway.upstream.client import UpstreamClient, UpstreamConfig
@@ -257,6 +268,7 @@ def create_app(
     if settings.admin_port is None:
         api.include_router(admin.router)
         api.include_router(admin_views.router)
+        api.include_router(admin_batches.router)
         api.include_router(console_router(console_assets, token_required=True))
         api.router.routes.append(playground_route(state, playground))
     else:
@@ -269,6 +281,7 @@ def create_app(
         _install_error_handlers(admin_api)
         admin_api.include_router(admin.router)
         admin_api.include_router(admin_views.router)
+        admin_api.include_router(admin_batches.router)
         admin_api.include_router(health.router)
         # The console's page holds no data and asks for the token itself: served here without one.
         admin_api.include_router(console_router(console_assets, token_required=False))
