@@ -2,7 +2,8 @@
 
 - ``<prefix>:batch:<id>``: a hash; each field of the OpenAI batch object JSON-encoded, plus the
   owner (``_scope``, ``_caller``) and the counters the runner increments atomically (``n_total``,
-  ``n_completed``, ``n_failed``, ``n_input_tokens``, ``n_output_tokens``).
+  ``n_completed``, ``n_failed``, ``n_input_tokens``, ``n_output_tokens``). A final batch expires with
+  its output files (``output_ttl_s``).
 - ``<prefix>:batches:<scope>``: the scope's batch ids by creation time (listing, newest first).
 - ``<prefix>:active``: the ids of batches not yet in a final state: what the runners look at.
 - ``<prefix>:all``: every batch id by creation time, for operators (the admin API); pruned of expired
@@ -169,8 +170,9 @@ class Jobs:
             argv += [name.encode(), orjson.dumps(value)]
         async with guarded("update the batch"):
             applied = await self._cas(keys=[self.key(batch_id)], args=argv)
-            if status in FINAL and applied:
+            if status in FINAL and applied:  # kept as long as its output files
                 await self.redis.srem(self.active_key, batch_id)
+                await self.redis.expire(self.key(batch_id), self.config.output_ttl_s)
         return bool(applied)
 
     async def active(self) -> list[str]:

@@ -100,17 +100,21 @@ class Runner:
         active = await self.jobs.active()
         self.metrics.batches.set(len(active))
         queued = 0
+        runnable: list[tuple[str, dict[str, Any]]] = []
         for batch_id in active:
             record = await self.jobs.load(batch_id)
             if record is None or record["status"] in FINAL:
                 await self.jobs.redis.srem(self.jobs.active_key, batch_id)
                 continue
-            await self._advance(batch_id, record)
-            if record["status"] == "in_progress":
-                queued += await self.work.pending(batch_id)
+            pending = await self.work.pending(batch_id) if record["status"] == "in_progress" else 0
+            if await self._advance(batch_id, record, pending):
+                runnable.append((batch_id, record))
+            queued += pending
         self.metrics.queued.set(queued)
+        await self._dispatch(runnable)
 
-    async def _advance(self, batch_id: str, record: dict[str, Any]) -> None:
+    async def _advance(self, batch_id: str, record: dict[str, Any], pending: int) -> bool:
+        """Move the batch on; True when it has lines to run."""
         status = record["status"]
         if status == "cancelling":
             self._stop_local(batch_id)
@@ -123,10 +127,10 @@ class Runner:
         elif status == "finalizing":
             await self.lifecycle.finalize(batch_id, record, "completed")
         elif status == "in_progress":
-            if await self.work.pending(batch_id) == 0:
-                await self.lifecycle.finalize(batch_id, record, "completed")
-            else:
-                await self._dispatch(batch_id, record)
+            if pending:
+                return True
+            await self.lifecycle.finalize(batch_id, record, "completed")
+        return False
 
     def _stop_local(self, batch_id: str) -> None:
         """Cancel this replica's lines of the batch (their worker requests are closed, vLLM aborts them)."""
@@ -134,24 +138,33 @@ class Runner:
             if owner_batch == batch_id:
                 task.cancel()
 
-    async def _dispatch(self, batch_id: str, record: dict[str, Any]) -> None:
+    async def _dispatch(self, runnable: list[tuple[str, dict[str, Any]]]) -> None:
+        """Claim lines one per batch in turn (no batch starves another) while this replica has room and
+        the lines' models have idle capacity."""
         config = self._config()
+        while runnable and len(self.running) < config.max_in_flight:
+            batch_id, record = runnable.pop(0)
+            if await self._start_one(batch_id, record, config):
+                runnable.append((batch_id, record))
+
+    async def _start_one(self, batch_id: str, record: dict[str, Any], config: BatchesConfig) -> bool:
+        """Claim and start one line of the batch; False when it has none free or no capacity now."""
+        claimed = await self.work.claim(batch_id, self.owner, 1)
+        if not claimed:
+            return False
+        index, raw = claimed[0]
+        line = orjson.loads(raw)
+        snapshot = self.holder.current
+        model = snapshot.models.resolve(line["body"]["model"])
+        if model is not None and not has_room(self.services, snapshot.config, model, config):
+            await self.work.release(batch_id, self.owner, [index])
+            return False
         caller = Caller(**record["_caller"])
-        while len(self.running) < config.max_in_flight:
-            claimed = await self.work.claim(batch_id, self.owner, 1)
-            if not claimed:
-                return
-            index, raw = claimed[0]
-            line = orjson.loads(raw)
-            snapshot = self.holder.current
-            model = snapshot.models.resolve(line["body"]["model"])
-            if model is not None and not has_room(self.services, snapshot.config, model, config):
-                await self.work.release(batch_id, self.owner, [index])
-                return
-            task = asyncio.create_task(self._run(batch_id, index, line, caller), name=f"batch-line-{index}")
-            self.running[task] = (batch_id, index)
-            self.metrics.running.set(len(self.running))
-            task.add_done_callback(self._line_finished)
+        task = asyncio.create_task(self._run(batch_id, index, line, caller), name=f"batch-line-{index}")
+        self.running[task] = (batch_id, index)
+        self.metrics.running.set(len(self.running))
+        task.add_done_callback(self._line_finished)
+        return True
 
     def _line_finished(self, task: asyncio.Task[None]) -> None:
         self.running.pop(task, None)

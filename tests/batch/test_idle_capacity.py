@@ -50,3 +50,25 @@ def test_lines_wait_while_interactive_traffic_holds_the_model(
     lines = [r.body for r in upstream.requests if r.body["messages"][0]["content"] == "batch"]
     assert [line.get("priority") for line in lines] == [7, 7, 7]
     assert all("priority" not in r.body for r in upstream.requests[:2])
+
+
+def test_batches_take_turns(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """A large batch does not starve a small one created after it: lines are claimed one batch at a time."""
+    config = base_config([upstream_url], batches=batches_section(batch_names, max_in_flight=1))
+    upstream.behavior.hold = threading.Event()
+    with gateway_factory(config) as (_, server):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        ids = []
+        for name, size in (("big", 8), ("small", 2)):
+            lines = [chat_line(f"{name}-{i}", name) for i in range(size)]
+            source = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+            ids.append(client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h").id)  # fmt: skip
+            wait_for(client, ids[-1], ("in_progress",))
+        upstream.behavior.hold.set()  # the big batch's first line was held until both were running
+        for batch_id in ids:
+            wait_for(client, batch_id, ("completed",))
+    order = [r.body["messages"][0]["content"] for r in upstream.requests]
+    assert order[0] == "big" and order[1:5].count("small") == 2, order
