@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
-import pytest
-import redis
 
 from plugins.tenancy.keys import hash_key
 from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, wait_for
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.tenancy import PEPPER, prefix
 
-PEPPER = "pepper-" + uuid.uuid4().hex
 KEYS = {
     "acme-1": ("acme", ["*"]),
     "acme-2": ("acme", ["*"]),
@@ -27,26 +24,15 @@ KEYS = {
     "narrow": ("initech", ["other-model"]),
 }
 SECRETS = {kid: f"sk-{kid}-{uuid.uuid4().hex}" for kid in KEYS}
+__all__ = ["prefix"]
 
 
-@pytest.fixture
-def tenancy_prefix(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setenv("GATEWAY_TENANCY_PEPPER", PEPPER)
-    prefix = f"test:batchtn:{uuid.uuid4().hex[:12]}"
-    yield prefix
-    client = redis.Redis()
-    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
-
-
-def gateway_config(upstream_url: str, tenancy_prefix: str, batch_names: dict[str, Any], **tenancy: Any) -> Any:
+def gateway_config(upstream_url: str, prefix: str, batch_names: dict[str, Any], **tenancy: Any) -> Any:
     keys = [
         {"id": kid, "tenant": tenant, "hash": hash_key(SECRETS[kid], PEPPER.encode()), "models": models}
         for kid, (tenant, models) in KEYS.items()
     ]
-    section = {"redis_prefix": tenancy_prefix, "keys": keys, **tenancy}
+    section = {"redis_prefix": prefix, "keys": keys, **tenancy}
     plugins = [{"name": "tenancy", "config": section}, {"name": "routing"}]
     return base_config([upstream_url], plugins=plugins, batches=batches_section(batch_names))
 
@@ -64,10 +50,10 @@ def test_one_tenant_never_reaches_another_tenants_files_or_batches(
     gateway_factory: GatewayFactory,
     upstream: FakeUpstream,
     upstream_url: str,
-    tenancy_prefix: str,
+    prefix: str,
     batch_names: dict[str, Any],
 ) -> None:
-    config = gateway_config(upstream_url, tenancy_prefix, batch_names)
+    config = gateway_config(upstream_url, prefix, batch_names)
     with gateway_factory(config) as (_, server):
         acme, acme_again, globex = sdk(server, "acme-1"), sdk(server, "acme-2"), sdk(server, "globex-1")
         secret = jsonl([chat_line("a-1", "acme's secret plan")])
@@ -121,10 +107,10 @@ def test_lines_run_as_the_key_that_created_the_batch(
     gateway_factory: GatewayFactory,
     upstream: FakeUpstream,
     upstream_url: str,
-    tenancy_prefix: str,
+    prefix: str,
     batch_names: dict[str, Any],
 ) -> None:
-    config = gateway_config(upstream_url, tenancy_prefix, batch_names)
+    config = gateway_config(upstream_url, prefix, batch_names)
     with gateway_factory(config) as (_, server):
         narrow = sdk(server, "narrow")  # a key that may use 'other-model' only
         source = narrow.files.create(file=("in.jsonl", jsonl([chat_line("n-1", "hi")])), purpose="batch")
@@ -141,10 +127,10 @@ def test_a_batch_line_is_charged_at_the_batch_price(
     gateway_factory: GatewayFactory,
     upstream: FakeUpstream,
     upstream_url: str,
-    tenancy_prefix: str,
+    prefix: str,
     batch_names: dict[str, Any],
 ) -> None:
-    config = gateway_config(upstream_url, tenancy_prefix, batch_names, batch_price_factor=0.5)
+    config = gateway_config(upstream_url, prefix, batch_names, batch_price_factor=0.5)
     with gateway_factory(config, admin_token="adm") as (_, server):
         acme = sdk(server, "acme-1")
         lines = [chat_line(f"c-{i}", "abcd", max_tokens=3) for i in range(4)]
