@@ -195,3 +195,22 @@ def test_lines_for_every_endpoint(
     assert out["custom_id"] == "only" and out["response"]["status_code"] == 200
     assert out["response"]["body"]["object"] == answer
     assert [r.path for r in upstream.requests] == ["/v1/chat/completions" if endpoint == "/v1/responses" else endpoint]
+
+
+def test_a_line_safety_blocks_goes_to_the_error_file_and_never_to_a_worker(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    rule = {"id": "codename", "kind": "pattern", "patterns": [r"(?i)\bproject\s+bluebird\b"], "action": "block"}
+    plugins = [{"name": "safety", "config": {"rules": [rule]}}, {"name": "routing"}]
+    config = base_config([upstream_url], plugins=plugins, batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        batch = start(client, [chat_line("blocked", "tell me about Project Bluebird"), chat_line("ok", "hello")])
+        done = wait_for(client, batch.id, ("completed",))
+        by_id = every_custom_id_once(client, done)
+        live = httpx.post(server.url + "/v1/chat/completions", json={
+            "model": "m1", "messages": [{"role": "user", "content": "tell me about Project Bluebird"}]})  # fmt: skip
+    blocked = by_id["blocked"]["response"]
+    assert blocked["status_code"] == live.status_code and blocked["body"] == live.json()  # as a live request
+    assert by_id["ok"]["response"]["status_code"] == 200
+    assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["hello"]
