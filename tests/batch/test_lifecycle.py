@@ -12,8 +12,11 @@ import openai
 import pytest
 
 from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, wait_for
+from tests.support.cache import cache_gateway_config, namespace, redis_client, wait_stored
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
+
+__all__ = ["namespace", "redis_client"]
 
 
 def sdk(server: ServerThread) -> openai.OpenAI:
@@ -214,3 +217,28 @@ def test_a_line_safety_blocks_goes_to_the_error_file_and_never_to_a_worker(
     assert blocked["status_code"] == live.status_code and blocked["body"] == live.json()  # as a live request
     assert by_id["ok"]["response"]["status_code"] == 200
     assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["hello"]
+
+
+def test_a_cache_hit_is_a_line_done_for_free(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    batch_names: dict[str, Any],
+    redis_client: Any,
+    namespace: str,
+) -> None:
+    config = cache_gateway_config(upstream_url, namespace)
+    config["batches"] = batches_section(batch_names)
+    body = {"model": "m1", "messages": [{"role": "user", "content": "cached question"}], "temperature": 0}
+    with gateway_factory(config) as (_, server):
+        assert httpx.post(server.url + "/v1/chat/completions", json=body).status_code == 200
+        wait_stored(redis_client, namespace)
+        client = sdk(server)
+        lines = [{"custom_id": f"hit-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+                 for i in range(3)]  # fmt: skip
+        done = wait_for(client, start(client, lines).id, ("completed",))
+        by_id = every_custom_id_once(client, done)
+    assert len(upstream.requests) == 1  # the live request only
+    assert {line["response"]["body"]["choices"][0]["message"]["content"] for line in by_id.values()} == {
+        upstream.behavior.text
+    }
