@@ -28,7 +28,7 @@ from gateway.wire.protocol import ENDPOINTS, check_request
 from gateway.wire.responses_request import chat_request, parse_request
 
 _CHAT = ENDPOINTS["/v1/chat/completions"]
-_PRIORITIZED = ("chat/completions", "completions")  # vLLM request bodies with a 'priority' field
+_PRIORITIZED = ("chat/completions", "completions", "embeddings")  # vLLM bodies with a "priority" field
 
 
 @dataclass(frozen=True, slots=True)
