@@ -4,19 +4,23 @@ the runner's (``gateway.batch``)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
 
 from gateway.batch.service import batch_not_found
 from gateway.server.routes import JSON
 from gateway.server.routes.files import limit_of, page, scope_of, service_of
+from gateway.wire.batch_openapi import BATCH_ID_PATTERN, BATCHES_CREATE_DOC
 from gateway.wire.errors import PayloadTooLarge
 from gateway.wire.protocol import header_dict, parse_body
 
 router = APIRouter()
 _MAX_CREATE_BYTES = 64 * 1024
+BatchId = Annotated[str, Path(json_schema_extra={"pattern": BATCH_ID_PATTERN})]
 
 
-@router.post("/v1/batches")
+@router.post("/v1/batches", openapi_extra=BATCHES_CREATE_DOC)
 async def create_batch(request: Request) -> JSON:
     service = service_of(request)
     raw = b""
@@ -38,7 +42,7 @@ async def list_batches(request: Request) -> JSON:
 
 
 @router.get("/v1/batches/{batch_id}")
-async def retrieve_batch(request: Request, batch_id: str) -> JSON:
+async def retrieve_batch(request: Request, batch_id: BatchId) -> JSON:
     service, scope = await scope_of(request)
     batch = await service.jobs.get(scope, batch_id)
     if batch is None:
@@ -47,6 +51,6 @@ async def retrieve_batch(request: Request, batch_id: str) -> JSON:
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(request: Request, batch_id: str) -> JSON:
+async def cancel_batch(request: Request, batch_id: BatchId) -> JSON:
     service = service_of(request)
     return JSON(await service.cancel_batch(header_dict(request.scope["headers"]), batch_id))

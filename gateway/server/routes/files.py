@@ -9,21 +9,23 @@ read (a 413 ``file_too_large``, and nothing kept); the caller is authenticated b
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from starlette.responses import StreamingResponse
 
 from gateway.batch.files import UPLOAD_PURPOSES, FileTooLarge
 from gateway.batch.service import BatchService, file_not_found
 from gateway.server.multipart import FormReader
 from gateway.server.routes import JSON
+from gateway.wire.batch_openapi import FILE_ID_PATTERN, FILES_CREATE_DOC
 from gateway.wire.errors import InvalidRequest, NotFound
 from gateway.wire.protocol import header_dict
 
 router = APIRouter()
 SERVICE_KEY = "batches"
 _FORM_SLACK = 64 * 1024  # multipart framing and small fields beside the file itself
+FileId = Annotated[str, Path(json_schema_extra={"pattern": FILE_ID_PATTERN})]
 
 
 def service_of(request: Request) -> BatchService:
@@ -59,7 +61,7 @@ def limit_of(request: Request, default: int, most: int) -> int:
     return int(raw)
 
 
-@router.post("/v1/files")
+@router.post("/v1/files", openapi_extra=FILES_CREATE_DOC)
 async def create_file(request: Request) -> JSON:
     service, scope = await scope_of(request)
     limit = service.config.max_file_bytes
@@ -96,7 +98,7 @@ async def list_files(request: Request) -> JSON:
 
 
 @router.get("/v1/files/{file_id}")
-async def retrieve_file(request: Request, file_id: str) -> JSON:
+async def retrieve_file(request: Request, file_id: FileId) -> JSON:
     service, scope = await scope_of(request)
     obj = await service.files.get(scope, file_id)
     if obj is None:
@@ -105,7 +107,7 @@ async def retrieve_file(request: Request, file_id: str) -> JSON:
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(request: Request, file_id: str) -> StreamingResponse:
+async def file_content(request: Request, file_id: FileId) -> StreamingResponse:
     service, scope = await scope_of(request)
     if await service.files.get(scope, file_id) is None:
         raise file_not_found(file_id)
@@ -127,7 +129,7 @@ async def file_content(request: Request, file_id: str) -> StreamingResponse:
 
 
 @router.delete("/v1/files/{file_id}")
-async def delete_file(request: Request, file_id: str) -> JSON:
+async def delete_file(request: Request, file_id: FileId) -> JSON:
     service, scope = await scope_of(request)
     if not await service.files.delete(scope, file_id):
         raise file_not_found(file_id)
