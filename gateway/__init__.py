@@ -4,6 +4,7 @@ The packages are layers; each imports only from the layers below it (``tests/arc
 
 - ``gateway.cli``: the ``gateway`` command (serve, check-config, reload, model prepare, config schema).
 - ``gateway.server``: the ASGI side: app factory, routes (OpenAI, admin, health, models), drain, admin auth.
+- ``gateway.batch``: the Files and Batch APIs and the runner of batch lines on idle capacity.
 - ``gateway.proxy``: one request's trip: run the pipeline, call the chosen worker, stream the answer back.
 - ``gateway.pipeline``: the plugin contract (``gateway.pipeline.plugin``: read this first to write a plugin),
   the request context, the hook loop, the registry, config models, the runtime snapshot and reload.

@@ -1,4 +1,4 @@
-"""The ``gateway`` command: serve, check-config, reload, config show, config schema, model prepare."""
+"""The ``gateway`` command: serve, check-config, reload, config show, config schema, batches, model prepare."""
 
 from __future__ import annotations
 
@@ -180,6 +180,58 @@ def config_show(url: str | None, token: str | None, as_json: bool) -> None:
         return
     click.echo(f"# version {result.get('version')}, loaded {result.get('loaded_at')} from {result.get('source')}")
     click.echo(yaml.safe_dump(result.get("config"), sort_keys=False).rstrip())
+
+
+@main.group("batches")
+def batches_group() -> None:
+    """Batches of every tenant on a running gateway (the admin API): list, show, cancel."""
+
+
+def _progress_bar(batch: dict, width: int = 24) -> str:
+    share = float(batch.get("progress") or 0.0)
+    filled = round(share * width)
+    counts = batch.get("request_counts") or {}
+    done = counts.get("completed", 0) + counts.get("failed", 0)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{counts.get('total', 0)} {share:4.0%}"
+
+
+def _batch_line(batch: dict) -> str:
+    rate = batch.get("output_tokens_per_s")
+    speed = f"  {rate:g} tok/s" if rate else ""
+    failed = (batch.get("request_counts") or {}).get("failed", 0)
+    return f"{batch['id']}  {batch['status']:<11} {_progress_bar(batch)}  failed {failed}{speed}  {batch['owner']}"
+
+
+@batches_group.command("list")
+@_admin_url
+@_admin_token
+@click.option("--limit", type=int, default=50, show_default=True, help="newest batches to show")
+def batches_list(url: str | None, token: str | None, limit: int) -> None:
+    """The newest batches with a progress bar each (GET /admin/batches)."""
+    for batch in _admin_call("GET", f"/admin/batches?limit={limit}", url, token)["data"]:
+        click.echo(_batch_line(batch))
+
+
+@batches_group.command("show")
+@click.argument("batch_id")
+@_admin_url
+@_admin_token
+def batches_show(batch_id: str, url: str | None, token: str | None) -> None:
+    """One batch: its progress bar, then the whole object as JSON (GET /admin/batches/ID)."""
+    import orjson
+
+    batch = _admin_call("GET", f"/admin/batches/{batch_id}", url, token)
+    click.echo(_batch_line(batch))
+    click.echo(orjson.dumps(batch, option=orjson.OPT_INDENT_2).decode())
+
+
+@batches_group.command("cancel")
+@click.argument("batch_id")
+@_admin_url
+@_admin_token
+def batches_cancel(batch_id: str, url: str | None, token: str | None) -> None:
+    """Cancel a batch: lines running stop, the rest go to its error file (POST /admin/batches/ID/cancel)."""
+    click.echo(_batch_line(_admin_call("POST", f"/admin/batches/{batch_id}/cancel", url, token)))
 
 
 @main.group("model")

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gateway.engine.spec import ManagedWorkerSpec, merged_lora
 from gateway.ops.logs import LoggingConfig
 from gateway.pipeline.adapters import AdapterConfig, LoraSettings
+from gateway.pipeline.batch_config import BatchesConfig
 from gateway.upstream.client import UpstreamConfig
 
 
@@ -231,6 +232,10 @@ class GatewayConfig(StrictModel):
             lora = spec.lora or merged_lora(wanted.get(spec.name, []))
             out.append(spec if lora is spec.lora else spec.model_copy(update={"lora": lora}))
         return out
+
+    batches: BatchesConfig = Field(
+        default_factory=BatchesConfig, description="the Files and Batch APIs, run on idle capacity (gateway.batch)"
+    )
 
     @model_validator(mode="after")
     def _check_references(self) -> GatewayConfig:

@@ -4,5 +4,6 @@ as bytes, straight from the worker's connection to the client's (``passthrough``
 Anthropic Messages request, translated to chat, takes the same trip and is translated back
 (``translated_turn``, ``responses_turn``, ``messages_turn``).
 
-May import pipeline, upstream, wire, ops and infra; imported only by ``gateway.server``.
+May import pipeline, upstream, wire, ops and infra; imported by ``gateway.server`` and by ``gateway.batch``
+(whose runner sends batch lines through it in-process).
 """

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.batch.service import BatchService
 from gateway.ops.logs import apply_logging
 from gateway.ops.metrics import Metrics
 from gateway.ops.series import LiveSeries
@@ -42,7 +43,20 @@ from gateway.server.cycle import Receive, Scope, Send, request_id_from
 from gateway.server.drain import install_sigterm_drain
 from gateway.server.front_door import http_protocol
 from gateway.server.paths import path_problem
-from gateway.server.routes import JSON, admin, admin_views, audio, health, messages, models, responses, utility
+from gateway.server.routes import (
+    JSON,
+    admin,
+    admin_batches,
+    admin_views,
+    audio,
+    batches,
+    files,
+    health,
+    messages,
+    models,
+    responses,
+    utility,
+)
 from gateway.server.routes.openai import InferenceEndpoints
 from gateway.server.state import AppState
 from gateway.upstream.client import UpstreamClient, UpstreamConfig, make_http_client
@@ -231,6 +245,9 @@ def create_app(
         try:
             await state.holder.load(initial)
             apply_logging(initial.logging, override=settings.log_level)
+            if initial.batches.enabled:  # a restart resumes every replica's unfinished batches from Redis
+                batch_service = state.extras[files.SERVICE_KEY] = BatchService(state.holder, services, initial.batches)
+                batch_service.runner.start()
             services.workers.start_health_checks(
                 lambda url: _probe(services, url), state.holder.current.config.upstream.health_interval_s
             )
@@ -251,6 +268,8 @@ def create_app(
                 restore_sigterm()
             await reloader.aclose()
             await series.aclose()
+            if files.SERVICE_KEY in state.extras:
+                await state.extras[files.SERVICE_KEY].runner.aclose()
             if admin_server is not None:
                 await admin_server.stop()
             await state.holder.aclose()
@@ -270,6 +289,8 @@ def create_app(
     api.include_router(models.router)
     api.include_router(utility.router)
     api.include_router(responses.router, responses=ERROR_RESPONSES)
+    api.include_router(files.router, responses=ERROR_RESPONSES)
+    api.include_router(batches.router, responses=ERROR_RESPONSES)
     for path in ENDPOINTS:
         # Declared for the OpenAPI schema and so other methods get 405; POSTs never reach FastAPI.
         api.add_api_route(
@@ -283,6 +304,7 @@ def create_app(
         api.include_router(admin.router)
         api.include_router(admin_views.router)
         api.include_router(responses.admin_router)
+        api.include_router(admin_batches.router)
         api.include_router(console_router(console_assets, token_required=True))
         api.router.routes.append(playground_route(state, playground))
     else:
@@ -296,6 +318,7 @@ def create_app(
         admin_api.include_router(admin.router)
         admin_api.include_router(admin_views.router)
         admin_api.include_router(responses.admin_router)
+        admin_api.include_router(admin_batches.router)
         admin_api.include_router(health.router)
         # The console's page holds no data and asks for the token itself: served here without one.
         admin_api.include_router(console_router(console_assets, token_required=False))

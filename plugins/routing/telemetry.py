@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.ops.metrics import LATENCY_BUCKETS
+from gateway.pipeline.capacity import ADMISSION_OF, ModelAdmission
 from gateway.pipeline.services import Services
 from gateway.upstream.workers import WorkerTable
 from plugins.routing.accuracy import AccuracyTracker
@@ -127,6 +128,14 @@ class RoutingShared:
         self._queued_gauge = services.metrics.queued
         self._services = services
         self._loader: AdapterLoader | None = None
+        services.shared[ADMISSION_OF] = self.admission_of
+
+    def admission_of(self, model: str) -> ModelAdmission | None:
+        """The model's admission now (the core's ``ADMISSION_OF``: the batch runner's idle check)."""
+        gate = self.gates.get(model)
+        if gate is None:
+            return None
+        return ModelAdmission(gate.in_flight, gate.limits.max_in_flight, gate.queued)
 
     @classmethod
     def of(cls, services: Services) -> RoutingShared:

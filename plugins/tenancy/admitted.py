@@ -17,6 +17,7 @@ class Admitted:
     prompt_estimate: int
     via_redis: bool
     answer: tuple[int, int] | None = None  # (prompt, completion) of the answer on_response saw
+    factor: float = 1.0  # the share of its tokens the request is charged (a batch line's price)
     held: int = -1  # tokens the counters hold for this request now (the reservation until settled)
     prompt_charged: int = 0
     completion_charged: int = 0

@@ -101,6 +101,9 @@ class TenancyConfig(BaseModel):
     default_context_tokens: int = Field(
         4096, ge=16, description="a model's context when neither it nor its managed worker sets max_model_len"
     )
+    batch_price_factor: float = Field(
+        1.0, ge=0, le=10, description="a batch line is charged this share of its tokens (e.g. 0.5: half price)"
+    )
     priority_header: str = Field(
         "x-priority", min_length=1, description="the header a tenant with client_priority_max may set priority by"
     )

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 from redis.exceptions import RedisError
 
+from gateway.pipeline.batch_config import CALLER_OF, BatchLine, Caller
 from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin, SideCall
@@ -45,6 +46,7 @@ from gateway.wire.errors import (
 from plugins.tenancy import estimate
 from plugins.tenancy.admin import TenancyAdmin
 from plugins.tenancy.admitted import Admitted
+from plugins.tenancy.batch_lines import LINE_PRIORITY, batch_line, caller, line_key, priced, priced_pair
 from plugins.tenancy.budgets import budgets_for, exhausted, format_duration, scope_prefix
 from plugins.tenancy.config import Limits, TenancyConfig, TenantConfig
 from plugins.tenancy.keys import KeyInfo, KeyStore
@@ -123,10 +125,13 @@ class TenancyPlugin(Plugin):
         if self.config.auth and not self._pepper_set:
             log.warning("tenancy: %s is not set; key digests are unpeppered HMACs", self.config.pepper_env)
         self.services.shared[TENANT_OF] = self.tenant_of
+        self.services.shared[CALLER_OF] = self.caller_of
 
     async def aclose(self) -> None:
         if self.services.shared.get(TENANT_OF) == self.tenant_of:
             del self.services.shared[TENANT_OF]
+        if self.services.shared.get(CALLER_OF) == self.caller_of:
+            del self.services.shared[CALLER_OF]
         await self.settled()
 
     async def settled(self) -> None:
@@ -141,6 +146,18 @@ class TenancyPlugin(Plugin):
             return self.config.anonymous_tenant
         return (await self._authenticate(headers)).tenant
 
+    async def caller_of(self, headers: dict[str, str]) -> Caller:
+        """The core's ``CALLER_OF``: the key's tenant and id (what a batch's lines run as later)."""
+        info = await self._authenticate(headers) if self.config.auth else None
+        return caller(info, self.config.anonymous_tenant)
+
+    async def _line_key(self, line: BatchLine) -> KeyInfo:
+        try:
+            return await line_key(self.keys, line)
+        except REDIS_ERRORS as exc:
+            self._redis_failed("lookup", exc)
+            raise self._unavailable() from None
+
     async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.admin.handle(action, body)
 
@@ -148,8 +165,9 @@ class TenancyPlugin(Plugin):
 
     async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
         info: KeyInfo | None = None
+        line = batch_line(ctx)
         if self.config.auth:
-            info = await self._authenticate(ctx.headers)
+            info = await (self._line_key(line) if line is not None else self._authenticate(ctx.headers))
             if not info.allows(ctx.requested_model, ctx.model.name):
                 self.metrics.refusals.labels(info.tenant, "model_not_allowed").inc()
                 raise model_not_found(ctx.requested_model)  # the core's answer for an unknown model
@@ -162,21 +180,24 @@ class TenancyPlugin(Plugin):
             ctx.tenant = self.config.anonymous_tenant
         tenant = ctx.tenant
         tenant_config = self.config.tenants.get(tenant, _NO_LIMITS)
-        ctx.priority = self._priority(tenant_config, ctx.headers)
+        ctx.priority = LINE_PRIORITY if line is not None else self._priority(tenant_config, ctx.headers)
+        factor = self.config.batch_price_factor if line is not None else 1.0
         plan = self._plan(info, tenant)
         prompt = estimate.prompt_tokens(ctx.endpoint, ctx.body)
         want, least, clamp = self._reservation(ctx, prompt)
+        want, least = priced(want, factor), priced(least, factor)
         decision, via_redis = await self._admit(plan, want, least, tenant)
         if not decision.admitted:
             raise self._refusal(decision, decision.granted or least, tenant)
         reserved = decision.granted if via_redis or clamp else want
         if clamp:
             choices = estimate.choices(ctx.body)
-            ctx.body["max_tokens"] = max(1, (reserved - prompt) // choices)
+            affordable = int(reserved / factor) if factor > 0 else want
+            ctx.body["max_tokens"] = max(1, (affordable - prompt) // choices)
             ctx.mark_body_changed()
             ctx.response_headers[CLAMP_HEADER] = str(ctx.body["max_tokens"])
         ctx.response_headers.update(decision.headers())
-        admitted = ctx.state[self.name] = Admitted(plan, reserved, prompt, via_redis)
+        admitted = ctx.state[self.name] = Admitted(plan, reserved, prompt, via_redis, factor=factor)
         ctx.add_finalizer(lambda: self._finish(ctx, admitted))
         self.metrics.admitted.labels(tenant, info.id if info else "-").inc()
         return None
@@ -340,7 +361,7 @@ class TenancyPlugin(Plugin):
         sent = ctx.delivered
         if ctx.stream and (sent is None or sent.stream_tokens is None):
             return None  # a replayed (cached) answer: charged at the end, like any other
-        prompt, completion = self.delivered(ctx, admitted, answered=True)
+        prompt, completion = priced_pair(self.delivered(ctx, admitted, answered=True), admitted.factor)
         change = admitted.settle_to(prompt, completion)
         if change is not None:
             await self._charge(ctx.tenant or "-", admitted, *change)
@@ -351,7 +372,7 @@ class TenancyPlugin(Plugin):
         if admitted.finished:
             return
         admitted.finished = True
-        prompt, completion = self.delivered(ctx, admitted)
+        prompt, completion = priced_pair(self.delivered(ctx, admitted), admitted.factor)
         change = admitted.settle_to(prompt, completion)
         if change is None:
             return

@@ -2,7 +2,8 @@
 that (directly or through others) imports it back, type-only imports included.
 
 The layers, top to bottom (``gateway/__init__.py`` says the same for a reader of the tree):
-the CLI; ``server`` (ASGI side); ``proxy`` (a request's trip through the pipeline to a worker);
+the CLI; ``server`` (ASGI side); ``batch`` (the Files and Batch APIs, their runner);
+``proxy`` (a request's trip through the pipeline to a worker);
 ``pipeline`` (plugin contract, context, runtime, config); ``upstream`` (talking to workers); ``wire``
 (the OpenAI protocol: shapes, errors, SSE); ``ops`` (metrics, logs, traces, settings); and at the
 bottom ``infra`` (protocol clients the project owns) and ``engine`` (managed vLLM workers).
@@ -22,6 +23,7 @@ PACKAGE = ROOT / "gateway"
 LAYERS: list[tuple[str, ...]] = [
     ("gateway.cli",),
     ("gateway.server",),
+    ("gateway.batch",),
     ("gateway.proxy",),
     ("gateway.pipeline",),
     ("gateway.upstream",),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,12 +28,14 @@ from schemathesis.core.result import Ok
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
 
-EXAMPLES = 60  # per operation and mode: 8 operations x 2 modes, about a minute in all
+EXAMPLES = 60  # per operation and mode: 15 operations x 2 modes
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 
 
 @pytest.fixture
-def fuzz_gateway(gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str) -> Iterator[ServerThread]:
+def fuzz_gateway(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, tmp_path: Path
+) -> Iterator[ServerThread]:
     namespace = "fuzz" + uuid.uuid4().hex[:12]
     plugins: list[dict[str, Any]] = [
         {"name": "safety", "config": {"rules": [{"id": "no-x", "kind": "words", "words": ["forbidden"]}]}},
@@ -41,7 +44,9 @@ def fuzz_gateway(gateway_factory: GatewayFactory, upstream: FakeUpstream, upstre
         {"name": "routing"},
     ]
     responses = {"redis_prefix": f"test:{namespace}"}  # the Responses the fuzzer creates are stored here
-    with gateway_factory(base_config([upstream_url], plugins=plugins, responses=responses)) as (_, server):
+    batches = {"redis_prefix": f"test:{namespace}:batch", "files_dir": str(tmp_path / "files")}  # and its files
+    config = base_config([upstream_url], plugins=plugins, responses=responses, batches=batches)
+    with gateway_factory(config) as (_, server):
         yield server
     client = redis.Redis()
     names = list(client.scan_iter(match=f"gwcache:{namespace}:*", count=1000))

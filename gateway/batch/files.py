@@ -1,0 +1,158 @@
+"""The Files API's objects: OpenAI file objects whose metadata lives in Redis and whose bytes live in a
+``BlobStore``, each owned by one caller scope.
+
+- ``<prefix>:file:<id>``: ``{"scope": ..., "file": <OpenAI file object>}`` as JSON. A file of another
+  scope reads exactly like an unknown one (None: the routes answer 404), so an id is no oracle.
+- ``<prefix>:files:<scope>``: the scope's file ids, scored by creation time (listing, newest first).
+- Files a batch writes (``batch_output``) expire ``output_ttl_s`` after they were written; uploads stay
+  until deleted.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from gateway.batch.blobs import BlobStore
+from gateway.batch.redis_errors import guarded, text
+from gateway.pipeline.batch_config import BatchesConfig
+from gateway.wire.errors import PayloadTooLarge
+
+UPLOAD_PURPOSES = ("batch",)
+PURPOSES = ("batch", "batch_output")
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_hex(12)
+
+
+class FileTooLarge(PayloadTooLarge):
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"The file is larger than this gateway accepts ({limit} bytes); split it into several batches.",
+            param="file",
+            code="file_too_large",
+        )
+
+
+class Files:
+    """Create, look up, read and delete files, per scope."""
+
+    def __init__(self, redis: aioredis.Redis, blobs: BlobStore, config: BatchesConfig) -> None:
+        self.redis, self.blobs, self.config = redis, blobs, config
+
+    def _key(self, file_id: str) -> str:
+        return f"{self.config.redis_prefix}:file:{file_id}"
+
+    def _index(self, scope: str) -> str:
+        return f"{self.config.redis_prefix}:files:{scope}"
+
+    async def create(
+        self, scope: str, filename: str, purpose: str, pieces: AsyncIterator[bytes], *, file_id: str | None = None
+    ) -> dict[str, Any]:
+        """Store ``pieces`` as a file and return its file object. ``file_id`` is given for the files a
+        batch writes, so writing them again (a finalization taken over) replaces them."""
+        file_id, size = await self.store(pieces, file_id)
+        return await self.register(scope, file_id, size, filename, purpose)
+
+    async def store(self, pieces: AsyncIterator[bytes], file_id: str | None = None) -> tuple[str, int]:
+        """Write ``pieces`` (at most ``max_file_bytes``: ``FileTooLarge`` beyond, and nothing is kept);
+        the new file's id and size. Not visible to anyone before ``register``."""
+        file_id = file_id or new_file_id()
+        writer = await self.blobs.open_writer(file_id)
+        size = 0
+        try:
+            async for piece in pieces:
+                size += len(piece)
+                if size > self.config.max_file_bytes:
+                    raise FileTooLarge(self.config.max_file_bytes)
+                await writer.write(piece)
+        except BaseException:
+            await writer.abort()
+            raise
+        await writer.commit()
+        return file_id, size
+
+    async def register(self, scope: str, file_id: str, size: int, filename: str, purpose: str) -> dict[str, Any]:
+        """Make a stored file ``scope``'s, with its OpenAI file object."""
+        now = int(time.time())
+        ttl = self.config.output_ttl_s if purpose == "batch_output" else None
+        obj = {
+            "id": file_id,
+            "object": "file",
+            "bytes": size,
+            "created_at": now,
+            "expires_at": now + ttl if ttl else None,
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+            "status_details": None,
+        }
+        record = orjson.dumps({"scope": scope, "file": obj})
+        async with guarded("store the file"):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.set(self._key(file_id), record, ex=ttl)
+            pipe.zadd(self._index(scope), {file_id: time.time_ns() // 1000})  # ordered within a second too
+            await pipe.execute()
+        return obj
+
+    async def get(self, scope: str, file_id: str) -> dict[str, Any] | None:
+        """The file object, or None when it is unknown, expired, deleted or another scope's."""
+        if not file_id.startswith("file-") or len(file_id) > 64:
+            return None
+        async with guarded("read the file"):
+            raw = await self.redis.get(self._key(file_id))
+        if raw is None:
+            return None
+        record = orjson.loads(raw)
+        return record["file"] if record.get("scope") == scope else None
+
+    def content(self, file_id: str) -> AsyncIterator[bytes]:
+        """The bytes of a file ``get`` returned (the caller checked its scope)."""
+        return self.blobs.read(file_id)
+
+    async def delete(self, scope: str, file_id: str) -> bool:
+        if await self.get(scope, file_id) is None:
+            return False
+        async with guarded("delete the file"):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.delete(self._key(file_id))
+            pipe.zrem(self._index(scope), file_id)
+            await pipe.execute()
+        await self.blobs.delete(file_id)
+        return True
+
+    async def listing(
+        self, scope: str, *, purpose: str | None, limit: int, after: str | None, order: str
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """A page of the scope's files (``order`` by creation, "desc" first by default), after the file
+        ``after``; and whether more follow. Expired files are dropped from the index as they are met."""
+        index = self._index(scope)
+        async with guarded("list the files"):
+            ids = [text(i) for i in await self.redis.zrange(index, 0, -1, desc=order == "desc")]
+        if after is not None:
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        page: list[dict[str, Any]] = []
+        stale: list[str] = []
+        for start in range(0, len(ids), 100):
+            chunk = ids[start : start + 100]
+            async with guarded("list the files"):
+                raws = await self.redis.mget([self._key(i) for i in chunk])
+            for file_id, raw in zip(chunk, raws, strict=True):
+                if raw is None:
+                    stale.append(file_id)
+                    continue
+                obj = orjson.loads(raw)["file"]
+                if purpose is None or obj["purpose"] == purpose:
+                    page.append(obj)
+            if len(page) > limit:
+                break
+        if stale:
+            async with guarded("list the files"):
+                await self.redis.zrem(index, *stale)
+        return page[:limit], len(page) > limit

@@ -1,0 +1,200 @@
+"""Batch objects in Redis, with OpenAI's status lifecycle, shared by every replica.
+
+- ``<prefix>:batch:<id>``: a hash; each field of the OpenAI batch object JSON-encoded, plus the
+  owner (``_scope``, ``_caller``) and the counters the runner increments atomically (``n_total``,
+  ``n_completed``, ``n_failed``, ``n_input_tokens``, ``n_output_tokens``). A final batch expires with
+  its output files (``output_ttl_s``).
+- ``<prefix>:batches:<scope>``: the scope's batch ids by creation time (listing, newest first).
+- ``<prefix>:active``: the ids of batches not yet in a final state: what the runners look at.
+- ``<prefix>:all``: every batch id by creation time, for operators (the admin API); pruned of expired
+  batches as it is read.
+
+Status changes are compare-and-set (a Lua script): a change applies only from the statuses it names, so
+two replicas (or a cancel racing a completion) never both move a batch on.
+
+    validating -> in_progress -> finalizing -> completed
+    validating -> failed                  (an input that is not a batch: no lines run)
+    validating | in_progress -> cancelling -> cancelled
+    validating | in_progress | finalizing -> expired   (completion_window passed)
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from gateway.batch.redis_errors import guarded, text
+from gateway.pipeline.batch_config import BatchesConfig, Caller
+
+FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+COUNTERS = ("n_total", "n_completed", "n_failed", "n_input_tokens", "n_output_tokens")
+
+# KEYS[1] the batch hash; ARGV[1] the allowed current statuses, JSON-encoded, joined by "|";
+# ARGV[2..] field, value pairs to set (the new status among them). 1 when applied, else 0.
+_CAS = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return 0 end
+for allowed in string.gmatch(ARGV[1], '[^|]+') do
+  if allowed == current then
+    for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+    return 1
+  end
+end
+return 0
+"""
+
+
+def new_batch_id() -> str:
+    return "batch_" + secrets.token_hex(12)
+
+
+class Jobs:
+    """Create, load, list and move batches on."""
+
+    def __init__(self, redis: aioredis.Redis, config: BatchesConfig) -> None:
+        self.redis, self.config = redis, config
+        self._cas = redis.register_script(_CAS)
+
+    def key(self, batch_id: str) -> str:
+        return f"{self.config.redis_prefix}:batch:{batch_id}"
+
+    def _index(self, scope: str) -> str:
+        return f"{self.config.redis_prefix}:batches:{scope}"
+
+    @property
+    def active_key(self) -> str:
+        return f"{self.config.redis_prefix}:active"
+
+    async def create(
+        self, scope: str, caller: Caller, input_file_id: str, endpoint: str, metadata: dict[str, str] | None
+    ) -> dict[str, Any]:
+        batch_id = new_batch_id()
+        now = int(time.time())
+        obj: dict[str, Any] = {
+            "id": batch_id,
+            "object": "batch",
+            "endpoint": endpoint,
+            "errors": None,
+            "input_file_id": input_file_id,
+            "completion_window": "24h",
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + int(self.config.completion_window_s),
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "metadata": metadata,
+        }
+        fields: dict[str, bytes | int] = {name: orjson.dumps(value) for name, value in obj.items()}
+        fields["_scope"] = scope.encode()
+        fields["_caller"] = orjson.dumps({"tenant": caller.tenant, "key_id": caller.key_id})
+        fields.update(dict.fromkeys(COUNTERS, 0))
+        async with guarded("create the batch"):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(self.key(batch_id), mapping=fields)  # type: ignore[arg-type]
+            pipe.zadd(self._index(scope), {batch_id: time.time_ns() // 1000})  # ordered within a second too
+            pipe.sadd(self.active_key, batch_id)
+            pipe.zadd(self._all_key, {batch_id: time.time_ns() // 1000})
+            await pipe.execute()
+        return {**obj, "request_counts": {"total": 0, "completed": 0, "failed": 0}}
+
+    async def load(self, batch_id: str) -> dict[str, Any] | None:
+        """The stored record: the OpenAI object's fields, ``_scope``, ``_caller`` and the counters."""
+        if not batch_id.startswith("batch_") or len(batch_id) > 64:
+            return None
+        async with guarded("read the batch"):
+            raw = await self.redis.hgetall(self.key(batch_id))
+        if not raw:
+            return None
+        record: dict[str, Any] = {}
+        for name_b, value in raw.items():
+            name = text(name_b)
+            if name in COUNTERS:
+                record[name] = int(value)
+            elif name == "_scope":
+                record[name] = text(value)
+            else:
+                record[name] = orjson.loads(value)
+        return record
+
+    async def get(self, scope: str, batch_id: str) -> dict[str, Any] | None:
+        """The OpenAI batch object, or None when unknown or another scope's (the same 404)."""
+        record = await self.load(batch_id)
+        if record is None or record["_scope"] != scope:
+            return None
+        return public(record)
+
+    async def listing(self, scope: str, *, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        async with guarded("list the batches"):
+            ids = [text(i) for i in await self.redis.zrange(self._index(scope), 0, -1, desc=True)]
+        if after is not None:
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        page = []
+        for batch_id in ids[: limit + 1]:
+            obj = await self.get(scope, batch_id)
+            if obj is not None:
+                page.append(obj)
+        return page[:limit], len(page) > limit
+
+    @property
+    def _all_key(self) -> str:
+        return f"{self.config.redis_prefix}:all"
+
+    async def recent(self, limit: int) -> list[dict[str, Any]]:
+        """The newest ``limit`` batches of every scope, as stored records (operators only)."""
+        async with guarded("list the batches"):
+            ids = [text(i) for i in await self.redis.zrange(self._all_key, 0, limit - 1, desc=True)]
+        records = []
+        for batch_id in ids:
+            record = await self.load(batch_id)
+            if record is None:
+                await self.redis.zrem(self._all_key, batch_id)
+            else:
+                records.append(record)
+        return records
+
+    async def move(self, batch_id: str, allowed: tuple[str, ...], status: str, **fields: Any) -> bool:
+        """Set ``status`` (and ``fields``) if the batch is in one of ``allowed``; whether it was."""
+        argv: list[bytes] = [b"|".join(orjson.dumps(s) for s in allowed), b"status", orjson.dumps(status)]
+        for name, value in fields.items():
+            argv += [name.encode(), orjson.dumps(value)]
+        async with guarded("update the batch"):
+            applied = await self._cas(keys=[self.key(batch_id)], args=argv)
+            if status in FINAL and applied:  # kept as long as its output files
+                await self.redis.srem(self.active_key, batch_id)
+                await self.redis.expire(self.key(batch_id), self.config.output_ttl_s)
+        return bool(applied)
+
+    async def active(self) -> list[str]:
+        async with guarded("list the running batches"):
+            return sorted(text(i) for i in await self.redis.smembers(self.active_key))
+
+
+def public(record: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI batch object of a stored record."""
+    obj = {k: v for k, v in record.items() if not k.startswith("_") and k not in COUNTERS}
+    obj["request_counts"] = {
+        "total": record.get("n_total", 0),
+        "completed": record.get("n_completed", 0),
+        "failed": record.get("n_failed", 0),
+    }
+    if record.get("n_input_tokens") or record.get("n_output_tokens"):
+        inp, out = record["n_input_tokens"], record["n_output_tokens"]
+        obj["usage"] = {
+            "input_tokens": inp,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": out,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": inp + out,
+        }
+    return obj

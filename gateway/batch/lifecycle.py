@@ -1,0 +1,126 @@
+"""A batch's two one-off steps, each safe to run again by another replica if the first one died:
+
+- ``validate``: read the input file, write its lines into the shared work (``gateway.batch.work``) in run
+  order, write malformed lines off to the error results, and move the batch to ``in_progress`` (or
+  ``failed`` with ``errors`` for an input that is no batch).
+- ``finalize``: write off what was not done (``batch_expired``, ``batch_cancelled``), write the output
+  and error files, and move the batch to its final status. The files' ids are derived from the batch
+  id, so a finalization taken over writes the same files again rather than new ones.
+
+Each holds a short lock in Redis (``SET NX PX`` for ``lease_s``) so replicas do not both do it at once;
+the steps are idempotent (results are written once, files replaced), so a lock that lapsed costs only
+repeated work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from gateway.batch.files import Files
+from gateway.batch.jobs import Jobs
+from gateway.batch.lines import error_line, parse_input
+from gateway.batch.work import Work
+from gateway.pipeline.batch_config import BatchesConfig
+
+_LEFTOVER = {
+    "expired": ("batch_expired", "This line was not run before the batch's completion window ended."),
+    "cancelled": ("batch_cancelled", "This line was not run before the batch was cancelled."),
+}
+
+
+def result_file_id(batch_id: str, part: str) -> str:
+    return "file-" + hashlib.sha256(f"{batch_id}:{part}".encode()).hexdigest()[:24]
+
+
+class Lifecycle:
+    def __init__(self, jobs: Jobs, files: Files, work: Work, config: BatchesConfig, owner: str) -> None:
+        self.jobs, self.files, self.work, self.config, self.owner = jobs, files, work, config, owner
+
+    async def _lock(self, batch_id: str, step: str) -> bool:
+        key = self.work.key(batch_id, step + "-lock")
+        return bool(await self.jobs.redis.set(key, self.owner, nx=True, px=int(self.config.lease_s * 1000)))
+
+    async def _unlock(self, batch_id: str, step: str) -> None:
+        await self.jobs.redis.delete(self.work.key(batch_id, step + "-lock"))
+
+    async def validate(self, batch_id: str, record: dict[str, Any]) -> None:
+        if not await self._lock(batch_id, "validate"):
+            return
+        try:
+            await self._validate(batch_id, record)
+        finally:
+            await self._unlock(batch_id, "validate")
+
+    async def _validate(self, batch_id: str, record: dict[str, Any]) -> None:
+        now = int(time.time())
+        source = await self.files.get(record["_scope"], record["input_file_id"])
+        if source is None or source["purpose"] != "batch":
+            error = {"code": "invalid_input_file", "message": "The input file is gone.", "param": None, "line": None}
+            await self.jobs.move(batch_id, ("validating",), "failed", errors=_errors([error]), failed_at=now)
+            return
+        try:
+            parsed = await parse_input(self.files.content(source["id"]), record["endpoint"], self.config.max_lines)
+        except FileNotFoundError:
+            parsed = None
+        if parsed is None or parsed.errors:
+            errors = parsed.errors if parsed is not None else []
+            await self.jobs.move(batch_id, ("validating",), "failed", errors=_errors(errors), failed_at=now)
+            return
+        await self.work.load_lines(batch_id, parsed.lines, parsed.run_order())
+        for index, custom_id, code, message in parsed.malformed:
+            field = custom_id if custom_id is not None else f"#line-{index + 1}"
+            line = error_line(custom_id, code, f"Line {index + 1}: {message}")
+            await self.work.record(batch_id, index, field, line, ok=False, tokens=(0, 0))
+        await self.jobs.move(
+            batch_id, ("validating",), "in_progress", in_progress_at=int(time.time()), n_total=len(parsed.lines)
+        )
+
+    async def finalize(self, batch_id: str, record: dict[str, Any], final: str) -> bool:
+        """Move the batch to ``final`` (completed, expired or cancelled); False when another replica
+        holds the step or the batch moved on meanwhile."""
+        if not await self._lock(batch_id, "finalize"):
+            return False
+        try:
+            return await self._finalize(batch_id, record, final)
+        finally:
+            await self._unlock(batch_id, "finalize")
+
+    async def _finalize(self, batch_id: str, record: dict[str, Any], final: str) -> bool:
+        if final == "completed":
+            moved = await self.jobs.move(batch_id, ("in_progress",), "finalizing", finalizing_at=int(time.time()))
+            if not moved and record["status"] != "finalizing":
+                return False
+        else:
+            code, message = _LEFTOVER[final]
+            for index, raw in await self.work.remaining(batch_id):
+                custom_id = orjson.loads(raw)["custom_id"]
+                line = error_line(custom_id, code, message)
+                await self.work.record(batch_id, index, custom_id, line, ok=False, tokens=(0, 0))
+        scope = record["_scope"]
+        fields: dict[str, Any] = {f"{final}_at": int(time.time())}
+        for part, name in (("out", "output"), ("err", "error")):
+            lines = await self.work.results(batch_id, part)
+            if lines:
+                file_id = result_file_id(batch_id, part)
+                filename = f"{batch_id}_{name}.jsonl"
+                await self.files.create(scope, filename, "batch_output", _jsonl(lines), file_id=file_id)
+                fields[f"{name}_file_id"] = file_id
+        allowed = ("validating", "in_progress", "finalizing", "cancelling")
+        moved = await self.jobs.move(batch_id, allowed, final, **fields)
+        if moved:
+            await self.work.drop(batch_id)
+        return moved
+
+
+def _errors(data: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": data}
+
+
+async def _jsonl(lines: list[bytes]) -> AsyncIterator[bytes]:
+    for start in range(0, len(lines), 1000):
+        yield b"".join(line + b"\n" for line in lines[start : start + 1000])

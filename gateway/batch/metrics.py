@@ -1,0 +1,37 @@
+"""The batch lane's Prometheus metrics, on the app's registry: lines done and failed, lines waiting,
+lines running on this replica, and tokens (a rate of ``gateway_batch_tokens_total`` is tokens/s)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+from gateway.ops.metrics import Metrics
+
+
+class BatchMetrics:
+    def __init__(self, metrics: Metrics) -> None:
+        r = metrics.registry
+        self.lines = Counter(
+            "gateway_batch_lines",
+            "Batch lines this replica finished, by outcome (completed: answered; failed: refused or errored)",
+            ["outcome"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "gateway_batch_tokens",
+            "Tokens of batch lines this replica ran, by kind (input, output)",
+            ["kind"],
+            registry=r,
+        )
+        self.queued = Gauge(
+            "gateway_batch_queued_lines", "Lines of running batches not done yet (all replicas)", registry=r
+        )
+        self.running = Gauge("gateway_batch_running_lines", "Batch lines in flight on this replica", registry=r)
+        self.batches = Gauge("gateway_batch_active", "Batches not in a final state (all replicas)", registry=r)
+
+    def line_done(self, ok: bool, tokens: tuple[int, int]) -> None:
+        self.lines.labels("completed" if ok else "failed").inc()
+        if tokens[0]:
+            self.tokens.labels("input").inc(tokens[0])
+        if tokens[1]:
+            self.tokens.labels("output").inc(tokens[1])

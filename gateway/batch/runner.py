@@ -1,0 +1,206 @@
+"""The batch runner: one per replica, working off every replica's batches from Redis.
+
+Each round it looks at the batches not yet final and moves each on: validates a new one, finalizes one
+that is done, expired or being cancelled, and otherwise claims lines (leases, ``gateway.batch.work``)
+while there is idle capacity for them (``gateway.batch.capacity``) and this replica runs fewer than
+``max_in_flight``. Each line runs as a task through the live pipeline (``gateway.batch.submit``); its
+result is recorded once. A background loop renews the leases of the lines running here; a replica that
+dies stops renewing, and the others take its lines over when the leases lapse. A finished line wakes
+the loop at once, so a busy batch does not wait for the poll interval between lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from gateway.batch.capacity import has_room
+from gateway.batch.jobs import FINAL, Jobs
+from gateway.batch.lifecycle import Lifecycle
+from gateway.batch.lines import output_line
+from gateway.batch.metrics import BatchMetrics
+from gateway.batch.redis_errors import REDIS_ERRORS
+from gateway.batch.submit import Outcome, Submitter
+from gateway.batch.work import Work
+from gateway.ops.tasks import cancel_and_wait
+from gateway.pipeline.batch_config import BatchesConfig, BatchLine, Caller
+from gateway.pipeline.runtime import RuntimeHolder
+from gateway.pipeline.services import Services
+from gateway.wire.errors import GatewayError, ServerError
+
+log = logging.getLogger("gateway.batch")
+
+
+def replica_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class Runner:
+    def __init__(
+        self,
+        holder: RuntimeHolder,
+        services: Services,
+        jobs: Jobs,
+        work: Work,
+        lifecycle: Lifecycle,
+        submitter: Submitter,
+        metrics: BatchMetrics,
+    ) -> None:
+        self.holder, self.services = holder, services
+        self.jobs, self.work, self.lifecycle, self.submitter = jobs, work, lifecycle, submitter
+        self.metrics = metrics
+        self.owner = lifecycle.owner
+        self.running: dict[asyncio.Task[None], tuple[str, int]] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _config(self) -> BatchesConfig:
+        return self.holder.current.config.batches
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._loop(), name="batch-runner"),
+            asyncio.create_task(self._renew_loop(), name="batch-leases"),
+        ]
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            await cancel_and_wait(task)
+        lines = list(self.running)
+        for task in lines:
+            task.cancel()
+        await asyncio.gather(*lines, return_exceptions=True)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except (GatewayError, *REDIS_ERRORS) as exc:
+                log.warning("batch runner: %s", getattr(exc, "message", None) or type(exc).__name__)
+            except Exception:
+                log.exception("batch runner round failed")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._config().poll_interval_s):
+                    await self._wake.wait()
+            self._wake.clear()
+
+    async def tick(self) -> None:
+        """One round over the batches not final yet."""
+        active = await self.jobs.active()
+        self.metrics.batches.set(len(active))
+        queued = 0
+        runnable: list[tuple[str, dict[str, Any]]] = []
+        for batch_id in active:
+            record = await self.jobs.load(batch_id)
+            if record is None or record["status"] in FINAL:
+                await self.jobs.redis.srem(self.jobs.active_key, batch_id)
+                continue
+            pending = await self.work.pending(batch_id) if record["status"] == "in_progress" else 0
+            if await self._advance(batch_id, record, pending):
+                runnable.append((batch_id, record))
+            queued += pending
+        self.metrics.queued.set(queued)
+        await self._dispatch(runnable)
+
+    async def _advance(self, batch_id: str, record: dict[str, Any], pending: int) -> bool:
+        """Move the batch on; True when it has lines to run."""
+        status = record["status"]
+        if status == "cancelling":
+            self._stop_local(batch_id)
+            await self.lifecycle.finalize(batch_id, record, "cancelled")
+        elif status in ("validating", "in_progress") and time.time() >= record["expires_at"]:
+            self._stop_local(batch_id)
+            await self.lifecycle.finalize(batch_id, record, "expired")
+        elif status == "validating":
+            await self.lifecycle.validate(batch_id, record)
+        elif status == "finalizing":
+            await self.lifecycle.finalize(batch_id, record, "completed")
+        elif status == "in_progress":
+            if pending:
+                return True
+            await self.lifecycle.finalize(batch_id, record, "completed")
+        return False
+
+    def _stop_local(self, batch_id: str) -> None:
+        """Cancel this replica's lines of the batch (their worker requests are closed, vLLM aborts them)."""
+        for task, (owner_batch, _) in list(self.running.items()):
+            if owner_batch == batch_id:
+                task.cancel()
+
+    async def _dispatch(self, runnable: list[tuple[str, dict[str, Any]]]) -> None:
+        """Claim lines one per batch in turn (no batch starves another) while this replica has room and
+        the lines' models have idle capacity."""
+        config = self._config()
+        while runnable and len(self.running) < config.max_in_flight:
+            batch_id, record = runnable.pop(0)
+            if await self._start_one(batch_id, record, config):
+                runnable.append((batch_id, record))
+
+    async def _start_one(self, batch_id: str, record: dict[str, Any], config: BatchesConfig) -> bool:
+        """Claim and start one line of the batch; False when it has none free or no capacity now."""
+        claimed = await self.work.claim(batch_id, self.owner, 1)
+        if not claimed:
+            return False
+        index, raw = claimed[0]
+        line = orjson.loads(raw)
+        snapshot = self.holder.current
+        model = snapshot.models.resolve(line["body"]["model"])
+        if model is not None and not has_room(self.services, snapshot.config, model, config):
+            await self.work.release(batch_id, self.owner, [index])
+            return False
+        caller = Caller(**record["_caller"])
+        task = asyncio.create_task(self._run(batch_id, index, line, caller), name=f"batch-line-{index}")
+        self.running[task] = (batch_id, index)
+        self.metrics.running.set(len(self.running))
+        task.add_done_callback(self._line_finished)
+        return True
+
+    def _line_finished(self, task: asyncio.Task[None]) -> None:
+        self.running.pop(task, None)
+        self.metrics.running.set(len(self.running))
+        self._wake.set()
+
+    async def _run(self, batch_id: str, index: int, line: dict[str, Any], caller: Caller) -> None:
+        custom_id = line["custom_id"]
+        try:
+            outcome = await self.submitter.submit(line["url"], line["body"], BatchLine(caller, batch_id, custom_id))
+        except asyncio.CancelledError:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self.work.release(batch_id, self.owner, [index])
+            raise
+        except Exception:  # a fault of the gateway's: the line fails once rather than running forever
+            log.exception("batch %s: line %d failed", batch_id, index)
+            failure = ServerError("The gateway failed to run this line; it has been logged.", code="internal_error")
+            outcome = Outcome(failure.status_code, failure.body(), "")
+        ok = outcome.status == 200
+        result = output_line(custom_id, outcome.status, outcome.request_id, outcome.body)
+        try:
+            written = await self.work.record(batch_id, index, custom_id, result, ok=ok, tokens=outcome.tokens)
+        except REDIS_ERRORS as exc:  # the lease lapses and the line runs again, here or elsewhere
+            log.warning("batch %s: line %d's result could not be recorded (%s)", batch_id, index, exc)
+            return
+        if written:
+            self.metrics.line_done(ok, outcome.tokens)
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lifecycle.config.lease_s / 3)
+            held: dict[str, list[int]] = {}
+            for batch_id, index in self.running.values():
+                held.setdefault(batch_id, []).append(index)
+            for batch_id, indexes in held.items():
+                try:
+                    await self.work.renew(batch_id, self.owner, indexes)
+                except REDIS_ERRORS as exc:
+                    log.warning("batch %s: leases not renewed (%s)", batch_id, exc)

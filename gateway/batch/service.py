@@ -1,0 +1,126 @@
+"""The batch lane as one service with the app's lifetime: files, jobs, the shared work and this
+replica's runner, built from the config the gateway started with (``batches:``; its store settings take
+effect on restart, its capacity settings at once) and the process-wide services.
+
+Callers are told apart by ``services.shared[CALLER_OF]`` (the access-control plugin's, e.g. tenancy),
+else by ``TENANT_OF``; without either every caller is one anonymous scope. A scope sees only its own
+files and batches.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.batch.blobs import BlobStore, DirectoryStore
+from gateway.batch.files import Files
+from gateway.batch.jobs import Jobs
+from gateway.batch.lifecycle import Lifecycle
+from gateway.batch.lines import ENDPOINTS
+from gateway.batch.metrics import BatchMetrics
+from gateway.batch.runner import Runner, replica_id
+from gateway.batch.submit import Submitter
+from gateway.batch.work import Work
+from gateway.pipeline.batch_config import CALLER_OF, BatchesConfig, Caller
+from gateway.pipeline.runtime import RuntimeHolder
+from gateway.pipeline.services import TENANT_OF, Services
+from gateway.proxy.forward import Proxy
+from gateway.wire.errors import InvalidRequest, NotFound
+
+
+def file_not_found(file_id: str, param: str | None = None) -> NotFound:
+    return NotFound(f"No such File object: {file_id}", param=param, code="not_found")
+
+
+def batch_not_found(batch_id: str) -> NotFound:
+    return NotFound(f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
+
+
+class BatchService:
+    def __init__(
+        self, holder: RuntimeHolder, services: Services, config: BatchesConfig, blobs: BlobStore | None = None
+    ) -> None:
+        self.services, self.config = services, config
+        timeout_s = config.redis_timeout_ms / 1000
+        redis = services.redis(socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
+        self.files = Files(redis, blobs or DirectoryStore(config.files_dir), config)
+        self.jobs = Jobs(redis, config)
+        self.work = Work(redis, config, self.jobs.key)
+        self.lifecycle = Lifecycle(self.jobs, self.files, self.work, config, replica_id())
+        self.metrics = BatchMetrics(services.metrics)
+        submitter = Submitter(holder, Proxy(services), services.metrics, config.engine_priority)
+        self.runner = Runner(holder, services, self.jobs, self.work, self.lifecycle, submitter, self.metrics)
+
+    async def caller_of(self, headers: dict[str, str]) -> Caller:
+        """Who is calling (the plugin's 401 for bad credentials)."""
+        caller_of = self.services.shared.get(CALLER_OF)
+        if caller_of is not None:
+            caller: Caller = await caller_of(headers)
+            return caller
+        tenant_of = self.services.shared.get(TENANT_OF)
+        return Caller(await tenant_of(headers)) if tenant_of is not None else Caller("")
+
+    @staticmethod
+    def scope(caller: Caller) -> str:
+        return "t:" + caller.tenant if caller.tenant else "shared"
+
+    async def create_batch(self, headers: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+        caller = await self.caller_of(headers)
+        scope = self.scope(caller)
+        input_file_id, endpoint, metadata = _create_fields(body)
+        source = await self.files.get(scope, input_file_id)
+        if source is None:
+            raise file_not_found(input_file_id, param="input_file_id")
+        if source["purpose"] != "batch":
+            raise InvalidRequest(
+                f"The file '{input_file_id}' was not uploaded with purpose 'batch'.", param="input_file_id"
+            )
+        batch = await self.jobs.create(scope, caller, input_file_id, endpoint, metadata)
+        self.runner.wake()
+        return batch
+
+    async def cancel_batch(self, headers: dict[str, str], batch_id: str) -> dict[str, Any]:
+        scope = self.scope(await self.caller_of(headers))
+        if await self.jobs.get(scope, batch_id) is None:
+            raise batch_not_found(batch_id)
+        await self.cancel(batch_id)
+        batch = await self.jobs.get(scope, batch_id)
+        assert batch is not None
+        return batch
+
+    async def cancel(self, batch_id: str) -> None:
+        """Ask the runners to cancel the batch (its owner was checked, or an operator asks)."""
+        record = await self.jobs.load(batch_id)
+        if record is None:
+            raise batch_not_found(batch_id)
+        status = record["status"]
+        if status in ("validating", "in_progress"):
+            await self.jobs.move(batch_id, ("validating", "in_progress"), "cancelling", cancelling_at=int(time.time()))
+            self.runner.wake()
+        elif status not in ("cancelling", "cancelled"):
+            raise InvalidRequest(
+                f"Batch '{batch_id}' is {status} and can no longer be cancelled.",
+                param="batch_id",
+                code="batch_not_cancellable",
+            )
+
+
+def _create_fields(body: dict[str, Any]) -> tuple[str, str, dict[str, str] | None]:
+    input_file_id = body.get("input_file_id")
+    if not isinstance(input_file_id, str) or not input_file_id:
+        raise InvalidRequest("'input_file_id' is required: the id of a file uploaded with purpose 'batch'.",
+                             param="input_file_id")  # fmt: skip
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
+    if body.get("completion_window") != "24h":
+        raise InvalidRequest("'completion_window' must be '24h'.", param="completion_window")
+    metadata = body.get("metadata")
+    if metadata is not None:
+        ok = isinstance(metadata, dict) and len(metadata) <= 16
+        ok = ok and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                        for k, v in metadata.items())  # fmt: skip
+        if not ok:
+            raise InvalidRequest("'metadata' holds at most 16 string pairs (keys up to 64, values up to 512 "
+                                 "characters).", param="metadata")  # fmt: skip
+    return input_file_id, endpoint, metadata

@@ -1,0 +1,140 @@
+"""The one place the batch lane meets the request path: a batch line becomes a ``RequestContext`` as the
+inference routes build one and goes through ``Proxy.serve`` in-process (never HTTP to itself), so
+tenancy, safety, cache, guided JSON and routing see it as any request. What comes back is the answer's
+JSON body or the OpenAI error a live client would have been given.
+
+Kept to this module so that a change to the proxy's or the routes' shapes is re-pointed here only.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.ops.metrics import Metrics
+from gateway.pipeline.batch_config import BATCH_LINE, LINE_PRIORITY, BatchLine
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.runtime import RuntimeHolder
+from gateway.proxy.forward import JSONReply, Proxy
+from gateway.proxy.responses_turn import ResponsesTurn
+from gateway.wire.allowlist import ParamAllowList
+from gateway.wire.errors import GatewayError, InvalidRequest, ServerError, model_not_found
+from gateway.wire.media_urls import check_request_media
+from gateway.wire.protocol import ENDPOINTS, check_request
+from gateway.wire.responses_chat import chat_request
+from gateway.wire.responses_request import parse_request
+
+_CHAT = ENDPOINTS["/v1/chat/completions"]
+_PRIORITIZED = ("chat/completions", "completions", "embeddings")  # vLLM bodies with a "priority" field
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a line got: the HTTP status, the JSON body (an answer or ``{"error": ...}``), its usage."""
+
+    status: int
+    body: dict[str, Any]
+    request_id: str
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        usage = self.body.get("usage") if self.status == 200 else None
+        if not isinstance(usage, dict):
+            return 0, 0
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0))
+        completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
+        return (prompt if isinstance(prompt, int) else 0), (completion if isinstance(completion, int) else 0)
+
+
+class Submitter:
+    """Runs batch lines through the live pipeline of the pinned config."""
+
+    def __init__(self, holder: RuntimeHolder, proxy: Proxy, metrics: Metrics, engine_priority: int | None) -> None:
+        self.holder, self.proxy, self.metrics = holder, proxy, metrics
+        self.engine_priority = engine_priority
+
+    async def submit(self, url: str, body: dict[str, Any], line: BatchLine) -> Outcome:
+        request_id = "batch-" + uuid.uuid4().hex
+        try:
+            if url == "/v1/responses":
+                reply = await self._responses(body, line, request_id)
+            else:
+                reply = await self._inference(url, body, line, request_id)
+        except GatewayError as error:
+            return Outcome(error.status_code, error.body(), request_id)
+        return Outcome(reply.status, orjson.loads(reply.body), request_id)
+
+    def _context(self, endpoint_name: str, path: str, body: dict[str, Any], requested: str, line: BatchLine,
+                 request_id: str, snapshot: Any, model: Any) -> RequestContext:  # fmt: skip
+        if self.engine_priority is not None and endpoint_name in _PRIORITIZED:
+            body["priority"] = self.engine_priority  # after the allow-list: the client may not set it
+        ctx = RequestContext(
+            request_id=request_id,
+            endpoint=endpoint_name,
+            path=path,
+            body=body,
+            raw_body=orjson.dumps(body),
+            headers={},
+            model=model,
+            requested_model=requested,
+            snapshot=snapshot,
+            stream=False,
+            started=time.perf_counter(),
+        )
+        ctx.state[BATCH_LINE] = line
+        ctx.priority = LINE_PRIORITY
+        ctx.log["batch_id"] = line.batch_id
+        ctx.log["custom_id"] = line.custom_id
+        return ctx
+
+    async def _inference(self, url: str, body: dict[str, Any], line: BatchLine, request_id: str) -> JSONReply:
+        endpoint = ENDPOINTS[url]
+        self._ready()
+        with self.holder.pin() as snapshot:
+            limits = snapshot.config.limits
+            ParamAllowList(limits.extra_params, max_n=limits.max_n).check(endpoint.name, body)
+            check_request_media(endpoint.name, body)
+            requested, _ = check_request(endpoint, body)
+            model = snapshot.models.resolve(requested)
+            if model is None:
+                raise model_not_found(requested)
+            body["model"] = model.upstream_name
+            ctx = self._context(endpoint.name, endpoint.path, body, requested, line, request_id, snapshot, model)
+            in_flight = self.metrics.in_flight.labels(model.name)
+            in_flight.inc()
+            try:
+                reply = await self.proxy.serve(ctx)
+            finally:
+                in_flight.dec()
+                ctx.finalize()
+        if not isinstance(reply, JSONReply):  # never: a line's body cannot ask to stream
+            raise ServerError("The batch line was answered as a stream.", code="internal_error")
+        return reply
+
+    async def _responses(self, body: dict[str, Any], line: BatchLine, request_id: str) -> JSONReply:
+        req = parse_request(body)
+        if req.previous_response_id is not None:
+            raise InvalidRequest("Batch lines cannot continue a stored response.", param="previous_response_id")
+        self._ready()
+        with self.holder.pin() as snapshot:
+            model = snapshot.models.resolve(req.model)
+            if model is None:
+                raise model_not_found(req.model)
+            chat = chat_request(req, model.upstream_name, [])
+            limits = snapshot.config.limits
+            ParamAllowList(limits.extra_params, max_n=limits.max_n).check(_CHAT.name, chat)
+            check_request(_CHAT, chat)
+            ctx = self._context(_CHAT.name, _CHAT.path, chat, req.model, line, request_id, snapshot, model)
+            ctx.log["api"] = "responses"
+            reply = await ResponsesTurn(self.proxy, self.metrics, req, ctx, None).start()
+        if not isinstance(reply, JSONReply):
+            raise ServerError("The batch line was answered as a stream.", code="internal_error")
+        return reply
+
+    def _ready(self) -> None:
+        if not self.holder.loaded:
+            raise ServerError("The gateway has no config loaded yet.", code="not_ready", status=503)

@@ -1,0 +1,161 @@
+"""A batch's lines as shared work in Redis: leased by one replica at a time, each result written once.
+
+Per batch ``<prefix>:b:<id>:``
+- ``lines``: hash, line index -> the input line (JSON), written once when the batch is validated.
+- ``todo``: sorted set of the indexes not done yet, scored by their place in the run order (lines with a
+  shared prefix next to each other).
+- ``leases`` (index -> expiry in ms) and ``owners`` (index -> replica): a replica that claims a line
+  holds it until the expiry, renewing while it runs; a replica killed midway stops renewing and its
+  lines are claimed again by whoever looks next.
+- ``out`` and ``err``: hash, ``custom_id`` -> ``<index> <output line>``. ``record`` writes a result
+  only when neither hash has that ``custom_id`` yet, in one Lua script with the counters: two replicas
+  that both ran a line (a lease taken over from a slow one) produce one output line, counted once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from gateway.batch.redis_errors import text
+from gateway.pipeline.batch_config import BatchesConfig
+
+# KEYS todo, leases, owners; ARGV now_ms, lease_ms, n, owner. The indexes claimed, in run order.
+_CLAIM = """
+local now = tonumber(ARGV[1])
+local expiry = now + tonumber(ARGV[2])
+local want = tonumber(ARGV[3])
+local got = {}
+local start = 0
+while #got < want do
+  local idxs = redis.call('ZRANGE', KEYS[1], start, start + 63)
+  if #idxs == 0 then break end
+  for _, idx in ipairs(idxs) do
+    local held = redis.call('ZSCORE', KEYS[2], idx)
+    if (not held) or tonumber(held) <= now then
+      redis.call('ZADD', KEYS[2], expiry, idx)
+      redis.call('HSET', KEYS[3], idx, ARGV[4])
+      got[#got + 1] = idx
+      if #got >= want then break end
+    end
+  end
+  start = start + 64
+end
+return got
+"""
+
+# KEYS out, err, todo, leases, owners, batch; ARGV custom_id, index, value, "out"|"err", input tokens,
+# output tokens. 1 when this call wrote the result, 0 when it was written before.
+_RECORD = """
+local written = 0
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
+  if ARGV[4] == 'out' then
+    redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+    redis.call('HINCRBY', KEYS[6], 'n_completed', 1)
+  else
+    redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+    redis.call('HINCRBY', KEYS[6], 'n_failed', 1)
+  end
+  redis.call('HINCRBY', KEYS[6], 'n_input_tokens', tonumber(ARGV[5]))
+  redis.call('HINCRBY', KEYS[6], 'n_output_tokens', tonumber(ARGV[6]))
+  written = 1
+end
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('ZREM', KEYS[4], ARGV[2])
+redis.call('HDEL', KEYS[5], ARGV[2])
+return written
+"""
+
+# KEYS leases, owners; ARGV owner, expiry_ms, index... Extends the leases still held by ``owner``.
+_RENEW = """
+local n = 0
+for i = 3, #ARGV do
+  if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] then
+    redis.call('ZADD', KEYS[1], 'XX', ARGV[2], ARGV[i])
+    n = n + 1
+  end
+end
+return n
+"""
+
+
+class Work:
+    """The lines of every batch, as claims, renewals and results."""
+
+    def __init__(self, redis: aioredis.Redis, config: BatchesConfig, batch_key: Any) -> None:
+        self.redis, self.config = redis, config
+        self._batch_key = batch_key  # batch id -> the batch hash's key (``Jobs.key``)
+        self._claim = redis.register_script(_CLAIM)
+        self._record = redis.register_script(_RECORD)
+        self._renew = redis.register_script(_RENEW)
+
+    def key(self, batch_id: str, part: str) -> str:
+        return f"{self.config.redis_prefix}:b:{batch_id}:{part}"
+
+    async def load_lines(self, batch_id: str, lines: list[bytes], order: list[int]) -> None:
+        """Store the validated ``lines`` (by index) to run in ``order`` (a list of indexes)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for start in range(0, len(order), 500):
+            chunk = order[start : start + 500]
+            pipe.hset(self.key(batch_id, "lines"), mapping={str(i): lines[i] for i in chunk})
+            pipe.zadd(self.key(batch_id, "todo"), {str(i): start + k for k, i in enumerate(chunk)})
+        await pipe.execute()
+
+    async def claim(self, batch_id: str, owner: str, n: int) -> list[tuple[int, bytes]]:
+        """Up to ``n`` lines nobody holds, now held by ``owner`` for ``lease_s``: (index, line)."""
+        now_ms = int(time.time() * 1000)
+        keys = [self.key(batch_id, p) for p in ("todo", "leases", "owners")]
+        idxs = await self._claim(keys=keys, args=[now_ms, int(self.config.lease_s * 1000), n, owner])
+        return await self._lines(batch_id, [text(i) for i in idxs or ()])
+
+    async def _lines(self, batch_id: str, idxs: list[str]) -> list[tuple[int, bytes]]:
+        if not idxs:
+            return []
+        raws: list[Any] = await self.redis.hmget(self.key(batch_id, "lines"), idxs)
+        return [(int(i), bytes(raw)) for i, raw in zip(idxs, raws, strict=True) if raw is not None]
+
+    async def release(self, batch_id: str, owner: str, idxs: list[int]) -> None:
+        """Give leases back at once (a line claimed but not sent): anyone may claim them again."""
+        if idxs:
+            await self._renew(keys=[self.key(batch_id, "leases"), self.key(batch_id, "owners")], args=[owner, 0, *idxs])
+
+    async def renew(self, batch_id: str, owner: str, idxs: list[int]) -> int:
+        if not idxs:
+            return 0
+        expiry = int((time.time() + self.config.lease_s) * 1000)
+        keys = [self.key(batch_id, "leases"), self.key(batch_id, "owners")]
+        return int(await self._renew(keys=keys, args=[owner, expiry, *idxs]))
+
+    async def record(
+        self, batch_id: str, idx: int, custom_id: str, line: dict[str, Any], *, ok: bool, tokens: tuple[int, int]
+    ) -> bool:
+        """Write line ``idx``'s result unless one was written already; whether this call wrote it."""
+        keys = [self.key(batch_id, p) for p in ("out", "err", "todo", "leases", "owners")]
+        keys.append(self._batch_key(batch_id))
+        value = b"%d " % idx + orjson.dumps(line)
+        args: list[bytes | str | int] = [custom_id, idx, value, "out" if ok else "err", tokens[0], tokens[1]]
+        return bool(await self._record(keys=keys, args=args))
+
+    async def remaining(self, batch_id: str) -> list[tuple[int, bytes]]:
+        """The lines not done yet (expiry and cancellation write them off)."""
+        idxs = await self.redis.zrange(self.key(batch_id, "todo"), 0, -1)
+        return await self._lines(batch_id, [text(i) for i in idxs])
+
+    async def pending(self, batch_id: str) -> int:
+        return int(await self.redis.zcard(self.key(batch_id, "todo")))
+
+    async def results(self, batch_id: str, part: str) -> list[bytes]:
+        """The output (``out``) or error (``err``) lines, in input order."""
+        raw: list[Any] = await self.redis.hvals(self.key(batch_id, part))
+        entries = [bytes(value).split(b" ", 1) for value in raw]
+        entries.sort(key=lambda e: int(e[0]))
+        return [e[1] for e in entries]
+
+    async def drop(self, batch_id: str) -> None:
+        """Forget the work once the batch's files are written (results expire with the files)."""
+        await self.redis.delete(*(self.key(batch_id, p) for p in ("lines", "todo", "leases", "owners")))
+        for part in ("out", "err"):
+            await self.redis.expire(self.key(batch_id, part), self.config.output_ttl_s)

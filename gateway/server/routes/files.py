@@ -1,0 +1,136 @@
+"""The Files API (``/v1/files``): upload (multipart, ``purpose: "batch"``), list, retrieve, content and
+delete, in OpenAI's shapes, per caller scope (``gateway.batch.service``): another caller's file is a 404
+exactly like an unknown one.
+
+An upload is streamed to the file store as it arrives, bounded by ``batches.max_file_bytes`` while it is
+read (a 413 ``file_too_large``, and nothing kept); the caller is authenticated before a byte is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Request
+from starlette.responses import StreamingResponse
+
+from gateway.batch.files import UPLOAD_PURPOSES, FileTooLarge
+from gateway.batch.service import BatchService, file_not_found
+from gateway.server.multipart import FormReader
+from gateway.server.routes import JSON
+from gateway.wire.batch_openapi import FILE_ID_PATTERN, FILES_CREATE_DOC
+from gateway.wire.errors import InvalidRequest, NotFound
+from gateway.wire.protocol import header_dict
+
+router = APIRouter()
+SERVICE_KEY = "batches"
+_FORM_SLACK = 64 * 1024  # multipart framing and small fields beside the file itself
+FileId = Annotated[str, Path(json_schema_extra={"pattern": FILE_ID_PATTERN})]
+
+
+def service_of(request: Request) -> BatchService:
+    service: BatchService | None = request.app.state.gateway.extras.get(SERVICE_KEY)
+    if service is None:
+        raise NotFound("The Files and Batch APIs are not enabled on this gateway (batches.enabled).",
+                       code="not_enabled")  # fmt: skip
+    return service
+
+
+async def scope_of(request: Request) -> tuple[BatchService, str]:
+    service = service_of(request)
+    caller = await service.caller_of(header_dict(request.scope["headers"]))
+    return service, service.scope(caller)
+
+
+def page(data: list[dict[str, Any]], has_more: bool) -> JSON:
+    return JSON(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
+    )
+
+
+def limit_of(request: Request, default: int, most: int) -> int:
+    raw = request.query_params.get("limit", str(default))
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise InvalidRequest(f"'limit' must be an integer from 1 to {most}.", param="limit")
+    return int(raw)
+
+
+@router.post("/v1/files", openapi_extra=FILES_CREATE_DOC)
+async def create_file(request: Request) -> JSON:
+    service, scope = await scope_of(request)
+    limit = service.config.max_file_bytes
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit + _FORM_SLACK:
+        raise FileTooLarge(limit)
+    form = FormReader(request.headers.get("content-type", ""))
+    file_id, size = await service.files.store(form.file_pieces(request.stream()))
+    purpose = form.fields.get("purpose")
+    problem = None
+    if form.filename is None:
+        problem = InvalidRequest("The upload has no 'file' part.", param="file")
+    elif purpose not in UPLOAD_PURPOSES:
+        problem = InvalidRequest(f"'purpose' must be one of {', '.join(UPLOAD_PURPOSES)}.", param="purpose")
+    if problem is not None:
+        await service.files.blobs.delete(file_id)
+        raise problem
+    assert form.filename is not None and purpose is not None
+    return JSON(await service.files.register(scope, file_id, size, form.filename, purpose))
+
+
+@router.get("/v1/files")
+async def list_files(request: Request) -> JSON:
+    service, scope = await scope_of(request)
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("'order' must be 'asc' or 'desc'.", param="order")
+    limit = limit_of(request, 10000, 10000)
+    data, more = await service.files.listing(
+        scope, purpose=query.get("purpose"), limit=limit, after=query.get("after"), order=order
+    )
+    return page(data, more)
+
+
+@router.get("/v1/files/{file_id}")
+async def retrieve_file(request: Request, file_id: FileId) -> JSON:
+    service, scope = await scope_of(request)
+    obj = await service.files.get(scope, file_id)
+    if obj is None:
+        raise file_not_found(file_id)
+    return JSON(obj)
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(request: Request, file_id: FileId) -> StreamingResponse:
+    service, scope = await scope_of(request)
+    if await service.files.get(scope, file_id) is None:
+        raise file_not_found(file_id)
+    pieces = service.files.content(file_id)
+    try:
+        first = await anext(pieces, b"")  # a file missing from the store is a 404 before headers go out
+    except FileNotFoundError:
+        raise file_not_found(file_id) from None
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield first
+            async for piece in pieces:
+                yield piece
+        finally:
+            await pieces.aclose()  # type: ignore[attr-defined]
+
+    return StreamingResponse(body(), media_type="application/octet-stream")
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(request: Request, file_id: FileId) -> JSON:
+    service, scope = await scope_of(request)
+    if not await service.files.delete(scope, file_id):
+        raise file_not_found(file_id)
+    return JSON({"id": file_id, "object": "file", "deleted": True})

@@ -1,0 +1,74 @@
+"""Batch lines use idle capacity only: while interactive requests hold the model's admission at the
+configured share, no line is sent; once they finish, the batch runs, each line with the engine priority
+the config names (the interactive requests without one)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+
+from tests.support.batches import batches_section, chat_line, jsonl, wait_for
+from tests.support.fakes import FakeUpstream
+from tests.support.gateways import GatewayFactory, base_config
+
+
+def test_lines_wait_while_interactive_traffic_holds_the_model(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    routing = {"name": "routing", "config": {"default": {"admission": {"max_in_flight": 4, "max_queue": 8}}}}
+    section = batches_section(batch_names, admission_share=0.5, engine_priority=7)
+    config = base_config([upstream_url], plugins=[routing], batches=section)
+    upstream.behavior.hold = threading.Event()
+    replies: list[int] = []
+    with gateway_factory(config) as (_, server):
+        body = {"model": "m1", "messages": [{"role": "user", "content": "interactive"}]}
+
+        def interactive() -> None:
+            replies.append(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).status_code)
+
+        users = [threading.Thread(target=interactive) for _ in range(2)]
+        for user in users:
+            user.start()
+        while len(upstream.requests) < 2:  # both hold a slot: the model is at half its max_in_flight
+            time.sleep(0.01)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        source = client.files.create(file=("in.jsonl", jsonl([chat_line(f"b-{i}", "batch") for i in range(3)])),
+                                     purpose="batch")  # fmt: skip
+        batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        wait_for(client, batch.id, ("in_progress",))
+        time.sleep(20 * 0.05)  # twenty rounds of the runner: none may send a line
+        assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["interactive"] * 2
+        upstream.behavior.hold.set()
+        for user in users:
+            user.join(timeout=30)
+        done = wait_for(client, batch.id, ("completed",))
+    assert replies == [200, 200] and done.request_counts.completed == 3  # type: ignore[union-attr]
+    lines = [r.body for r in upstream.requests if r.body["messages"][0]["content"] == "batch"]
+    assert [line.get("priority") for line in lines] == [7, 7, 7]
+    assert all("priority" not in r.body for r in upstream.requests[:2])
+
+
+def test_batches_take_turns(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """A large batch does not starve a small one created after it: lines are claimed one batch at a time."""
+    config = base_config([upstream_url], batches=batches_section(batch_names, max_in_flight=1))
+    upstream.behavior.hold = threading.Event()
+    with gateway_factory(config) as (_, server):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        ids = []
+        for name, size in (("big", 8), ("small", 2)):
+            lines = [chat_line(f"{name}-{i}", name) for i in range(size)]
+            source = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+            ids.append(client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h").id)  # fmt: skip
+            wait_for(client, ids[-1], ("in_progress",))
+        upstream.behavior.hold.set()  # the big batch's first line was held until both were running
+        for batch_id in ids:
+            wait_for(client, batch_id, ("completed",))
+    order = [r.body["messages"][0]["content"] for r in upstream.requests]
+    assert order[0] == "big" and order[1:5].count("small") == 2, order

@@ -1,0 +1,244 @@
+"""A batch's lifecycle beyond the happy path, through the OpenAI SDK on the fake worker: cancel, expiry
+after the completion window, an input that is no batch, the file size bound, listing pages, and lines
+for the other endpoints."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, wait_for
+from tests.support.cache import cache_gateway_config, namespace, redis_client, wait_stored
+from tests.support.fakes import FakeUpstream, ServerThread
+from tests.support.gateways import GatewayFactory, base_config
+
+__all__ = ["namespace", "redis_client"]
+
+
+def sdk(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def start(client: openai.OpenAI, lines: list[Any], endpoint: str = "/v1/chat/completions") -> Any:
+    source = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    return client.batches.create(input_file_id=source.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+
+
+def every_custom_id_once(client: openai.OpenAI, batch: Any) -> dict[str, dict[str, Any]]:
+    """The output and error lines by custom_id, checking that none appears twice."""
+    lines = []
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id is not None:
+            lines += parse_jsonl(client.files.content(file_id).content)
+    ids = [line["custom_id"] for line in lines]
+    assert len(ids) == len(set(ids)), sorted(ids)
+    return {line["custom_id"]: line for line in lines}
+
+
+def test_cancel_stops_the_lines_and_writes_off_the_rest(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    upstream.behavior.hold = threading.Event()  # lines stay at the worker until the test lets them go
+    config = base_config([upstream_url], batches=batches_section(batch_names, max_in_flight=2))
+    try:
+        with gateway_factory(config) as (_, server):
+            client = sdk(server)
+            batch = start(client, [chat_line(f"c-{i}", f"q{i}") for i in range(10)])
+            wait_for(client, batch.id, ("in_progress",))
+            cancelling = client.batches.cancel(batch.id)
+            assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+            done = wait_for(client, batch.id, ("cancelled",))
+            lines = every_custom_id_once(client, done)
+            # cancelling again is harmless; a finished batch cannot be cancelled
+            assert client.batches.cancel(batch.id).status == "cancelled"
+    finally:
+        upstream.behavior.hold.set()
+    assert set(lines) == {f"c-{i}" for i in range(10)}
+    assert all(line["error"]["code"] == "batch_cancelled" for line in lines.values())
+    assert done.cancelled_at and done.request_counts.failed == 10  # type: ignore[union-attr]
+    assert len(upstream.requests) <= 2  # never more than max_in_flight were sent
+
+
+def test_a_batch_expires_after_its_window_with_what_was_done(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    upstream.behavior.hold = threading.Event()
+    section = batches_section(batch_names, completion_window_s=1.5, max_in_flight=1)
+    config = base_config([upstream_url], batches=section)
+    try:
+        with gateway_factory(config) as (_, server):
+            client = sdk(server)
+            batch = start(client, [chat_line(f"e-{i}", f"q{i}") for i in range(3)])
+            wait_for(client, batch.id, ("in_progress",))
+            done = wait_for(client, batch.id, ("expired",))
+            lines = every_custom_id_once(client, done)
+    finally:
+        upstream.behavior.hold.set()
+    assert done.expired_at and done.expires_at and done.expired_at >= done.expires_at
+    assert set(lines) == {"e-0", "e-1", "e-2"}
+    assert {line["error"]["code"] for line in lines.values()} == {"batch_expired"}
+
+
+def test_an_input_that_is_no_batch_fails_it(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        twice = start(client, [chat_line("same", "a"), chat_line("same", "b")])
+        failed = wait_for(client, twice.id, ("failed", "completed"))
+        assert failed.status == "failed" and failed.errors is not None and failed.failed_at
+        assert [(e.code, e.line) for e in failed.errors.data or []] == [("duplicate_custom_id", 2)]
+        # lines for another endpoint than the batch's, or that cannot be run, go to the error file
+        lines = [
+            {**chat_line("wrong-url", "a"), "url": "/v1/embeddings"},
+            {**chat_line("get", "a"), "method": "GET"},
+            chat_line("streams", "a", stream=True),
+            {"custom_id": "no-body", "method": "POST", "url": "/v1/chat/completions"},
+            chat_line("bad-param", "a", n=1000),
+            chat_line("fine", "a"),
+        ]
+        done = wait_for(client, start(client, lines).id, ("completed",))
+        by_id = every_custom_id_once(client, done)
+    codes = {cid: (line["error"] or {}).get("code") for cid, line in by_id.items()}
+    assert codes == {
+        "wrong-url": "mismatched_url",
+        "get": "invalid_method",
+        "streams": "invalid_body",
+        "no-body": "invalid_body",
+        "bad-param": None,  # ran, and was refused as a live request is: a 400 in its response
+        "fine": None,
+    }
+    assert by_id["bad-param"]["response"]["status_code"] == 400
+    assert by_id["bad-param"]["response"]["body"]["error"]["type"] == "invalid_request_error"
+    assert by_id["fine"]["response"]["status_code"] == 200
+    assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["a"]  # only "fine" reached it
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_file_over_the_bound_is_a_413_and_leaves_nothing(
+    gateway_factory: GatewayFactory, upstream_url: str, batch_names: dict[str, Any], chunked: bool
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names, max_file_bytes=4096))
+    big = jsonl([chat_line(f"r-{i}", "x" * 100) for i in range(100)])
+    boundary = "gatewaytestboundary"
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + big
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        headers = {"content-type": f"multipart/form-data; boundary={boundary}"}
+        content: Any = body if not chunked else iter([body[i : i + 1000] for i in range(0, len(body), 1000)])
+        reply = httpx.post(server.url + "/v1/files", content=content, headers=headers)
+        assert reply.status_code == 413, reply.text
+        assert reply.json()["error"]["code"] == "file_too_large"
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.files.create(file=("big.jsonl", big), purpose="batch")
+        assert caught.value.status_code == 413
+        assert client.files.list().data == []
+        small = client.files.create(file=("small.jsonl", big[:1000]), purpose="batch")
+        assert client.files.content(small.id).content == big[:1000]
+    assert sorted(p.name for p in batch_names["dir"].iterdir()) == [small.id]  # no part file left behind
+
+
+def test_files_and_batches_are_listed_in_pages(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        created = [start(client, [chat_line("x", "y")]) for _ in range(3)]
+        first = client.batches.list(limit=2)
+        assert [b.id for b in first.data] == [b.id for b in created[::-1][:2]] and first.has_more
+        assert [b.id for b in client.batches.list(limit=2)] == [b.id for b in created[::-1]]  # follows 'after'
+        assert [b.id for b in client.batches.list(after=created[1].id).data] == [created[0].id]
+        uploads = client.files.list(purpose="batch", order="asc").data
+        assert [f.id for f in uploads] == [b.input_file_id for b in created]
+        client.files.delete(uploads[0].id)
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(uploads[0].id)
+        assert len(client.files.list(purpose="batch").data) == 2
+        bad = httpx.post(server.url + "/v1/files", files={"file": ("x", b"{}")}, data={"purpose": "fine-tune"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "purpose"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "answer"),
+    [
+        ("/v1/embeddings", {"model": "m1", "input": "embed me"}, "list"),
+        ("/v1/completions", {"model": "alias-1", "prompt": "once upon"}, "text_completion"),
+        ("/v1/responses", {"model": "m1", "input": "hello"}, "response"),
+    ],
+)
+def test_lines_for_every_endpoint(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    batch_names: dict[str, Any],
+    endpoint: str,
+    body: dict[str, Any],
+    answer: str,
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        line = {"custom_id": "only", "method": "POST", "url": endpoint, "body": body}
+        done = wait_for(client, start(client, [line], endpoint).id, ("completed",))
+        (out,) = parse_jsonl(client.files.content(done.output_file_id or "").content)
+    assert out["custom_id"] == "only" and out["response"]["status_code"] == 200
+    assert out["response"]["body"]["object"] == answer
+    assert [r.path for r in upstream.requests] == ["/v1/chat/completions" if endpoint == "/v1/responses" else endpoint]
+
+
+def test_a_line_safety_blocks_goes_to_the_error_file_and_never_to_a_worker(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    rule = {"id": "codename", "kind": "pattern", "patterns": [r"(?i)\bproject\s+bluebird\b"], "action": "block"}
+    plugins = [{"name": "safety", "config": {"rules": [rule]}}, {"name": "routing"}]
+    config = base_config([upstream_url], plugins=plugins, batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        batch = start(client, [chat_line("blocked", "tell me about Project Bluebird"), chat_line("ok", "hello")])
+        done = wait_for(client, batch.id, ("completed",))
+        by_id = every_custom_id_once(client, done)
+        live = httpx.post(server.url + "/v1/chat/completions", json={
+            "model": "m1", "messages": [{"role": "user", "content": "tell me about Project Bluebird"}]})  # fmt: skip
+    blocked = by_id["blocked"]["response"]
+    assert blocked["status_code"] == live.status_code and blocked["body"] == live.json()  # as a live request
+    assert by_id["ok"]["response"]["status_code"] == 200
+    assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["hello"]
+
+
+def test_a_cache_hit_is_a_line_done_for_free(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    batch_names: dict[str, Any],
+    redis_client: Any,
+    namespace: str,
+) -> None:
+    config = cache_gateway_config(upstream_url, namespace)
+    config["batches"] = batches_section(batch_names)
+    body = {"model": "m1", "messages": [{"role": "user", "content": "cached question"}], "temperature": 0}
+    with gateway_factory(config) as (_, server):
+        assert httpx.post(server.url + "/v1/chat/completions", json=body).status_code == 200
+        wait_stored(redis_client, namespace)
+        client = sdk(server)
+        lines = [{"custom_id": f"hit-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+                 for i in range(3)]  # fmt: skip
+        done = wait_for(client, start(client, lines).id, ("completed",))
+        by_id = every_custom_id_once(client, done)
+    assert len(upstream.requests) == 1  # the live request only
+    assert {line["response"]["body"]["choices"][0]["message"]["content"] for line in by_id.values()} == {
+        upstream.behavior.text
+    }

@@ -1,0 +1,51 @@
+"""The OpenAI SDK's whole batch flow against the gateway on the fake worker: upload, create, poll,
+download the output and the errors; every line went through the pipeline to the worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+
+from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, wait_for
+from tests.support.fakes import FakeUpstream
+from tests.support.gateways import GatewayFactory, base_config
+
+
+def sdk(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+def test_the_sdk_runs_a_batch_end_to_end(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    lines = [chat_line(f"req-{i}", f"question {i}", max_tokens=5) for i in range(6)]
+    lines.append(b"{not json")
+    lines.append(chat_line("unknown-model", "hi", model="no-such-model"))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server.url)
+        uploaded = client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
+        assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines))
+        assert client.files.content(uploaded.id).content == jsonl(lines)
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": "v"}
+        )
+        assert batch.status == "validating" and batch.metadata == {"k": "v"}
+        done = wait_for(client, batch.id, ("completed", "failed"))
+        assert done.status == "completed", done
+        assert done.request_counts is not None
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (8, 6, 2)
+        assert done.output_file_id and done.error_file_id and done.completed_at and done.in_progress_at
+        output = parse_jsonl(client.files.content(done.output_file_id).content)
+        errors = parse_jsonl(client.files.content(done.error_file_id).content)
+    assert sorted(o["custom_id"] for o in output) == [f"req-{i}" for i in range(6)]
+    assert all(o["response"]["status_code"] == 200 for o in output)
+    assert {o["response"]["body"]["choices"][0]["message"]["content"] for o in output} == {upstream.behavior.text}
+    by_id = {e["custom_id"]: e for e in errors}
+    assert set(by_id) == {None, "unknown-model"}
+    assert by_id[None]["error"]["code"] == "invalid_json" and by_id[None]["response"] is None
+    refused = by_id["unknown-model"]["response"]
+    assert refused["status_code"] == 404 and refused["body"]["error"]["code"] == "model_not_found"
+    asked = sorted(r.body["messages"][0]["content"] for r in upstream.requests if r.path == "/v1/chat/completions")
+    assert asked == sorted(f"question {i}" for i in range(6))  # each line once, the bad ones never

@@ -1,0 +1,163 @@
+"""Batches and files with tenancy on: one tenant can never list, read, download, delete, run or cancel
+another's (the same 404 an unknown id gets); lines run as the key that created the batch (its model
+allow-list, a revoked key refused line by line) and are charged at the batch price."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import httpx
+import openai
+
+from plugins.tenancy.keys import hash_key
+from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, wait_for
+from tests.support.fakes import FakeUpstream, ServerThread
+from tests.support.gateways import GatewayFactory, base_config
+from tests.support.tenancy import PEPPER, prefix
+
+KEYS = {
+    "acme-1": ("acme", ["*"]),
+    "acme-2": ("acme", ["*"]),
+    "globex-1": ("globex", ["*"]),
+    "narrow": ("initech", ["other-model"]),
+}
+SECRETS = {kid: f"sk-{kid}-{uuid.uuid4().hex}" for kid in KEYS}
+__all__ = ["prefix"]
+
+
+def gateway_config(upstream_url: str, prefix: str, batch_names: dict[str, Any], **tenancy: Any) -> Any:
+    keys = [
+        {"id": kid, "tenant": tenant, "hash": hash_key(SECRETS[kid], PEPPER.encode()), "models": models}
+        for kid, (tenant, models) in KEYS.items()
+    ]
+    section = {"redis_prefix": prefix, "keys": keys, **tenancy}
+    plugins = [{"name": "tenancy", "config": section}, {"name": "routing"}]
+    return base_config([upstream_url], plugins=plugins, batches=batches_section(batch_names))
+
+
+def sdk(server: ServerThread, kid: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=SECRETS[kid], max_retries=0)
+
+
+def error_of(server: ServerThread, kid: str, method: str, path: str, **kw: Any) -> tuple[int, Any]:
+    reply = httpx.request(method, server.url + path, headers={"authorization": f"Bearer {SECRETS[kid]}"}, **kw)
+    return reply.status_code, reply.json()
+
+
+def test_one_tenant_never_reaches_another_tenants_files_or_batches(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    prefix: str,
+    batch_names: dict[str, Any],
+) -> None:
+    config = gateway_config(upstream_url, prefix, batch_names)
+    with gateway_factory(config) as (_, server):
+        acme, acme_again, globex = sdk(server, "acme-1"), sdk(server, "acme-2"), sdk(server, "globex-1")
+        secret = jsonl([chat_line("a-1", "acme's secret plan")])
+        mine = acme.files.create(file=("plan.jsonl", secret), purpose="batch")
+        batch = acme.batches.create(input_file_id=mine.id, endpoint="/v1/chat/completions", completion_window="24h")
+        done = wait_for(acme, batch.id, ("completed",))
+        assert done.output_file_id is not None
+
+        # the same tenant through another key sees everything
+        assert acme_again.files.retrieve(mine.id).id == mine.id
+        assert acme_again.batches.retrieve(batch.id).status == "completed"
+        assert {f.id for f in acme_again.files.list()} == {mine.id, done.output_file_id}
+
+        # another tenant sees nothing, and each answer is the one an unknown id gets
+        assert globex.files.list().data == [] and globex.batches.list().data == []
+        unknown_file, unknown_batch = "file-" + "0" * 24, "batch_" + "0" * 24
+        for own, other in ((mine.id, unknown_file), (done.output_file_id, unknown_file)):
+            for method, suffix in (("GET", ""), ("GET", "/content"), ("DELETE", "")):
+                status, body = error_of(server, "globex-1", method, f"/v1/files/{own}{suffix}")
+                _, unknown = error_of(server, "globex-1", method, f"/v1/files/{other}{suffix}")
+                assert status == 404, body
+                assert body["error"] == {**unknown["error"], "message": unknown["error"]["message"].replace(other, own)}
+        for method, suffix in (("GET", ""), ("POST", "/cancel")):
+            status, body = error_of(server, "globex-1", method, f"/v1/batches/{batch.id}{suffix}")
+            _, unknown = error_of(server, "globex-1", method, f"/v1/batches/{unknown_batch}{suffix}")
+            assert status == 404, body
+            assert body["error"] == {
+                **unknown["error"],
+                "message": unknown["error"]["message"].replace(unknown_batch, batch.id),
+            }
+        # nor can it run a batch on acme's file (and learn its content from the output)
+        status, body = error_of(
+            server,
+            "globex-1",
+            "POST",
+            "/v1/batches",
+            json={"input_file_id": mine.id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        )
+        assert status == 404 and body["error"]["param"] == "input_file_id"
+        # acme's file is intact after every attempt
+        assert acme.files.content(mine.id).content == secret
+
+        # no key: the plugin's 401, before anything is read or listed
+        anonymous = httpx.get(server.url + "/v1/files")
+        assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
+        upload = httpx.post(server.url + "/v1/files", files={"file": ("x.jsonl", secret)}, data={"purpose": "batch"})
+        assert upload.status_code == 401
+
+
+def test_lines_run_as_the_key_that_created_the_batch(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    prefix: str,
+    batch_names: dict[str, Any],
+) -> None:
+    config = gateway_config(upstream_url, prefix, batch_names)
+    with gateway_factory(config) as (_, server):
+        narrow = sdk(server, "narrow")  # a key that may use 'other-model' only
+        source = narrow.files.create(file=("in.jsonl", jsonl([chat_line("n-1", "hi")])), purpose="batch")
+        batch = narrow.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        done = wait_for(narrow, batch.id, ("completed",))
+        assert done.error_file_id is not None and done.output_file_id is None
+        (line,) = parse_jsonl(narrow.files.content(done.error_file_id).content)
+        assert line["custom_id"] == "n-1" and line["response"]["status_code"] == 404
+        assert line["response"]["body"]["error"]["code"] == "model_not_found"
+    assert upstream.requests == []  # refused by tenancy: the worker never saw the line
+
+
+def test_a_batch_line_is_charged_at_the_batch_price(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    prefix: str,
+    batch_names: dict[str, Any],
+) -> None:
+    config = gateway_config(upstream_url, prefix, batch_names, batch_price_factor=0.5)
+    with gateway_factory(config, admin_token="adm") as (_, server):
+        acme = sdk(server, "acme-1")
+        lines = [chat_line(f"c-{i}", "abcd", max_tokens=3) for i in range(4)]
+        source = acme.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = acme.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert wait_for(acme, batch.id, ("completed",)).request_counts.completed == 4  # type: ignore[union-attr]
+        live = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": "m1", "messages": [{"role": "user", "content": "abcd"}], "max_tokens": 3},
+            headers={"authorization": f"Bearer {SECRETS['acme-1']}"},
+        )
+        assert live.status_code == 200
+        day = settled_usage(server, lambda d: d.get("requests") == 5 and d.get("completion_tokens", 0) >= 8 + 3)
+    # the fake worker reports 5 prompt and 3 completion tokens per answer: a line costs ceil(half) of each
+    assert (day["prompt_tokens"], day["completion_tokens"]) == (4 * 3 + 5, 4 * 2 + 3)
+
+
+def settled_usage(server: ServerThread, done: Any, timeout_s: float = 15) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = httpx.post(
+            server.url + "/admin/plugins/tenancy/usage",
+            json={"key_id": "acme-1"},
+            headers={"authorization": "Bearer adm"},
+        )
+        assert reply.status_code == 200, reply.text
+        day: dict[str, Any] = reply.json()["result"]["day"]
+        if done(day) or time.monotonic() > deadline:
+            return day
+        time.sleep(0.05)

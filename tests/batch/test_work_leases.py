@@ -1,0 +1,49 @@
+"""The shared work of a batch in the real Redis: a lease keeps a line from a second replica until it
+lapses, a renewal by a replica that lost its lease changes nothing, and a result is written once per
+custom_id however many replicas report one."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gateway.batch.jobs import Jobs
+from gateway.batch.work import Work
+from gateway.pipeline.batch_config import BatchesConfig, Caller
+
+
+def test_leases_and_exactly_once_results(batch_names: dict[str, Any]) -> None:
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], lease_s=0.3)
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, config)
+            work = Work(client, config, jobs.key)
+            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
+            lines = [b'{"custom_id": "a"}', b'{"custom_id": "b"}']
+            await work.load_lines(batch["id"], lines, [1, 0])  # run order: line 1 first
+            first = await work.claim(batch["id"], "replica-1", 5)
+            assert [index for index, _ in first] == [1, 0]
+            assert await work.claim(batch["id"], "replica-2", 5) == []  # both leased
+            await work.release(batch["id"], "replica-1", [0])
+            assert [i for i, _ in await work.claim(batch["id"], "replica-2", 5)] == [0]  # given back: free
+            await asyncio.sleep(0.4)  # replica-1's lease on line 1 lapses (it died)
+            assert [i for i, _ in await work.claim(batch["id"], "replica-2", 5)] == [1, 0]
+            assert await work.renew(batch["id"], "replica-1", [1]) == 0  # no longer its lease
+            assert await work.renew(batch["id"], "replica-2", [1, 0]) == 2
+            results = await asyncio.gather(
+                *(work.record(batch["id"], 1, "b", {"by": who}, ok=True, tokens=(5, 3)) for who in ("r1", "r2"))
+            )
+            assert sorted(results) == [False, True]
+            assert not await work.record(batch["id"], 1, "b", {"by": "late"}, ok=False, tokens=(1, 1))
+            record = await jobs.load(batch["id"])
+            assert record is not None
+            assert (record["n_completed"], record["n_failed"], record["n_output_tokens"]) == (1, 0, 3)
+            assert len(await work.results(batch["id"], "out")) == 1 and await work.results(batch["id"], "err") == []
+            assert await work.pending(batch["id"]) == 1
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())

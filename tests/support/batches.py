@@ -1,0 +1,68 @@
+"""Shared by the batch tests: a unique Redis prefix and files directory per test, the ``batches:``
+section for them, input files as JSONL, and waiting for a batch to reach a status through the SDK."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import orjson
+import pytest
+import redis
+
+
+@pytest.fixture
+def batch_names(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """``{"prefix": <Redis prefix>, "dir": <files directory>}``; the prefix's keys are deleted afterwards."""
+    prefix = f"test:batch:{uuid.uuid4().hex[:12]}"
+    yield {"prefix": prefix, "dir": tmp_path / "files"}
+    client = redis.Redis()
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def batches_section(names: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    section = {
+        "files_dir": str(names["dir"]),
+        "redis_prefix": names["prefix"],
+        "poll_interval_s": 0.05,
+        "lease_s": 2,
+        "worker_max_in_flight": 8,
+    }
+    section.update(extra)
+    return section
+
+
+def jsonl(lines: list[Any]) -> bytes:
+    return b"".join((line if isinstance(line, bytes) else orjson.dumps(line)) + b"\n" for line in lines)
+
+
+def chat_line(custom_id: str, text: str, model: str = "m1", **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": model, "messages": [{"role": "user", "content": text}], **body},
+    }
+
+
+def wait_for(client: openai.OpenAI, batch_id: str, statuses: tuple[str, ...], timeout_s: float = 60) -> Any:
+    """Poll ``batches.retrieve`` until the batch is in one of ``statuses`` (a bound, not an assertion of speed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        if time.monotonic() > deadline:
+            raise AssertionError(f"batch {batch_id} still {batch.status} (waiting for {statuses}): {batch}")
+        time.sleep(0.05)
+
+
+def parse_jsonl(data: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in data.splitlines() if line.strip()]
