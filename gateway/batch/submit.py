@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from gateway.ops.metrics import Metrics
-from gateway.pipeline.batch_config import BATCH_LINE, LINE_PRIORITY, BatchLine
+from gateway.pipeline.batch_config import LINE_PRIORITY, BatchLine
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.runtime import RuntimeHolder
 from gateway.proxy.forward import JSONReply, Proxy
@@ -85,7 +85,7 @@ class Submitter:
             stream=False,
             started=time.perf_counter(),
         )
-        ctx.state[BATCH_LINE] = line
+        ctx.batch_line = line
         ctx.priority = LINE_PRIORITY
         ctx.log["batch_id"] = line.batch_id
         ctx.log["custom_id"] = line.custom_id

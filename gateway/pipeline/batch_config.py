@@ -4,7 +4,7 @@ the plugins that see its lines.
 
 A batch line runs through the same pipeline as a live request. Two things tell the plugins it is one:
 
-- ``ctx.state[BATCH_LINE]``: a ``BatchLine`` naming whose batch it is (the key id and tenant that
+- ``ctx.batch_line``: a ``BatchLine`` naming whose batch it is (the key id and tenant that
   created it, checked again for every line: a revoked key's lines are refused). A client cannot set
   it: only the runner builds the context. An access-control plugin (tenancy) authenticates the line by
   it instead of by headers, and may charge it at its batch price.
@@ -20,8 +20,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-#: ``ctx.state`` key of a batch line's ``BatchLine``.
-BATCH_LINE = "batch_line"
 #: ``services.shared`` key of the ``async (headers) -> Caller`` the access-control plugin registers.
 CALLER_OF = "caller_of"
 #: ``ctx.priority`` of a batch line (routing's admission order): below every tenant's (theirs end at -1000).

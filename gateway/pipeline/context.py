@@ -12,6 +12,7 @@ import orjson
 log = logging.getLogger("gateway.context")
 
 if TYPE_CHECKING:
+    from gateway.pipeline.batch_config import BatchLine
     from gateway.pipeline.config import GatewayConfig, ModelConfig
     from gateway.pipeline.models import ModelTable
     from gateway.upstream.workers import Worker
@@ -186,6 +187,8 @@ class RequestContext:
     log: dict[str, Any] = field(default_factory=dict)  # extra fields for the access log line
     body_changed: bool = False
     resumed: int = 0  # times a cut stream was continued on another worker (plugins see one stream)
+    #: Set by the batch runner only (a client cannot): whose batch this line is (``gateway.pipeline.batch_config``).
+    batch_line: BatchLine | None = None
     #: Set by a chunk hook that must end the stream early (an output check that fired): the core stops
     #: reading the worker after that chunk and ends the stream with ``[DONE]``.
     close_stream: bool = False

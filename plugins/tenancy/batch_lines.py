@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from gateway.pipeline.batch_config import BATCH_LINE, LINE_PRIORITY, BatchLine, Caller
+from gateway.pipeline.batch_config import LINE_PRIORITY, BatchLine, Caller
 from gateway.pipeline.context import RequestContext
 from gateway.wire.errors import AuthenticationFailed
 from plugins.tenancy.keys import KeyInfo, KeyStore
@@ -20,7 +20,7 @@ __all__ = ["LINE_PRIORITY", "batch_line", "caller", "line_key", "priced", "price
 
 
 def batch_line(ctx: RequestContext) -> BatchLine | None:
-    line = ctx.state.get(BATCH_LINE)
+    line = ctx.batch_line
     return line if isinstance(line, BatchLine) else None
 
 
