@@ -21,13 +21,12 @@ from gateway.pipeline.services import Services
 from gateway.proxy.answer import AnswerStream
 from gateway.proxy.inspected import InspectedRelay
 from gateway.proxy.passthrough import PassThrough
+from gateway.proxy.stream_tap import StreamTap, ask_for_usage
+from gateway.proxy.token_limit import cap_answer, completion_limit
 from gateway.proxy.trip import Trip
-from gateway.proxy.usage_tap import UsageTap, ask_for_usage
 from gateway.upstream.client import UpstreamFailure, UpstreamResponse
 from gateway.wire.errors import BadGateway
 from gateway.wire.streaming import replay, replay_chunks, wants_usage
-
-_USAGE_ENDPOINTS = frozenset({"chat/completions", "completions"})  # the streams with a usage event
 
 
 @dataclass(slots=True)
@@ -63,7 +62,7 @@ class Proxy:
         if early is not None:
             return await self._reply_early(ctx, early)
         inspected = ctx.stream and pipeline.inspects_stream(ctx)
-        tap = self._usage_tap(ctx) if ctx.stream and not inspected else None
+        tap = self._stream_tap(ctx) if ctx.stream and not inspected else None
         trip = Trip(ctx, self.services)
         ctx.add_finalizer(trip.abandon)  # a lease no relay released (the client left first) is given back
         upstream = await trip.open()
@@ -73,16 +72,22 @@ class Proxy:
         if inspected:
             relay = InspectedRelay(ctx, self.services.metrics, self._count_usage, trip.end)
             return StreamReply(relay.relay(answer), ctx.response_headers)
-        usage = (tap, partial(self._settle_usage, ctx)) if tap is not None else None
-        stream = PassThrough(ctx, answer, self.services.metrics, trip.end, usage)
+        settle = partial(self._settle_usage, ctx) if tap is not None and tap.settles else None
+        stream = PassThrough(ctx, answer, self.services.metrics, trip.end, tap, settle)
         return StreamReply(None, ctx.response_headers, passthrough=stream)
 
     @staticmethod
-    def _usage_tap(ctx: RequestContext) -> UsageTap | None:
-        """A pass-through stream whose usage a plugin needs: the worker is asked for it (before the trip)."""
-        if ctx.endpoint not in _USAGE_ENDPOINTS or not ctx.snapshot.pipeline.settles_from_usage(ctx):
+    def _stream_tap(ctx: RequestContext) -> StreamTap | None:
+        """A pass-through stream whose usage a plugin needs (the worker is asked for it, before the trip) or
+        whose request sets a completion limit (kept whatever the worker does): read by a tap."""
+        limit = completion_limit(ctx)
+        settles = ctx.snapshot.pipeline.settles_from_usage(ctx)
+        if limit is None and not settles:
             return None
-        return UsageTap(strip=not ask_for_usage(ctx))
+        strip = not ask_for_usage(ctx) if settles else False
+        n = ctx.body.get("n")
+        choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        return StreamTap(strip=strip, limit=limit, choices=choices, settles=settles)
 
     async def _settle_usage(self, ctx: RequestContext, usage: dict[str, Any] | None) -> None:
         self._count_usage(ctx, usage)
@@ -114,9 +119,14 @@ class Proxy:
             lease.ok()
         response = ModelResponse(body=body)
         try:
-            self._count_usage(ctx, response.json.get("usage"))
+            usage = response.json.get("usage")
         except orjson.JSONDecodeError:
             raise BadGateway("The model worker sent a response that is not JSON.", code="upstream_error") from None
+        limit = completion_limit(ctx)
+        if limit is not None and cap_answer(response.json, limit):  # a worker that ran past max_tokens
+            response.replace_json(response.json)
+            ctx.log["cut_at_max_tokens"] = limit
+        self._count_usage(ctx, usage)
         response = await ctx.snapshot.pipeline.run_response(ctx, response)
         ctx.delivered = Delivered(response.status)
         if ctx.snapshot.config.logging.log_content:  # opt-in only: completions are the client's data

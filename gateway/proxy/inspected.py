@@ -18,6 +18,7 @@ from gateway.ops.metrics import Metrics
 from gateway.pipeline.context import Delivered, ModelResponse, RequestContext
 from gateway.proxy.answer import AnswerFailed, AnswerStream, cut_short, error_event, is_error_event, not_json
 from gateway.proxy.passthrough import observe_decoding, observe_first_token
+from gateway.proxy.token_limit import completion_limit, length_end
 from gateway.wire.errors import GatewayError
 from gateway.wire.streaming import DONE, SSEParser, StreamAssembler, delta_tokens, encode_event
 
@@ -36,6 +37,7 @@ class InspectedRelay:
         "_end",
         "_first_at",
         "_has_hooks",
+        "_limit",
         "_metrics",
         "_on_end",
         "_steps",
@@ -59,6 +61,7 @@ class InspectedRelay:
         self._first_at = 0.0
         self._steps = 0  # events after the first: decoding steps
         self._tokens = 0  # the worker's tokens in the events that went out
+        self._limit = completion_limit(ctx)  # kept here too: a worker may ignore the request's max_tokens
 
     async def relay(self, answer: AnswerStream) -> AsyncIterator[bytes]:
         """The client's SSE bytes: the events as the hooks left them, then ``[DONE]`` once the assembled
@@ -108,19 +111,30 @@ class InspectedRelay:
                 out.append(error_event(payload, chunk).to_sse())
                 self._end = _ERROR
                 break
-            self._observe(chunk)
+            tokens = delta_tokens(chunk)
+            limited = self._limit is not None and self._tokens + tokens > self._limit
+            if limited:  # past the request's max_tokens: the answer ends here, as a worker would end it
+                chunk, tokens = self._length_end(chunk), 0
+                payload = orjson.dumps(chunk)
+            self._observe(chunk, tokens)
             if not self._has_hooks:
                 out.append(b"data: " + payload + b"\n\n")
-                continue
-            changed = await ctx.snapshot.pipeline.run_chunk(ctx, chunk)
-            if changed is not None:
-                out.append(encode_event(changed))
-            if ctx.close_stream:
+            else:
+                changed = await ctx.snapshot.pipeline.run_chunk(ctx, chunk)
+                if changed is not None:
+                    out.append(encode_event(changed))
+            if limited or ctx.close_stream:
                 self._end = _CLOSED
                 break
         return out
 
-    def _observe(self, chunk: dict[str, Any]) -> None:
+    def _length_end(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """The chunk that ends every unfinished choice with ``finish_reason: "length"`` at the limit."""
+        self._ctx.log["cut_at_max_tokens"] = self._limit
+        unfinished = [i for i, c in self._assembler.choices.items() if c.get("finish_reason") is None]
+        return length_end(chunk, unfinished or [c.get("index", 0) for c in chunk.get("choices") or ()])
+
+    def _observe(self, chunk: dict[str, Any], tokens: int) -> None:
         self._assembler.add(chunk)
         if not self._first_at:
             self._first_at = time.perf_counter()
@@ -129,7 +143,7 @@ class InspectedRelay:
             self._steps += 1
         # The worker's tokens, counted as sent with the next piece that goes out (a chunk hook may hold
         # text back and release it merged into a later chunk).
-        self._tokens += delta_tokens(chunk)
+        self._tokens += tokens
 
     async def _complete(self) -> bytes:
         """The stream completed: the assembled answer through ``on_response``, then ``[DONE]``."""

@@ -8,12 +8,15 @@ Two ways to relay it, with the same bookkeeping (time to first token, time per o
 
 Exactly one of them runs. The bytes come from an ``AnswerStream`` (``gateway.proxy.answer``), which
 hides a failover to another worker; when it raises its final error, the stream ends with that error as
-one event. When a plugin needs the stream's usage (``Plugin.reads_stream_text = False``), a ``UsageTap``
-(``gateway.proxy.usage_tap``) finds it in the bytes and ``settle(usage)`` runs before ``[DONE]`` goes out.
+one event. When a plugin needs the stream's usage (``Plugin.reads_stream_text = False``) or the request
+has a completion limit, a ``StreamTap`` (``gateway.proxy.stream_tap``) reads the bytes: it finds the usage
+(then ``settle(usage)`` runs before ``[DONE]`` goes out), counts the tokens sent, and ends the stream at
+the limit should the worker run past it (the worker's connection is closed, which makes vLLM stop).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -22,7 +25,7 @@ from gateway.infra.chunked_writer import ChunkedWriter
 from gateway.ops.metrics import Metrics
 from gateway.pipeline.context import Delivered, RequestContext
 from gateway.proxy.answer import AnswerFailed, AnswerStream
-from gateway.proxy.usage_tap import UsageTap
+from gateway.proxy.stream_tap import StreamTap
 from gateway.wire.errors import GatewayError
 
 #: Runs the plugins that need a stream's usage (the worker's usage object, or None when it sent none).
@@ -55,11 +58,12 @@ class PassThrough:
         answer: AnswerStream,
         metrics: Metrics,
         on_end: Callable[[bool], None],
-        usage: tuple[UsageTap, Settle] | None = None,
+        tap: StreamTap | None = None,
+        settle: Settle | None = None,
     ) -> None:
         self._ctx = ctx
-        self._tap: UsageTap | None = usage[0] if usage is not None else None
-        self._settle: Settle | None = usage[1] if usage is not None else None
+        self._tap = tap
+        self._settle = settle
         self._done = b""  # the [DONE] part, held until the usage was settled
         self._answer = answer
         self._metrics = metrics
@@ -71,7 +75,8 @@ class PassThrough:
 
     @property
     def ok(self) -> bool:
-        return self._answer.ok
+        """The stream ended with ``[DONE]``: the worker's, or the gateway's at the request's limit."""
+        return self._answer.ok or (self._tap is not None and self._tap.limited)
 
     async def relay(self, writer: ChunkedWriter) -> None:
         """Relay the whole stream through ``writer``, then its ending (an error event if it was cut and not
@@ -79,7 +84,8 @@ class PassThrough:
         self._writer = writer
         try:
             try:
-                await self._answer.relay(self._write, writer.drained)
+                with contextlib.suppress(_AtLimit):
+                    await self._answer.relay(self._write, writer.drained)
                 self._observe_end()
                 ending = await self._ending()
             except AnswerFailed as failed:
@@ -99,6 +105,8 @@ class PassThrough:
                         piece = self._tapped(piece)
                     if piece:
                         yield piece
+                    if self._tap is not None and self._tap.limited:
+                        break  # at the request's limit: the worker's connection is closed with the stream
                 self._observe_end()
                 ending = await self._ending()
             except AnswerFailed as failed:
@@ -113,21 +121,23 @@ class PassThrough:
         abort the generation) and report the outcome; later calls do nothing."""
         if not self._ended:
             self._ended = True
-            answer = self._answer
-            answer.close()
-            tap = self._tap
+            self._answer.close()
+            ok, tap = self.ok, self._tap
             if tap is None:
-                self._ctx.delivered = Delivered(complete=answer.ok)  # not parsed: tokens uncounted
+                self._ctx.delivered = Delivered(complete=ok)  # not parsed: tokens uncounted
             else:
-                self._ctx.delivered = Delivered(
-                    stream_tokens=tap.completion_tokens(), usage=tap.usage, complete=answer.ok
-                )
-            self._on_end(answer.ok)
+                self._ctx.delivered = Delivered(stream_tokens=tap.completion_tokens(), usage=tap.usage, complete=ok)
+            self._on_end(ok)
 
     def _write(self, chunk: bytes) -> bool:
         self._seen(chunk)
-        if self._tap is not None:
+        tap = self._tap
+        if tap is not None:
             chunk = self._tapped(chunk)
+            if tap.limited:  # at the request's limit: stop reading the worker (its connection is closed)
+                assert self._writer is not None
+                self._writer.write(chunk)
+                raise _AtLimit
             if not chunk:
                 return True
         assert self._writer is not None
@@ -141,12 +151,15 @@ class PassThrough:
         return piece
 
     async def _ending(self) -> bytes:
-        """After the worker's last byte, a stream whose usage a plugin needs: run it (a refusal becomes the
-        stream's last event instead of ``[DONE]``), then the ``[DONE]`` held back."""
+        """After the worker's last byte (or the limit), a tapped stream's end: the plugins that need its
+        usage run (a refusal becomes the stream's last event instead of ``[DONE]``), then the ``[DONE]``
+        held back."""
         tap, settle = self._tap, self._settle
-        if tap is None or settle is None:
+        if tap is None:
             return b""
-        held = tap.flush()
+        held = b"" if tap.limited else tap.flush()
+        if settle is None:
+            return held + self._done
         self._ctx.delivered = Delivered(stream_tokens=tap.completion_tokens(), usage=tap.usage, complete=False)
         try:
             await settle(tap.usage)
@@ -169,6 +182,10 @@ class PassThrough:
     def _observe_end(self) -> None:
         # The [DONE] event is not a decoding step.
         observe_decoding(self._metrics, self._ctx, self._last_at - self._first_at, self._events - 1)
+
+
+class _AtLimit(Exception):
+    """Raised from the relay's sink when the stream reached the request's limit: reading stops."""
 
 
 def observe_first_token(metrics: Metrics, ctx: RequestContext, at: float) -> None:

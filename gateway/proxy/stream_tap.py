@@ -1,4 +1,5 @@
-"""A pass-through stream's usage, found without parsing its other events: ``UsageTap``.
+"""A pass-through stream's usage and token count, found without parsing its events, and the request's
+limit kept: ``StreamTap``.
 
 When the only plugins that look at a stream need just its usage (``Plugin.reads_stream_text = False``:
 tenancy, to bill), the stream keeps the pass-through and the core:
@@ -11,6 +12,10 @@ tenancy, to bill), the stream keeps the pass-through and the core:
    JSON is ``{"usage": ...}``), so a completed stream is charged before the client has all of it, as on
    the parsed path.
 
+It also counts the events that carry generated text (substring counts per read, the way vLLM serializes
+them) and, when the request has a completion limit (``gateway.proxy.token_limit``), ends the stream there
+with ``finish_reason: "length"`` should the worker run past it.
+
 Only whole events go out (a read's torn end waits for the next read), so the usage event and the ``[DONE]``
 mark are always found whole; the bytes are otherwise sent as the worker wrote them.
 """
@@ -22,13 +27,21 @@ from typing import Any
 import orjson
 
 from gateway.pipeline.context import RequestContext
+from gateway.proxy.token_limit import length_end
 from gateway.wire.streaming import wants_usage
 
 _USAGE = b'"usage":{'
 _DONE = b"data: [DONE]"
 _EVENT = b"data:"
-#: Events that carry no generated token: a choice's role event, and an empty delta (a finish event).
-_NO_TOKEN = (b'"role":', b'"delta":{}', b'"delta":{"content":""}')
+#: A delta (or legacy choice) with generated output, and the same members empty (a role or finish event).
+_OUTPUT = (b'"content":"', b'"text":"', b'"reasoning_content":"', b'"tool_calls":[')
+_EMPTY = (b'"content":""', b'"text":""', b'"reasoning_content":""', b'"tool_calls":[]')
+_DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def output_events(piece: bytes) -> int:
+    """How many choice deltas in ``piece`` carry generated output (vLLM sends one per token)."""
+    return sum(piece.count(mark) for mark in _OUTPUT) - sum(piece.count(mark) for mark in _EMPTY)
 
 
 def ask_for_usage(ctx: RequestContext) -> bool:
@@ -50,16 +63,21 @@ def ask_for_usage(ctx: RequestContext) -> bool:
     return False
 
 
-class UsageTap:
-    """See the module docstring. ``feed`` each piece of the stream in order."""
+class StreamTap:
+    """See the module docstring. ``feed`` each piece of the stream in order; once ``limited``, the stream
+    is over (the caller stops reading the worker)."""
 
-    __slots__ = ("_held", "_strip", "events", "usage")
+    __slots__ = ("_choices", "_held", "_strip", "limit", "limited", "settles", "tokens", "usage")
 
-    def __init__(self, *, strip: bool) -> None:
+    def __init__(self, *, strip: bool, limit: int | None = None, choices: int = 1, settles: bool = True) -> None:
+        self.settles = settles  # a plugin needs the usage (``settle`` runs before [DONE])
         self._strip = strip  # the client did not ask for the usage event
         self._held = b""  # the start of an event that may be the usage event or the [DONE] mark
+        self._choices = choices
+        self.limit = limit
+        self.limited = False
         self.usage: dict[str, Any] | None = None
-        self.events = 0  # events that went out with a generated token (one per token, as vLLM streams)
+        self.tokens = 0  # generated tokens that went out (one per delta with output, as vLLM streams)
 
     def feed(self, piece: bytes) -> tuple[bytes, bytes]:
         """(whole events to send now, the ``[DONE]`` part held back until the usage plugins ran). The
@@ -80,8 +98,35 @@ class UsageTap:
             piece, done = piece[:mark], piece[mark:]
         if _USAGE in piece:
             piece = self._take_usage(piece)
-        self.events += piece.count(_EVENT) - sum(piece.count(mark) for mark in _NO_TOKEN)
+        tokens = output_events(piece)
+        if self.limit is not None and self.tokens + tokens > self.limit:
+            return self._cut(piece), _DONE_EVENT
+        self.tokens += tokens
         return piece, done
+
+    def _cut(self, piece: bytes) -> bytes:
+        """The events of ``piece`` up to the limit, then the chunk that ends the answer there."""
+        assert self.limit is not None
+        kept: list[bytes] = []
+        last = b""
+        for event in piece.split(b"\n\n"):
+            tokens = output_events(event)
+            if not event or self.tokens + tokens > self.limit:
+                break
+            self.tokens += tokens
+            kept.append(event + b"\n\n")
+            last = event
+        self.limited = True
+        self._held = b""
+        usage = self.usage
+        if usage is not None:  # the worker's usage counts what it generated; the client got the limit
+            prompt = usage.get("prompt_tokens")
+            self.usage = {**usage, "completion_tokens": self.tokens}
+            if isinstance(prompt, int):
+                self.usage["total_tokens"] = prompt + self.tokens
+        first = _json_of(last) or _json_of(piece[: piece.find(b"\n\n")])
+        end = length_end(first, list(range(self._choices)))
+        return b"".join(kept) + b"data: " + orjson.dumps(end) + b"\n\n"
 
     def flush(self) -> bytes:
         """What is still held when the worker's bytes ended (a stream cut inside an event)."""
@@ -90,10 +135,10 @@ class UsageTap:
 
     def completion_tokens(self) -> int:
         """The completion tokens the client was sent: the usage's when the worker reported it, else the
-        events that carried a token (vLLM sends one event per generated token)."""
+        deltas that carried output."""
         usage = self.usage
         counted = usage.get("completion_tokens") if usage is not None else None
-        return counted if isinstance(counted, int) else max(0, self.events)
+        return counted if isinstance(counted, int) else self.tokens
 
     def _take_usage(self, piece: bytes) -> bytes:
         """Keep the usage of the (whole) event that carries it; drop that event when the client did not
@@ -111,3 +156,14 @@ class UsageTap:
         if self._strip and isinstance(event, dict) and not event.get("choices"):
             return piece[:start] + piece[end + 2 :]
         return piece
+
+
+def _json_of(event: bytes) -> dict[str, Any]:
+    """An event's JSON object (``data: {...}``), or {} for anything else."""
+    if not event.startswith(_EVENT):
+        return {}
+    try:
+        parsed = orjson.loads(event[len(_EVENT) :])
+    except orjson.JSONDecodeError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}

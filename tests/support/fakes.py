@@ -89,6 +89,7 @@ class Behavior:
     hang_after: int | None = None  # after this many chunks send nothing more, until the client goes away
     text: str = "Hello from the fake worker."
     finish_reason: str = "stop"
+    ignore_max_tokens: bool = False  # a worker that runs past the request's max_tokens (as a faulty one may)
     # Raw bytes sent before a stream's first event (e.g. an SSE comment): a byte pass-through keeps
     # them, a relay that parses events drops them.
     preamble: bytes = b""
@@ -335,7 +336,7 @@ class FakeUpstream:
                 pieces[0] = pieces[0][len(prefix) - done :]
         limit = body.get("max_tokens") or body.get("max_completion_tokens")
         finish_reason = b.finish_reason
-        if isinstance(limit, int) and limit < len(pieces):
+        if isinstance(limit, int) and limit < len(pieces) and not b.ignore_max_tokens:
             pieces, finish_reason = pieces[:limit], "length"
         events: list[dict[str, Any]] = []
         if chat:

@@ -1,0 +1,114 @@
+"""The gateway keeps the request's max_tokens whatever the worker does: a worker that runs past it
+(faulty or hostile) has its stream ended at the limit with ``finish_reason: "length"``, on the byte
+pass-through and on the parsed relay alike, and the tenant is charged no more than it asked for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.plugin import Plugin
+from plugins.tenancy.keys import hash_key
+from tests.support.fakes import FakeUpstream
+from tests.support.gateways import GatewayFactory, base_config
+from tests.support.tenancy import PEPPER, prefix
+
+__all__ = ["prefix"]  # the fixture, used by name
+
+KEY = "sk-gw-max-tokens-kept"
+
+
+class Watcher(Plugin):
+    """Reads every chunk as it comes: the request's streams take the parsed relay."""
+
+    name = "watcher"
+
+    async def on_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        return chunk
+
+
+PLUGINS = {"watcher": Watcher}
+
+
+def config(upstream_url: str, prefix: str, *, parsed: bool) -> dict[str, Any]:
+    key = {"id": "k1", "tenant": "t1", "hash": hash_key(KEY, PEPPER.encode()), "limits": {"tokens_per_day": 10_000}}
+    plugins: list[dict[str, Any]] = [{"name": "tenancy", "config": {"redis_prefix": prefix, "keys": [key]}}]
+    if parsed:
+        plugins.append({"name": "watcher"})
+    return base_config([upstream_url], plugins=[*plugins, {"name": "routing"}])
+
+
+def stream(server_url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    headers = {"authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server_url + "/v1/chat/completions", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        raw = response.read()
+    assert raw.endswith(b"data: [DONE]\n\n")
+    events = [line[6:] for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
+    return [orjson.loads(e) for e in events]
+
+
+def day(server_url: str) -> dict[str, Any]:
+    reply = httpx.post(
+        server_url + "/admin/plugins/tenancy/usage", json={"key_id": "k1"}, headers={"authorization": "Bearer adm"}
+    )
+    return dict(reply.json()["result"]["day"])
+
+
+@pytest.mark.parametrize("parsed", [False, True], ids=["pass-through", "parsed"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_stream_past_max_tokens_is_ended_at_the_limit_and_charged_no_more(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    prefix: str,
+    parsed: bool,
+    include_usage: bool,
+) -> None:
+    upstream.behavior.ignore_max_tokens = True
+    upstream.behavior.chunks = 20  # the worker sends 20 tokens whatever the request says
+    body: dict[str, Any] = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    body |= {"max_tokens": 5, "temperature": 0.7}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    with gateway_factory(config(upstream_url, prefix, parsed=parsed), plugins=PLUGINS, admin_token="adm") as (
+        _,
+        server,
+    ):
+        events = stream(server.url, body)
+        charged = day(server.url)
+    texts = [c["delta"].get("content") for e in events for c in e.get("choices", ()) if c["delta"].get("content")]
+    finishes = [c["finish_reason"] for e in events for c in e.get("choices", ()) if c.get("finish_reason")]
+    assert len(texts) == 5 and finishes == ["length"]
+    assert charged["completion_tokens"] == 5
+
+
+def test_a_worker_that_keeps_the_limit_is_untouched(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    upstream.behavior.chunks = 20
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 5}
+    with gateway_factory(config(upstream_url, prefix, parsed=False), admin_token="adm") as (_, server):
+        events = stream(server.url, body)
+    finishes = [c["finish_reason"] for e in events for c in e.get("choices", ()) if c.get("finish_reason")]
+    assert finishes == ["length"]
+    assert all(e["id"] == events[0]["id"] for e in events)  # the worker's own events, none made up
+
+
+def test_an_answer_past_max_tokens_is_charged_no_more(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    upstream.behavior.ignore_max_tokens = True
+    upstream.behavior.chunks = 20  # the fake's usage: completion_tokens = chunks
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    with gateway_factory(config(upstream_url, prefix, parsed=False), admin_token="adm") as (_, server):
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
+        charged = day(server.url)
+    assert reply.status_code == 200
+    assert reply.json()["usage"]["completion_tokens"] == 5
+    assert reply.json()["choices"][0]["finish_reason"] == "length"
+    assert charged["completion_tokens"] == 5
