@@ -250,6 +250,10 @@ class WorkerTable:
         """Each polled worker's own load: running and waiting requests, KV cache use (its /metrics)."""
         return LoadPoller()
 
+    def kv_blocks(self, url: str) -> int | None:
+        """The KV blocks indexed for worker ``url`` (None while no worker's events are followed)."""
+        return self.kv.index.blocks(url) if "kv" in self.__dict__ else None
+
     async def close_signals(self) -> None:
         if "kv" in self.__dict__:
             await self.kv.aclose()

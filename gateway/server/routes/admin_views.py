@@ -104,7 +104,7 @@ async def workers(request: Request) -> JSON:
                     "checked_ago_s": now - worker.checked_at if worker.checked_at else None,
                     "errors": errors.get(url, {}),
                     # KV blocks indexed from the worker's events (routing's precise_prefix follows them)
-                    "kv_blocks": table.kv.index.blocks(url) if "kv" in table.__dict__ else None,
+                    "kv_blocks": table.kv_blocks(url),
                     "adapters": worker.adapters.describe(now),
                 }
             )
