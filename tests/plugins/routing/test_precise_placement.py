@@ -126,6 +126,13 @@ def test_a_prompt_goes_to_the_worker_holding_its_prefix_and_the_prediction_is_ch
         view = placement(gw)
         assert view["degraded"] is False and view["within_one_block"] == 1.0 and view["checked"] == 4
         assert [w["blocks"] for w in view["workers"]] == [0, len(set(shared))]
+        assert view["workers"][1]["hit_rate"] == pytest.approx(predicted / n)
+        # the console's workers view: each worker's blocks and recent hit rate
+        rows = httpx.get(gw.url + "/admin/workers", headers=ADMIN).json()["models"][0]["workers"]
+        assert [(r["kv_blocks"], r["kv_hit_rate"]) for r in rows] == [
+            (0, None),
+            (len(set(shared)), view["workers"][1]["hit_rate"]),
+        ]
         metrics = httpx.get(gw.url + "/metrics").text
         assert 'gateway_routing_placements_total{how="precise",model="m1"} 4.0' in metrics
 

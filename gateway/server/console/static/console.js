@@ -147,13 +147,14 @@
           el("td", {}, w.last_error || "-"),
           el("td", {}, Object.entries(w.errors).map(([k, n]) => `${k}: ${n}`).join(", ") || "-"),
           el("td", { class: "num" }, w.checked_ago_s === null ? "-" : `${w.checked_ago_s.toFixed(1)} s ago`),
-          el("td", { class: "num" }, w.kv_blocks ?? "-")));
+          el("td", { class: "num" }, w.kv_blocks ?? "-"),
+          el("td", { class: "num" }, w.kv_hit_rate == null ? "-" : `${(100 * w.kv_hit_rate).toFixed(0)}%`)));
       return el("div", { class: "model" },
         el("h3", {}, model.model, " ",
           el("span", { class: "muted small model-load" }, `${model.in_flight} in flight, ${model.queued} queued`)),
         el("table", {},
           el("thead", {}, el("tr", {}, ...["worker", "state", "in flight", "ejections", "failures in a row",
-            "last error", "upstream errors", "last check", "KV blocks"].map((h) => el("th", {}, h)))),
+            "last error", "upstream errors", "last check", "KV blocks", "hit rate"].map((h) => el("th", {}, h)))),
           el("tbody", {}, ...rows)));
     });
     $("workers").replaceChildren(...blocks);
