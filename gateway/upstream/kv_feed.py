@@ -42,6 +42,7 @@ log = logging.getLogger("gateway.kv_events")
 #: ``async (url, timeout_s) -> (status, body)``: a bounded GET (the upstream client's).
 Fetch = Callable[[str, float], Awaitable[tuple[int, bytes]]]
 _DUPLICATE_WINDOW_S = 5.0  # batches re-read from the live socket right after a replay are duplicates
+_HIT_ALPHA = 0.1  # the hit rate's moving average weighs about the last 20 responses
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,7 @@ class WorkerKv:
     removals: int = 0  # blocks the worker evicted
     received: int = 0  # read from the live socket
     first_stored: Stored | None = None  # for routing's check of its own hashes against the worker's
+    hit_rate: float | None = None  # recent share of prompt tokens the worker reported cached (moving average)
     _dup_window: tuple[int, int, float] | None = field(default=None, repr=False)
 
 
@@ -144,6 +146,14 @@ class KvFeed:
         state = self.workers.get(url)
         if state is not None and state.expect_since is None:
             state.expect_since = self._clock()
+
+    def record_hit(self, url: str, cached_tokens: int, prompt_tokens: int) -> None:
+        """A response from ``url`` reported ``cached_tokens`` of ``prompt_tokens`` from its prefix cache."""
+        state = self.workers.get(url)
+        if state is None or prompt_tokens <= 0:
+            return
+        share = min(cached_tokens / prompt_tokens, 1.0)
+        state.hit_rate = share if state.hit_rate is None else state.hit_rate + _HIT_ALPHA * (share - state.hit_rate)
 
     def drop(self, url: str, why: str) -> None:
         """Forget ``url``'s entries and sequence (a failed health check: it may come back as a new process)."""

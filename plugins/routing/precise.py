@@ -201,6 +201,7 @@ class PrecisePlacement:
         actual = reported_cached_tokens(response.json.get("usage"))
         if actual is None:
             return
+        self.workers.kv.record_hit(worker.url, actual, request.prompt_tokens)
         self.shared.prediction_error.labels(self.model).observe(abs(predicted - actual))
         self.tracker.observe(predicted, actual, request.block_size)
         share = self.tracker.share()
@@ -225,6 +226,7 @@ def placement_view(
                 {
                     "url": worker.url,
                     "blocks": feed.index.blocks(worker.url),
+                    "hit_rate": None if state is None else state.hit_rate,
                     "events": None if state is None else {
                         "following": state.source is not None, "trusted": feed.trusted(worker.url),
                         "last_seq": state.last_seq, "block_size": state.block_size, "batches": state.batches,

@@ -8,13 +8,17 @@ rendered text without adding special tokens). Completions: the prompt text encod
 audio, earlier tool calls, several prompts in one request) yields None: such a request is not
 predicted, and routing places it by approximate affinity.
 
-``transformers`` is needed (it comes with the engine); it is imported only when a model uses the
-precise policy, and a tokenizer loads in a thread.
+The tokenizer is the model's ``tokenizer.json`` (the ``tokenizers`` package, as Hugging Face's fast
+tokenizers use it) and the template is rendered by ``transformers``' own ``render_jinja_template`` with the
+special tokens its tokenizer would pass: what ``apply_chat_template`` does, without importing the model
+side of ``transformers`` (and torch: half a GiB and seconds per gateway process). ``transformers`` comes
+with the engine; it is imported only when a model uses the precise policy, in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -32,7 +36,7 @@ class PromptTokenizer:
     used from several threads at once can fail ("Already borrowed")."""
 
     def __init__(self, tokenizer: Any, chat_template: str | None) -> None:
-        self._tok = tokenizer
+        self._tok = tokenizer  # encode(text, add_special_tokens) -> ids, apply_chat_template(...) -> ids
         self._template = chat_template
         self._lock = threading.Lock()
 
@@ -41,11 +45,8 @@ class PromptTokenizer:
         """Load ``path`` (a Hugging Face model directory) and ``chat_template`` (a Jinja file) off the loop."""
 
         def build() -> PromptTokenizer:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
             template = Path(chat_template).read_text() if chat_template else None
-            return cls(tokenizer, template)
+            return cls(_ModelTokenizer(Path(path)), template)
 
         return await asyncio.to_thread(build)
 
@@ -65,7 +66,7 @@ class PromptTokenizer:
         if endpoint == "completions":
             prompt = body.get("prompt")
             if isinstance(prompt, str):
-                return list(self._tok.encode(prompt, add_special_tokens=body.get("add_special_tokens", True) is True))
+                return self._tok.encode(prompt, add_special_tokens=body.get("add_special_tokens", True) is True)
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
                 return list(prompt)
         return None
@@ -85,12 +86,9 @@ class PromptTokenizer:
         extra.setdefault("add_generation_prompt", body.get("add_generation_prompt", True))
         extra.setdefault("continue_final_message", body.get("continue_final_message", False))
         tools = body.get("tools") if isinstance(body.get("tools"), list) else None
-        ids = self._tok.apply_chat_template(
-            conversation, tools=tools, chat_template=self._template, tokenize=True, return_dict=False, **extra
-        )
         if body.get("add_special_tokens") is True:
             return None  # vLLM then adds them on top of the template's: not reproduced here
-        return list(ids)
+        return list(self._tok.apply_chat_template(conversation, tools=tools, chat_template=self._template, **extra))
 
 
 def _plain_message(message: object) -> dict[str, Any] | None:
@@ -112,3 +110,53 @@ def _plain_message(message: object) -> dict[str, Any] | None:
     plain = {k: message[k] for k in _MESSAGE_FIELDS if k in message}
     plain["content"] = content
     return plain
+
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class _ModelTokenizer:
+    """A model directory's tokenizer and chat template, as a Hugging Face fast tokenizer applies them
+    (``PreTrainedTokenizerBase.apply_chat_template``: the named special tokens are template variables, the
+    rendered text is encoded without adding special tokens)."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+        from transformers.utils.chat_template_utils import render_jinja_template  # seconds: here, in the thread
+
+        self._render = render_jinja_template
+        self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config_file = path / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.special_tokens = {name: _token_text(config[name]) for name in _SPECIAL_TOKENS if config.get(name)}
+        template_file = path / "chat_template.jinja"
+        self.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, Any]], *, tools: list[Any] | None, chat_template: str | None, **kwargs: Any
+    ) -> list[int]:
+        template = _pick_template(chat_template or self.chat_template, tools)
+        rendered: Any = self._render(
+            conversations=[conversation], tools=tools, chat_template=template, **{**self.special_tokens, **kwargs}
+        )
+        return self.encode(rendered[0][0], add_special_tokens=False)  # (texts, generation indices)
+
+
+def _token_text(value: Any) -> str:
+    return str(value.get("content", "")) if isinstance(value, dict) else str(value)
+
+
+def _pick_template(template: Any, tools: list[Any] | None) -> str:
+    """A single template, or the right one of several named ones (as ``get_chat_template`` picks it)."""
+    if isinstance(template, list):  # [{"name": ..., "template": ...}] in tokenizer_config.json
+        template = {t["name"]: t["template"] for t in template}
+    if isinstance(template, dict):
+        if tools is not None and "tool_use" in template:
+            return str(template["tool_use"])
+        return str(template["default"])
+    if not isinstance(template, str):
+        raise ValueError("the model has no chat template")
+    return template

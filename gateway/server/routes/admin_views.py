@@ -5,9 +5,9 @@
   requests and errors, sampled on a timer into bounded rings (``gateway.ops.series``).
 - ``GET /admin/workers``: each model's requests in flight and queued, and its workers: health, in
   flight, ejections, the last error, the upstream failures counted per worker and kind since start, and
-  the KV blocks indexed from its events (None when no worker's events are followed).
-  the LoRA adapters it holds (``adapters``: name, pinned, requests using it, seconds since last use, or
-  ``loading``).
+  the KV blocks indexed from its events and its recent prefix-cache hit rate as its responses reported it
+  (None when its events are not followed), the LoRA adapters it holds (``adapters``: name, pinned, requests
+  using it, seconds since last use, or ``loading``).
 - ``GET /admin/reloads``: the running version and the last reloads, newest first (when, who, source,
   accepted/unchanged/refused, reason).
 - ``POST /admin/config/diff``: a candidate config (YAML or JSON body) validated without going live
@@ -32,6 +32,7 @@ from gateway.server.admin_auth import require_admin
 from gateway.server.routes import JSON
 from gateway.server.routes.admin import describe, redact
 from gateway.server.state import AppState
+from gateway.upstream.workers import WorkerTable
 from gateway.wire.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
@@ -77,6 +78,12 @@ def _read_metrics(state: AppState) -> tuple[dict[str, dict[str, float]], dict[st
     return errors, load
 
 
+def _hit_rate(table: WorkerTable, url: str) -> float | None:
+    """The worker's recent share of prompt tokens reported cached (checked precise_prefix requests)."""
+    state = table.kv.workers.get(url) if "kv" in table.__dict__ else None
+    return state.hit_rate if state is not None else None
+
+
 @router.get("/workers")
 async def workers(request: Request) -> JSON:
     state = _state(request)
@@ -105,6 +112,7 @@ async def workers(request: Request) -> JSON:
                     "errors": errors.get(url, {}),
                     # KV blocks indexed from the worker's events (routing's precise_prefix follows them)
                     "kv_blocks": table.kv_blocks(url),
+                    "kv_hit_rate": _hit_rate(table, url),
                     "adapters": worker.adapters.describe(now),
                 }
             )

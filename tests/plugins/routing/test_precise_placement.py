@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from gateway.server.app import GatewayApp
-from plugins.routing import RoutingPlugin
 from plugins.routing.blockhash import BlockHasher
 from plugins.routing.prompt_tokens import PromptTokenizer
+from tests.support.dns import NAME, scripted_routing, two_addresses
 from tests.support.fakes import FakeUpstream, ServerThread, free_port
 from tests.support.faults import wait_for
 from tests.support.gateways import REPO, GatewayFactory, base_config
@@ -126,6 +126,13 @@ def test_a_prompt_goes_to_the_worker_holding_its_prefix_and_the_prediction_is_ch
         view = placement(gw)
         assert view["degraded"] is False and view["within_one_block"] == 1.0 and view["checked"] == 4
         assert [w["blocks"] for w in view["workers"]] == [0, len(set(shared))]
+        assert view["workers"][1]["hit_rate"] == pytest.approx(predicted / n)
+        # the console's workers view: each worker's blocks and recent hit rate
+        rows = httpx.get(gw.url + "/admin/workers", headers=ADMIN).json()["models"][0]["workers"]
+        assert [(r["kv_blocks"], r["kv_hit_rate"]) for r in rows] == [
+            (0, None),
+            (len(set(shared)), view["workers"][1]["hit_rate"]),
+        ]
         metrics = httpx.get(gw.url + "/metrics").text
         assert 'gateway_routing_placements_total{how="precise",model="m1"} 4.0' in metrics
 
@@ -192,25 +199,16 @@ def test_one_tenants_salted_prompt_never_matches_another_tenants_blocks(
 
 def test_workers_found_later_by_dns_are_followed_too(gateway_factory: GatewayFactory) -> None:
     port = free_port()
-    answers = {"workers.default.svc": ["127.0.0.1"]}
-
-    class TestRouting(RoutingPlugin):
-        @staticmethod
-        async def resolver(host: str, port: int) -> list[str]:
-            return list(answers[host])
-
-    first, second = FakeUpstream(name="a"), FakeUpstream(name="b")
-    one, two = ServerThread(first, port), ServerThread(second, port)
-    two.server.config.host = "127.0.0.2"
+    answers = {NAME: ["127.0.0.1"]}
     routing = {"discovery": {"dns_interval_s": 0.2},
                "default": {"policy": "precise_prefix", "precise": {"tokenizer": str(MODEL_DIR)}}}  # fmt: skip
-    with one, two:
-        cfg = base_config([f"dns://workers.default.svc:{port}"], plugins=[{"name": "routing", "config": routing}])
-        with gateway_factory(cfg, plugins={"routing": TestRouting}) as (app, gw):
+    with two_addresses(port):
+        cfg = base_config([f"dns://{NAME}:{port}"], plugins=[{"name": "routing", "config": routing}])
+        with gateway_factory(cfg, plugins={"routing": scripted_routing(answers)}) as (app, gw):
             feed = app.state.services.workers.kv
             assert set(feed.workers) == {f"http://127.0.0.1:{port}"}
-            answers["workers.default.svc"] = ["127.0.0.1", "127.0.0.2"]
-            wait_for(lambda: len(app.state.services.workers.expand([f"dns://workers.default.svc:{port}"])) == 2,
+            answers[NAME] = ["127.0.0.1", "127.0.0.2"]
+            wait_for(lambda: len(app.state.services.workers.expand([f"dns://{NAME}:{port}"])) == 2,
                      5, "the second address resolved")  # fmt: skip
             post(gw, chat("Hello?"))  # the model's pool is rebuilt with the new worker
             wait_for(lambda: len(feed.workers) == 2, 5, "the new worker followed")

@@ -25,6 +25,7 @@ from gateway.server.app import GatewayApp
 from gateway.upstream.client import UpstreamClient, UpstreamConfig
 from gateway.upstream.workers import WorkerTable
 from plugins.routing import RoutingPlugin
+from tests.support.dns import NAME, scripted_routing, two_addresses
 from tests.support.fakes import FakeUpstream, ServerThread, free_port
 from tests.support.faults import wait_for
 from tests.support.gateways import GatewayFactory, base_config
@@ -407,28 +408,19 @@ async def test_unknown_model_in_routing_config_is_refused() -> None:
 
 def test_dns_discovery_picks_up_a_new_address(gateway_factory: GatewayFactory) -> None:
     port = free_port()
-    answers = {"workers.default.svc": ["127.0.0.1"]}
-
-    class TestRouting(RoutingPlugin):
-        @staticmethod
-        async def resolver(host: str, port: int) -> list[str]:
-            return list(answers[host])
-
-    first, second = FakeUpstream(name="a"), FakeUpstream(name="b")
-    one, two = ServerThread(first, port), ServerThread(second, port)
-    two.server.config.host = "127.0.0.2"
-    with one, two:
+    answers = {NAME: ["127.0.0.1"]}
+    with two_addresses(port) as (first, second):
         cfg = base_config(
-            [f"dns://workers.default.svc:{port}"],
+            [f"dns://{NAME}:{port}"],
             plugins=routing({"discovery": {"dns_interval_s": 0.2}, "default": {"policy": "round_robin"}}),
         )
-        with gateway_factory(cfg, plugins={"routing": TestRouting}, admin_token=ADMIN_TOKEN) as (_, gw):
+        with gateway_factory(cfg, plugins={"routing": scripted_routing(answers)}, admin_token=ADMIN_TOKEN) as (_, gw):
             client = sdk(gw)
             for _ in range(4):
                 client.chat.completions.create(model="m1", messages=CHAT)
             assert (len(first.requests), len(second.requests)) == (4, 0)
             assert httpx.get(gw.url + "/ready", headers=AS_ADMIN).json()["models"]["m1"] == {"workers": 1, "healthy": 1}
-            answers["workers.default.svc"] = ["127.0.0.1", "127.0.0.2"]
+            answers[NAME] = ["127.0.0.1", "127.0.0.2"]
             time.sleep(0.6)
             for _ in range(4):
                 client.chat.completions.create(model="m1", messages=CHAT)

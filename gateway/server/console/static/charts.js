@@ -90,7 +90,6 @@
 
   // What a worker caches (the KV blocks indexed from its cache events, w.kv_blocks) and which adapters
   // it holds (w.adapters); a dash where the gateway does not know.
-  const held = (value) => (value === undefined || value === null ? "-" : value);
 
   function workerRow(w, series, t) {
     const spark = el("td", { class: "spark", dataset: { chart: "worker" } });
@@ -109,7 +108,8 @@
       el("td", {}, w.last_error || "-"),
       el("td", {}, Object.entries(w.errors).map(([k, n]) => `${k}: ${n}`).join(", ") || "-"),
       el("td", { class: "num" }, w.checked_ago_s === null ? "-" : `${w.checked_ago_s.toFixed(1)} s ago`),
-      el("td", { class: "held", title: "KV blocks indexed from the worker's cache events" }, held(w.kv_blocks)),
+      el("td", { class: "held", title: "KV blocks indexed from the worker's cache events, and its recent hit rate" },
+        w.kv_blocks == null ? "-" : `${w.kv_blocks}` + (w.kv_hit_rate == null ? "" : ` (${(100 * w.kv_hit_rate).toFixed(0)}% hit)`)),
       el("td", { class: "held adapters", title: "LoRA adapters the worker holds" }, (w.adapters || []).map((a) =>
         a.name + (a.state === "loading" ? " (loading)" : a.pinned ? " (pinned)" : "")).join(", ") || "-"));
   }
