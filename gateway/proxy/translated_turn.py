@@ -9,6 +9,7 @@ own metrics and access log line. A subclass says how a whole answer and the stre
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -97,7 +98,7 @@ class TranslatedEvents:
             await self._release(499)
 
 
-class TranslatedTurn:
+class TranslatedTurn(abc.ABC):
     """One translated request: the proxied chat request and its translation back. ``route`` labels its
     metrics and access log line."""
 
@@ -108,16 +109,17 @@ class TranslatedTurn:
 
     # -- what a subclass says ----------------------------------------------------------------------
 
+    @abc.abstractmethod
     async def translate_json(self, reply: JSONReply) -> JSONReply:
         """The whole answer (``reply`` is the chat answer or an OpenAI-shaped error) in the API's shape."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def translator(self) -> Translator:
-        raise NotImplementedError
+        """A fresh translator of this turn's chat stream into the API's events."""
 
+    @abc.abstractmethod
     async def finish(self, out: Any) -> bytes:
         """The stream's last event, once ``out`` closed (may raise a GatewayError: sent as an error event)."""
-        raise NotImplementedError
 
     def log_fields(self) -> dict[str, Any]:
         return {}

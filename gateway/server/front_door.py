@@ -31,74 +31,22 @@ import asyncio
 import contextlib
 import enum
 import functools
-import http
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.ops.settings import Settings
-from gateway.wire.errors import error_for_status
+from gateway.server.head_answers import FrontDoorLimits, HeadRefused, answers_for, error_response
+from gateway.server.uvicorn_internals import missing_internals
 
 log = logging.getLogger("gateway.front_door")
 
 #: How long a refused connection is still read (and the bytes dropped) after its answer.
 LINGER_S = 2.0
 _CRLF2 = b"\r\n\r\n"
-
-
-@dataclass(frozen=True, slots=True)
-class FrontDoorLimits:
-    max_header_bytes: int = 32 * 1024
-    max_headers: int = 100
-    max_request_line_bytes: int = 8 * 1024
-    first_request_timeout_s: float = 15.0
-    header_timeout_s: float = 30.0
-    body_timeout_s: float = 60.0
-    max_connections: int = 4096
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> FrontDoorLimits:
-        return cls(
-            max_header_bytes=settings.max_header_bytes,
-            max_headers=settings.max_headers,
-            max_request_line_bytes=settings.max_request_line_bytes,
-            first_request_timeout_s=settings.first_request_timeout_s,
-            header_timeout_s=settings.header_timeout_s,
-            body_timeout_s=settings.body_timeout_s,
-            max_connections=settings.max_connections,
-        )
-
-
-#: What the protocol uses of uvicorn beyond its public API (``HttpToolsProtocol`` and the request cycle's
-#: attributes). uvicorn is pinned to a minor range in pyproject.toml; ``missing_internals`` (checked by
-#: tests/server/test_front_door_internals.py and when the protocol is made) names any that a new uvicorn lost.
-PROTOCOL_INTERNALS = (
-    "_unset_keepalive_if_required",
-    "_should_upgrade",
-    "_unsupported_upgrade_warning",
-    "handle_websocket_upgrade",
-    "on_headers_complete",
-    "on_message_begin",
-    "on_message_complete",
-    "send_400_response",
-)
-INSTANCE_INTERNALS = ("flow", "cycle", "pipeline", "connections", "parser", "url", "headers", "logger", "loop")
-CYCLE_INTERNALS = ("on_response", "response_complete", "response_started", "disconnected", "message_event", "more_body")
-
-
-def missing_internals() -> list[str]:
-    """The uvicorn internals the front door relies on that this uvicorn does not have (empty: all there)."""
-    missing = [f"HttpToolsProtocol.{name}" for name in PROTOCOL_INTERNALS if not hasattr(HttpToolsProtocol, name)]
-    # Instance attributes are set in the methods: the names every method of the class uses.
-    used = {n for f in vars(HttpToolsProtocol).values() if hasattr(f, "__code__") for n in f.__code__.co_names}
-    missing += [f"HttpToolsProtocol().{name}" for name in INSTANCE_INTERNALS if name not in used]
-    cycle = RequestResponseCycle.__init__.__code__.co_names
-    missing += [f"RequestResponseCycle().{name}" for name in CYCLE_INTERNALS if name not in cycle]
-    return missing
 
 
 class Phase(enum.Enum):
@@ -109,72 +57,8 @@ class Phase(enum.Enum):
     BODY = "in a body"  # the head is complete; its body (if any) is being read
 
 
-def error_response(status: int, message: str, code: str, *, extra: bytes = b"") -> bytes:
-    """A complete HTTP/1.1 answer in the gateway's error shape (``gateway.wire.errors``) that closes the
-    connection."""
-    body = error_for_status(status, message, code=code).to_json()
-    phrase = http.HTTPStatus(status).phrase.encode()
-    return (
-        b"HTTP/1.1 %d %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n%b\r\n%b"
-        % (status, phrase, len(body), extra, body)
-    )
-
-
-class HeadRefused(Exception):
-    """A request head outside the bounds; ``answer`` is what the client gets."""
-
-    def __init__(self, answer: bytes) -> None:
-        super().__init__()
-        self.answer = answer
-
-
-class _Answers:
-    """The canned answers for one set of limits (built once per process)."""
-
-    def __init__(self, limits: FrontDoorLimits) -> None:
-        self.line_too_long = error_response(
-            414,
-            f"The request line is longer than this gateway accepts ({limits.max_request_line_bytes} bytes).",
-            "uri_too_long",
-        )
-        self.head_too_large = error_response(
-            431,
-            f"The request headers are larger than this gateway accepts ({limits.max_header_bytes} bytes in all).",
-            "request_header_fields_too_large",
-        )
-        self.too_many_headers = error_response(
-            431,
-            f"The request has more header fields than this gateway accepts ({limits.max_headers}).",
-            "request_header_fields_too_large",
-        )
-        self.header_timeout = error_response(
-            408,
-            f"The request headers did not arrive within {limits.header_timeout_s:g} s.",
-            "request_timeout",
-        )
-        self.body_timeout = error_response(
-            408,
-            f"The request body did not arrive within {limits.body_timeout_s:g} s.",
-            "request_timeout",
-        )
-        self.bad_version = error_response(
-            400, "Only HTTP/1.0 and HTTP/1.1 requests are served here.", "invalid_http_request"
-        )
-        self.too_many_connections = error_response(
-            503,
-            "The gateway has too many open connections; try again shortly.",
-            "too_many_connections",
-            extra=b"retry-after: 1\r\n",
-        )
-
-
 def _nothing() -> None:
     return None
-
-
-@functools.lru_cache(maxsize=16)
-def _answers(limits: FrontDoorLimits) -> _Answers:
-    return _Answers(limits)
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
@@ -183,7 +67,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, limits: FrontDoorLimits | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits = limits or FrontDoorLimits()
-        self.answers = _answers(limits)
+        self.answers = answers_for(limits)
         self._max_head = limits.max_header_bytes
         self._max_line = limits.max_request_line_bytes
         self._max_headers = limits.max_headers
