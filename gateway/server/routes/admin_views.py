@@ -3,6 +3,8 @@
 - ``GET /admin/stats``: live figures by model over the last seconds (``gateway.ops.stats``).
 - ``GET /admin/workers``: each model's requests in flight and queued, and its workers: health, in
   flight, ejections, the last error, and the upstream failures counted per worker and kind since start.
+- ``GET /admin/versions``: the gateway's version and, per model, the vLLM version its workers report
+  (the public ``/version`` names the gateway's only).
 - ``GET /admin/reloads``: the running version and the last reloads, newest first (when, who, source,
   accepted/unchanged/refused, reason).
 - ``POST /admin/config/diff``: a candidate config (YAML or JSON body) validated without going live
@@ -27,7 +29,9 @@ from gateway.pipeline.validate import resolve_plugins
 from gateway.server.admin_auth import require_admin
 from gateway.server.routes import JSON
 from gateway.server.routes.admin import describe, redact
+from gateway.server.routes.utility import gateway_version
 from gateway.server.state import AppState
+from gateway.server.worker_versions import model_versions
 from gateway.wire.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
@@ -114,6 +118,12 @@ async def workers(request: Request) -> JSON:
 def _reloader(request: Request) -> Reloader:
     reloader: Reloader = _state(request).extras["reloader"]
     return reloader
+
+
+@router.get("/versions")
+async def versions(request: Request) -> JSON:
+    """``{"version": <gateway>, "vllm": {<model>: <version or null>}}``."""
+    return JSON({"version": gateway_version(), "vllm": await model_versions(_state(request))})
 
 
 @router.get("/reloads")
