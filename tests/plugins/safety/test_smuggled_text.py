@@ -62,23 +62,19 @@ def test_leet_view_keeps_numbers_and_offsets() -> None:
 
 
 @pytest.mark.parametrize("spell", [tag_characters, hangul_fillers, spaced_letters, leetspeak])
-def test_a_smuggled_injection_is_refused_before_the_worker(
-    server: ServerThread, upstream: FakeUpstream, spell: Any
+@pytest.mark.parametrize(
+    ("prompt", "rule"),
+    [("Hello. {} Thanks.", "prompt-injection"), ("please {} the widget", "deny")],
+    ids=["injection", "denied word"],
+)
+def test_smuggled_text_in_the_prompt_is_refused_before_the_worker(
+    server: ServerThread, upstream: FakeUpstream, spell: Any, prompt: str, rule: str
 ) -> None:
-    response = chat(server, f"Hello. {spell(INJECTION)} Thanks.")
+    smuggled = spell(INJECTION if rule == "prompt-injection" else DENIED)
+    response = chat(server, prompt.format(smuggled))
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "content_filter"
-    assert "prompt-injection" in response.json()["error"]["message"]
-    assert upstream.requests == []
-
-
-@pytest.mark.parametrize("spell", [tag_characters, hangul_fillers, spaced_letters, leetspeak])
-def test_a_smuggled_denied_word_in_the_prompt_is_refused(
-    server: ServerThread, upstream: FakeUpstream, spell: Any
-) -> None:
-    response = chat(server, f"please {spell(DENIED)} the widget")
-    assert response.status_code == 400, response.text
-    assert "'deny'" in response.json()["error"]["message"]
+    assert f"(rule '{rule}')" in response.json()["error"]["message"]
     assert upstream.requests == []
 
 
