@@ -134,7 +134,9 @@ _SPACED_HINT = re2.compile(r" \pL \pL(?:[^\pL\pN_]|$)")
 _SPACED_HINT_SHORT = re.compile(r" [^\W\d_] [^\W\d_](?!\w)")
 _SHORT = 512
 #: Leetspeak: a digit or symbol beside a letter, and the letter each commonly stands for.
-_LEET_HINT = re2.compile(r"[A-Za-z][0-9@$]|[0-9@$][A-Za-z]")
+_LEET_PATTERN = r"[A-Za-z][0-9@$]|[0-9@$][A-Za-z]"
+_LEET_HINT = re2.compile(_LEET_PATTERN)
+_LEET_HINT_SHORT = re.compile(_LEET_PATTERN)  # a call into RE2 costs more than the search on a short text
 #: A word of digits and symbols only (possessive: linear however long): not leetspeak, kept as it is.
 _NOT_LEET = re.compile(r"(?<![A-Za-z0-9@$])[0-9@$]++(?![A-Za-z0-9@$])")
 _LEET = str.maketrans("013457@$", "oieastas")
@@ -269,7 +271,7 @@ def leet_view(text: str) -> str:
     """``text`` with leetspeak undone in the words that mix letters with digits or ``@``/``$``
     (``1gn0r3 4ll`` -> ``ignore all``), character for character (offsets do not move); words of digits
     alone stay. Returns ``text`` itself when there is nothing to undo."""
-    if _LEET_HINT.search(text) is None:
+    if (_LEET_HINT_SHORT if len(text) < _SHORT else _LEET_HINT).search(text) is None:
         return text
     leet = text.translate(_LEET)  # every digit and symbol at C speed, then the numbers put back
     parts: list[str] = []
