@@ -256,10 +256,11 @@ def _join_spaced(text: str, inner: OffsetMap) -> tuple[str, OffsetMap]:
     """Step 4: each run of spaced-out letters becomes one word, mapped onto the whole run."""
     built = _Builder()
     cursor = 0
-    for match in _SPACED.finditer(text):
-        a, b = match.span(1)
+    # ASCII: RE2 on the bytes, whose offsets are the characters' (on a str it converts every offset).
+    spans = (m.span(1) for m in _SPACED.finditer(text.encode() if text.isascii() else text))
+    for a, b in spans:
         built.add(cursor, a, text[cursor:a], linear=True)
-        built.add(a, b, match.group(1).replace(" ", ""), linear=False)
+        built.add(a, b, text[a:b].replace(" ", ""), linear=False)
         cursor = b
     if cursor == 0:
         return text, inner
