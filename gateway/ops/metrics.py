@@ -10,6 +10,12 @@ Private labels: a metric whose labels name who is calling (tenants, key ids) is 
 ``mark_private(metric, labels=...)``. ``render(private=False)`` (the public ``/metrics``) sums its
 series over those labels (``gateway_tenancy_refusals_total{reason=...}`` stays, without ``tenant``);
 only the admin port or a caller with the admin token sees them (``render(private=True)``).
+
+Models and workers are the admin's too: the public rendering sums away every label in
+``ADMIN_ONLY_LABELS`` (model and worker names, whatever the family; ``gateway_worker_healthy`` becomes
+the number of healthy workers) and leaves out the families in ``ADMIN_ONLY_FAMILIES``. A caller without
+a key may list no model, so no public series names one, and none moves differently for a request
+naming a model that exists and one that does not (both stop at the same 401).
 """
 
 from __future__ import annotations
@@ -25,6 +31,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+#: Labels that name a model (an alias, a canary target, a fallback, an adapter) or a worker: summed away
+#: on the public ``/metrics`` whatever the family, plugins' included.
+ADMIN_ONLY_LABELS = frozenset({"model", "worker", "target", "fallback", "adapter"})
+#: Families only the admin side shows. Which plugin hooks ran tells whether a request got past the
+#: model lookup (``on_request``) or stopped at it (``on_models``): a model oracle without a key.
+ADMIN_ONLY_FAMILIES = frozenset({"gateway_plugin_hook_duration_seconds"})
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
@@ -191,6 +204,14 @@ class Metrics:
             self.worker_healthy.labels(url).set(1 if ok else 0)
         self._health_exported = set(health)
 
+    def declare_models(self, names: list[str]) -> None:
+        """Give every configured model its in-flight and queued series from the start (at 0): a series
+        that appears only once a request for a model got past the model lookup would tell, even summed,
+        that a model named by a caller without a key exists."""
+        for name in names:
+            self.in_flight.labels(name)
+            self.queued.labels(name)
+
     def set_config_version(self, version: str) -> None:
         # Zero the old series rather than remove it: in multiprocess mode a removed label set would
         # live on in this process's file with its last value.
@@ -221,21 +242,25 @@ class Metrics:
     def render(self, *, private: bool = False) -> bytes:
         """The exposition text; without ``private``, private labels are summed away."""
         source: Any = self._source()
-        if not private and self.private_labels:
+        if not private:
             source = _PublicView(source, self.private_labels)
         return generate_latest(source)
 
 
 class _PublicView:
-    """Another collector's families, with the private labels of the marked ones summed away."""
+    """Another collector's families without the admin-only ones, with the private labels of the marked
+    ones and the admin-only labels of all summed away."""
 
     def __init__(self, source: Any, private: dict[str, frozenset[str]]) -> None:
         self.source, self.private = source, private
 
     def collect(self) -> Any:
         for family in self.source.collect():
-            hidden = self.private.get(family.name) or self.private.get(family.name.removesuffix("_total"))
-            if hidden is None:
+            if family.name in ADMIN_ONLY_FAMILIES:
+                continue
+            marked = self.private.get(family.name) or self.private.get(family.name.removesuffix("_total"))
+            hidden = ADMIN_ONLY_LABELS | (marked or frozenset())
+            if not any(hidden.intersection(sample.labels) for sample in family.samples):
                 yield family
                 continue
             sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}

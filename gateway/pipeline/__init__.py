@@ -13,11 +13,11 @@ May import upstream, wire, ops, infra and engine; never server or proxy (the con
 snapshot only through the ``PinnedSnapshot`` protocol, so the types a plugin sees sit below the runtime).
 
 What a plugin needs is exported here, so a third-party plugin imports only from ``gateway.pipeline``:
-``Plugin``, ``RequestContext``, ``ModelResponse`` and the errors it may raise (``GatewayError`` and its
-OpenAI-shaped subclasses live in ``gateway.wire.errors``).
+``Plugin``, ``RequestContext``, ``ModelResponse``, ``SideCall`` and the errors it may raise
+(``GatewayError`` and its OpenAI-shaped subclasses live in ``gateway.wire.errors``).
 """
 
 from gateway.pipeline.context import Delivered, ModelResponse, RequestContext
-from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.plugin import Plugin, SideCall
 
-__all__ = ["Delivered", "ModelResponse", "Plugin", "RequestContext"]
+__all__ = ["Delivered", "ModelResponse", "Plugin", "RequestContext", "SideCall"]

@@ -127,6 +127,7 @@ class RuntimeHolder:
         self.services.upstream.reconfigure(snapshot.config.upstream)
         self.services.workers.sync(snapshot.models.all_worker_urls())
         self.services.metrics.set_config_version(snapshot.version)
+        self.services.metrics.declare_models([model.name for model in snapshot.models.models])
 
     def _retire(self, old: RuntimeSnapshot) -> None:
         old.retired.set()

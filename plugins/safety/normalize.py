@@ -133,11 +133,11 @@ _SPACED_HINT = re2.compile(r" \pL \pL(?:[^\pL\pN_]|$)")
 # linear here: no repeat; the leading space lets it skip ahead).
 _SPACED_HINT_SHORT = re.compile(r" [^\W\d_] [^\W\d_](?!\w)")
 _SHORT = 512
-#: Leetspeak: a digit or symbol beside a letter, and the letter each commonly stands for.
-_LEET_HINT = re2.compile(r"[A-Za-z][0-9@$]|[0-9@$][A-Za-z]")
-#: A word of digits and symbols only (possessive: linear however long): not leetspeak, kept as it is.
-_NOT_LEET = re.compile(r"(?<![A-Za-z0-9@$])[0-9@$]++(?![A-Za-z0-9@$])")
-_LEET = str.maketrans("013457@$", "oieastas")
+#: Leetspeak: a digit or symbol beside a letter, the words holding one, and the letter each stands for.
+#: Read on UTF-8 bytes (RE2 is fastest there, and the letters changed are ASCII: offsets do not move).
+_LEET_HINT = re.compile(rb"[A-Za-z][0-9@$]|[0-9@$][A-Za-z]")  # short texts: a call into RE2 costs more
+_LEET_WORDS = re2.compile(rb"[A-Za-z0-9@$]*(?:[A-Za-z][0-9@$]|[0-9@$][A-Za-z])[A-Za-z0-9@$]*")
+_LEET = bytes.maketrans(b"013457@$", b"oieastas")
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,17 +247,20 @@ def _may_be_spaced(text: str) -> bool:
         return False
     if text[1:2] == " " and text[:1].isalpha() and text[2:3].isalpha() and not _word_char(text[3:4]):
         return True
-    return (_SPACED_HINT_SHORT if len(text) < _SHORT else _SPACED_HINT).search(text) is not None
+    if len(text) < _SHORT:
+        return _SPACED_HINT_SHORT.search(text) is not None
+    return _SPACED_HINT.search(text.encode()) is not None  # RE2 on bytes: no offsets to convert
 
 
 def _join_spaced(text: str, inner: OffsetMap) -> tuple[str, OffsetMap]:
     """Step 4: each run of spaced-out letters becomes one word, mapped onto the whole run."""
     built = _Builder()
     cursor = 0
-    for match in _SPACED.finditer(text):
-        a, b = match.span(1)
+    # ASCII: RE2 on the bytes, whose offsets are the characters' (on a str it converts every offset).
+    spans = (m.span(1) for m in _SPACED.finditer(text.encode() if text.isascii() else text))
+    for a, b in spans:
         built.add(cursor, a, text[cursor:a], linear=True)
-        built.add(a, b, match.group(1).replace(" ", ""), linear=False)
+        built.add(a, b, text[a:b].replace(" ", ""), linear=False)
         cursor = b
     if cursor == 0:
         return text, inner
@@ -265,21 +268,22 @@ def _join_spaced(text: str, inner: OffsetMap) -> tuple[str, OffsetMap]:
     return built.result(inner)
 
 
-def leet_view(text: str) -> str:
-    """``text`` with leetspeak undone in the words that mix letters with digits or ``@``/``$``
-    (``1gn0r3 4ll`` -> ``ignore all``), character for character (offsets do not move); words of digits
-    alone stay. Returns ``text`` itself when there is nothing to undo."""
-    if _LEET_HINT.search(text) is None:
-        return text
-    leet = text.translate(_LEET)  # every digit and symbol at C speed, then the numbers put back
-    parts: list[str] = []
+def leet_view(data: bytes) -> bytes:
+    """``data`` (UTF-8) with leetspeak undone in the words that mix letters with digits or ``@``/``$``
+    (``1gn0r3 4ll`` -> ``ignore all``), byte for byte (offsets do not move); words of digits alone stay.
+    Returns ``data`` itself when there is nothing to undo."""
+    if len(data) < _SHORT and _LEET_HINT.search(data) is None:
+        return data
+    parts: list[bytes] = []
     cursor = 0
-    for match in _NOT_LEET.finditer(text):
+    for match in _LEET_WORDS.finditer(data):
         a, b = match.span()
-        parts += (leet[cursor:a], text[a:b])
+        parts += (data[cursor:a], data[a:b].translate(_LEET))
         cursor = b
-    parts.append(leet[cursor:])
-    return "".join(parts)
+    if not parts:
+        return data
+    parts.append(data[cursor:])
+    return b"".join(parts)
 
 
 def normalize(text: str) -> tuple[str, OffsetMap]:

@@ -95,9 +95,9 @@ class StreamGuard:
         norm, offsets = normalize(text)
         data = norm.encode()
         found = self._rules.scan(data)
-        leet = leet_view(norm) if self._rules.wording else norm
-        if leet is not norm:  # leetspeak undone, for the wording rules (same offsets)
-            found += self._rules.wording.scan(leet.encode())
+        leet = leet_view(data) if self._rules.wording else data
+        if leet is not data:  # leetspeak undone, for the wording rules (same offsets)
+            found += self._rules.wording.scan(leet)
         hits: list[Hit] = []
         for hit in found:
             if len(data) == len(norm):

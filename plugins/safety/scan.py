@@ -125,11 +125,11 @@ def scan_texts(rules: RuleSet, texts: Sequence[str], groups: Sequence[int] | Non
         main_hits.setdefault(first, []).append((hit.rule.id, start - doc.starts[first], end - doc.starts[first]))
 
     # 1b. The leetspeak view, for the wording rules: the same characters at the same offsets.
-    leet = leet_view(doc.text) if rules.wording else doc.text
-    if leet is not doc.text:
-        for hit in rules.wording.scan(leet.encode()):
+    leet = leet_view(doc.data) if rules.wording else doc.data
+    if leet is not doc.data:
+        for hit in rules.wording.scan(leet):
             start, end = doc.char_span(hit)
-            add(hit, leet.encode()[hit.start : hit.end], _pieces(doc, maps, norms, start, end))
+            add(hit, leet[hit.start : hit.end], _pieces(doc, maps, norms, start, end))
 
     # 2. The texts glued with nothing between them: a token split across two texts. Only matches that
     # cross a junction count (the rest the first pass saw), and not when the left text alone already

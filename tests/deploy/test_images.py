@@ -212,7 +212,9 @@ def test_compose_parses_and_refers_to_existing_files() -> None:
 def test_prometheus_scrapes_the_compose_services() -> None:
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    assert targets == {"gateway:8000", "worker-cpu:8000"}
+    # The gateway's admin port: every series (its public /metrics sums models and workers away).
+    assert targets == {"gateway:8001", "worker-cpu:8000"}
+    assert "8001" in compose()["services"]["gateway"]["environment"]["GATEWAY_ADMIN_PORT"]
     pods = yaml.safe_load((DEPLOY / "prometheus" / "kubernetes-pods.yml").read_text())
     labels = {r.get("target_label") for r in pods["scrape_configs"][0]["relabel_configs"]}
     assert {"namespace", "pod"} <= labels, "prometheus-adapter maps series to pods by these labels"

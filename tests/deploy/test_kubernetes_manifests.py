@@ -27,7 +27,7 @@ OVERLAYS = ("cpu", "gpu")
 # The oldest Kubernetes minor still commonly run, and the newest the validator ships schemas for.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 # Custom resources (Prometheus Operator, KEDA): no schema in kubernetes-validate; checked by hand below.
-CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "ScaledObject"}
+CUSTOM_KINDS = {"PodMonitor", "ScaledObject"}
 UVICORN_GRACEFUL_S = 30  # gateway serve: uvicorn.run(timeout_graceful_shutdown=30)
 
 
@@ -247,10 +247,15 @@ def test_services_and_monitors_select_the_right_pods() -> None:
         (template,) = [t for t in pods.values() if labels_match(service["spec"]["selector"], t["metadata"]["labels"])]
         ports = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
+    gateway = pods["vllm-gateway"]
+    monitor = find(objs, "PodMonitor", "vllm-gateway")
+    assert labels_match(monitor["spec"]["selector"]["matchLabels"], gateway["metadata"]["labels"])
+    # The admin port: the public /metrics sums the model and worker labels the dashboards use away.
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["admin"]
+    admin_port = next(p for c in gateway["spec"]["containers"] for p in c["ports"] if p["name"] == "admin")
+    assert gateway["metadata"]["annotations"]["prometheus.io/port"] == str(admin_port["containerPort"])
     gateway_service = find(objs, "Service", "vllm-gateway")
-    monitor = find(objs, "ServiceMonitor", "vllm-gateway")
-    assert labels_match(monitor["spec"]["selector"]["matchLabels"], gateway_service["metadata"]["labels"])
-    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in gateway_service["spec"]["ports"]}
+    assert "admin" not in {p["targetPort"] for p in gateway_service["spec"]["ports"]}  # never exposed
     pod_monitor = find(objs, "PodMonitor", "vllm-worker")
     worker = pods["vllm-worker"]
     assert labels_match(pod_monitor["spec"]["selector"]["matchLabels"], worker["metadata"]["labels"])

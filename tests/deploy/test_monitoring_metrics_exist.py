@@ -2,7 +2,9 @@
 
 A gateway is started with the Kubernetes config (deploy/k8s/base/config.yaml: tenancy with auth, safety,
 cache, guided_json, routing with admission) in front of the fake worker; requests exercise every plugin
-(a cache miss then a hit, a stream, a missing key, a blocked prompt, a limit), then its /metrics is scraped. The
+(a cache miss then a hit, a stream, a missing key, a blocked prompt, a limit), then its /metrics is scraped as
+the shipped Prometheus jobs scrape it: the admin view (the admin port; here the public port with the admin
+token), where the model and worker series are. The public /metrics is checked to name neither. The
 prometheus-adapter rules, the HPA and KEDA metric names and every Grafana query are checked against the
 sample names it exports; ``vllm:*`` names against the installed vLLM's own metric definitions.
 """
@@ -30,6 +32,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
 CLIENT_KEY = "sk-deploy-test-" + uuid.uuid4().hex
 PEPPER = "deploy-test-pepper"
+ADMIN = "deploy-test-admin-token"
 GATEWAY_METRIC = re.compile(r"\b(gateway_[a-z0-9_]+)")
 VLLM_METRIC = re.compile(r"\b(vllm:[a-z0-9_:]+)")
 
@@ -61,7 +64,7 @@ def exported(
     monkeypatch.setenv("GATEWAY_TENANCY_PEPPER", PEPPER)
     token = uuid.uuid4().hex[:12]
     try:
-        with gateway_factory(k8s_config_for_test(upstream_url, token)) as (_, server):
+        with gateway_factory(k8s_config_for_test(upstream_url, token), admin_token=ADMIN) as (_, server):
             auth = {"authorization": f"Bearer {CLIENT_KEY}"}
             body = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hi"}], "temperature": 0}
             with httpx.Client(base_url=server.url, timeout=10) as client:
@@ -86,8 +89,12 @@ def exported(
                 assert refused.status_code == 400, refused.text
                 too_long = client.post("/v1/chat/completions", json={**body, "max_tokens": 100000}, headers=auth)
                 assert too_long.status_code == 400, too_long.text
-                scraped = client.get("/metrics")
+                scraped = client.get("/metrics", headers={"authorization": f"Bearer {ADMIN}"})
                 assert scraped.status_code == 200
+                public = client.get("/metrics")
+        families = text_string_to_metric_families(public.text)
+        public_labels = {label for family in families for sample in family.samples for label in sample.labels}
+        assert not public_labels & {"model", "worker", "tenant", "key_id"}, public_labels
         names = {sample.name for family in text_string_to_metric_families(scraped.text) for sample in family.samples}
         yield names
     finally:

@@ -25,6 +25,7 @@ from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.registry import PluginRegistry
 from gateway.server.app import create_app
 from tests.support.fakes import ServerThread, free_port
+from tests.support.metrics import admin_scrape
 
 TOKEN = "engine-admin-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -77,7 +78,7 @@ def managed(tmp_path: Path) -> Iterator[tuple[ServerThread, str]]:
 
 
 def events(server: ServerThread) -> dict[str, float]:
-    text = httpx.get(server.url + "/metrics", timeout=5).text
+    text = admin_scrape(server.url, TOKEN)  # per-worker series are the admin's
     prefix = 'gateway_engine_worker_events_total{event="'
     found: dict[str, float] = {}
     for line in text.splitlines():

@@ -21,6 +21,7 @@ import yaml
 
 from tests.support.fakes import FakeUpstream, free_port
 from tests.support.gateways import base_config
+from tests.support.metrics import admin_scrape
 
 TOKEN = "process-admin-token"
 PROMPT = "my secret prompt words"
@@ -96,7 +97,7 @@ def test_totals_and_access_lines_across_two_worker_processes(
         assert statuses == [200] * (n_plain + n_stream)
 
         for _ in range(3):  # any process may answer the scrape; each must see the whole total
-            metrics = httpx.get(url + "/metrics", headers={"connection": "close"}).text
+            metrics = admin_scrape(url, TOKEN, close=True)  # per-model series are the admin's
             labels = {"model": "m1", "route": "chat/completions", "status": "200"}
             assert sample(metrics, "gateway_requests_total", **labels) == n_plain + n_stream
             assert sample(metrics, "gateway_request_duration_seconds_count", model="m1", route="chat/completions") == (

@@ -15,6 +15,7 @@ from gateway.pipeline.plugin import Plugin
 from gateway.wire.errors import InvalidRequest
 from tests.support.fakes import FakeUpstream
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.metrics import admin_metrics
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -169,7 +170,7 @@ def test_fail_closed_answers_503_and_fail_open_goes_on(
     with gateway_factory(opened, plugins={"p": cls}) as (_, server):
         response = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=10)
         assert response.status_code == 200
-        metrics = httpx.get(server.url + "/metrics").text
+        metrics = admin_metrics(server)
         outcome = "error" if cls is Broken else "timeout"
         assert f'gateway_plugin_hook_duration_seconds_count{{hook="on_request",outcome="{outcome}",plugin="p"}}' in (
             metrics

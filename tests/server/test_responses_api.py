@@ -19,6 +19,7 @@ import redis
 
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.metrics import admin_metrics
 
 TOOL = {
     "type": "function",
@@ -372,9 +373,9 @@ def test_client_leaving_a_stream_closes_the_worker_and_releases_everything(
         assert app.state.services.workers.get(upstream_url).in_flight == 0
         assert list(redis.Redis().scan_iter(match=f"{prefix}:*resp_*")) == []  # an unfinished response is not stored
         line = 'gateway_requests_total{model="m1",route="responses",status="499"} 1.0'
-        while line not in httpx.get(server.url + "/metrics").text and time.monotonic() < deadline:
+        while line not in admin_metrics(server) and time.monotonic() < deadline:
             time.sleep(0.05)
-        found = [x for x in httpx.get(server.url + "/metrics").text.splitlines() if "requests_total{" in x]
+        found = [x for x in admin_metrics(server).splitlines() if "requests_total{" in x]
         assert line in found, found  # recorded as the client closing it
 
 
@@ -387,12 +388,10 @@ def test_client_leaving_before_the_answer_closes_the_worker(
             httpx.post(server.url + "/v1/responses", json={"model": "m1", "input": "hi"}, timeout=0.5)
         deadline = time.monotonic() + 10
         line = 'gateway_requests_total{model="m1",route="responses",status="499"} 1.0'
-        while (upstream.disconnects < 1 or line not in httpx.get(server.url + "/metrics").text) and (
-            time.monotonic() < deadline
-        ):
+        while (upstream.disconnects < 1 or line not in admin_metrics(server)) and (time.monotonic() < deadline):
             time.sleep(0.05)
         assert upstream.disconnects == 1
-        assert line in httpx.get(server.url + "/metrics").text
+        assert line in admin_metrics(server)
         assert app.state.holder.current.in_flight == 0
 
 

@@ -147,19 +147,22 @@ def test_with_tenancy_a_key_is_needed_and_only_its_models_can_be_tokenized(
     assert [s.path for s in two.requests if s.path != "/health"] == ["/tokenize"]
 
 
-def test_version_names_the_gateway_and_each_models_vllm(
+def test_the_admin_api_names_each_models_vllm_and_version_the_gateway_only(
     gateway_factory: GatewayFactory, workers: tuple[Any, ...]
 ) -> None:
     one, s1, two, s2 = workers
     two.version = None  # a worker that does not say: its model's version is unknown, not an error
-    with gateway_factory(two_models(s1.url, s2.url)) as (_, server):
-        first = httpx.get(server.url + "/version", timeout=10)
-        again = httpx.get(server.url + "/version", timeout=10)
+    admin = {"authorization": "Bearer utility-admin"}
+    with gateway_factory(two_models(s1.url, s2.url), admin_token="utility-admin") as (_, server):
+        public = httpx.get(server.url + "/version", timeout=10)
+        first = httpx.get(server.url + "/admin/versions", headers=admin, timeout=10)
+        again = httpx.get(server.url + "/admin/versions", headers=admin, timeout=10)
+    assert public.status_code == 200 and public.json() == {"version": gateway_version()}
     assert first.status_code == 200
     assert first.json() == {"version": gateway_version(), "vllm": {"m1": "0.32.0-fake", "m2": None}}
     assert again.json() == first.json()
     assert gateway_version() != "unknown"
-    # Kept for a while: callers in a loop do not turn into one worker request each.
+    # Kept for a while: polling does not turn into one worker request each.
     assert [s.path for s in one.requests].count("/version") == 1
     assert s1.url not in first.text  # worker addresses are not shown
 

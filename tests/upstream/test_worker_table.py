@@ -13,6 +13,7 @@ from gateway.upstream.workers import Worker, WorkerTable
 from tests.support.fakes import FakeUpstream, ServerThread, free_port
 from tests.support.faults import wait_for
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.metrics import admin_metrics
 from tests.wire.test_error_shape import CHAT
 
 TOKEN = "cover-workers-token"
@@ -107,7 +108,7 @@ def put_config(server: ServerThread, urls: list[str]) -> None:
 
 
 def worker_lines(server: ServerThread, metric: str, url: str) -> list[str]:
-    text = httpx.get(server.url + "/metrics").text
+    text = admin_metrics(server)  # per-worker series are the admin's
     return [line for line in text.splitlines() if line.startswith(f'{metric}{{worker="{url}"}}')]
 
 

@@ -8,6 +8,8 @@
   the KV blocks indexed from its events and its recent prefix-cache hit rate as its responses reported it
   (None when its events are not followed), the LoRA adapters it holds (``adapters``: name, pinned, requests
   using it, seconds since last use, or ``loading``).
+- ``GET /admin/versions``: the gateway's version and, per model, the vLLM version its workers report
+  (the public ``/version`` names the gateway's only).
 - ``GET /admin/reloads``: the running version and the last reloads, newest first (when, who, source,
   accepted/unchanged/refused, reason).
 - ``POST /admin/config/diff``: a candidate config (YAML or JSON body) validated without going live
@@ -31,7 +33,9 @@ from gateway.pipeline.validate import resolve_plugins
 from gateway.server.admin_auth import require_admin
 from gateway.server.routes import JSON
 from gateway.server.routes.admin import describe, redact
+from gateway.server.routes.utility import gateway_version
 from gateway.server.state import AppState
+from gateway.server.worker_versions import model_versions
 from gateway.upstream.workers import WorkerTable
 from gateway.wire.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
 
@@ -130,6 +134,12 @@ async def workers(request: Request) -> JSON:
 
 def _reloader(request: Request) -> Reloader:
     return _state(request).reloader
+
+
+@router.get("/versions")
+async def versions(request: Request) -> JSON:
+    """``{"version": <gateway>, "vllm": {<model>: <version or null>}}``."""
+    return JSON({"version": gateway_version(), "vllm": await model_versions(_state(request))})
 
 
 @router.get("/reloads")

@@ -67,5 +67,10 @@ async def ready(request: Request) -> JSON:
 async def metrics(request: Request) -> Response:
     state: AppState = request.app.state.gateway
     full = admin_view(request)
+    return Response(render_metrics(state, private=full), media_type=state.services.metrics.content_type)
+
+
+def render_metrics(state: AppState, *, private: bool) -> bytes:
+    """The exposition text, worker health as of now; ``private``: the admin view (every series)."""
     state.services.metrics.set_worker_health({w.url: w.available() for w in state.services.workers.all()})
-    return Response(state.services.metrics.render(private=full), media_type=state.services.metrics.content_type)
+    return state.services.metrics.render(private=private)

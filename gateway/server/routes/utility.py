@@ -16,16 +16,14 @@ nothing about which models exist. The body passes the same allow-list as the inf
 client-written ``chat_template``, no processor kwargs) and, for chat messages, the same media URL
 check, since the worker would fetch those URLs to tokenize them.
 
-``/version`` tells the gateway's version and, per model, the vLLM version its workers report. The
-workers' answers are kept for ``VERSION_TTL_S`` and fetched at most once at a time per worker, so a
-client calling it in a loop costs the workers nothing; worker URLs are not shown.
+``/version`` tells the gateway's version only: which models it serves is for callers who may list
+them, and the vLLM version of each model's workers is on the admin API (``GET /admin/versions``,
+``gateway.server.worker_versions``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
-import time
 from typing import Any
 
 import orjson
@@ -54,10 +52,6 @@ from gateway.wire.openapi import DetokenizeRequest, TokenizeRequest, documented_
 from gateway.wire.protocol import header_dict, parse_body
 
 router = APIRouter()
-
-VERSION_TTL_S = 60.0
-VERSION_TIMEOUT_S = 2.0
-_EXTRAS_KEY = "worker_versions"
 
 
 def gateway_version() -> str:
@@ -157,56 +151,7 @@ async def call_worker(services: Services, urls: list[str], path: str, payload: d
 
 
 @router.get("/version")
-async def version(request: Request) -> JSON:
-    """``{"version": <gateway>, "vllm": {<model>: <version or null>}}``."""
-    state: AppState = request.app.state.gateway
-    versions: WorkerVersions = state.extras.setdefault(_EXTRAS_KEY, WorkerVersions(state.services))
-    models: dict[str, str | None] = {}
-    if state.holder.loaded:
-        with state.holder.pin() as snapshot:
-            table = snapshot.models
-            by_model = {m.name: state.services.workers.expand(table.worker_urls[m.name]) for m in table.models}
-        found = await versions.of({url for urls in by_model.values() for url in urls})
-        for name, urls in by_model.items():
-            known = sorted({v for url in urls if (v := found.get(url)) is not None})
-            # Workers of one model on different vLLM versions (a rolling upgrade): name them all.
-            models[name] = ", ".join(known) if known else None
-    return JSON({"version": gateway_version(), "vllm": models})
-
-
-class WorkerVersions:
-    """The vLLM version each worker reports on its ``/version``, kept ``VERSION_TTL_S``; one fetch at a
-    time per worker, each bounded by ``VERSION_TIMEOUT_S`` (an unreachable worker reads as unknown)."""
-
-    def __init__(self, services: Services) -> None:
-        self._services = services
-        self._known: dict[str, tuple[float, str | None]] = {}
-        self._fetching: dict[str, asyncio.Task[str | None]] = {}
-
-    async def of(self, urls: set[str]) -> dict[str, str | None]:
-        now = time.monotonic()
-        stale = [u for u in urls if u not in self._known or now - self._known[u][0] > VERSION_TTL_S]
-        if stale:
-            tasks = [self._fetching.get(u) or self._start(u) for u in stale]
-            # Shielded: a caller that goes away must not cancel a fetch other callers wait for.
-            await asyncio.gather(*(asyncio.shield(t) for t in tasks))
-        return {u: self._known[u][1] for u in urls if u in self._known}
-
-    def _start(self, url: str) -> asyncio.Task[str | None]:
-        task = asyncio.create_task(self._fetch(url), name=f"worker-version {url}")
-        self._fetching[url] = task
-        return task
-
-    async def _fetch(self, url: str) -> str | None:
-        found: str | None = None
-        try:
-            status, body = await self._services.upstream.get(url + "/version", timeout_s=VERSION_TIMEOUT_S)
-            parsed = orjson.loads(body) if status == 200 else None
-            if isinstance(parsed, dict) and isinstance(parsed.get("version"), str):
-                found = parsed["version"][:64]
-        except Exception:  # unreachable, timed out or not vLLM: the version is unknown
-            found = None
-        finally:
-            self._known[url] = (time.monotonic(), found)
-            self._fetching.pop(url, None)
-        return found
+async def version() -> JSON:
+    """``{"version": <gateway>}``: the gateway's own version, nothing about its models or workers (the
+    workers' vLLM versions are on the admin API, ``GET /admin/versions``)."""
+    return JSON({"version": gateway_version()})

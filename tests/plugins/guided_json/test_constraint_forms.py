@@ -17,6 +17,7 @@ from plugins.guided_json.probe import PROBE_CHOICES
 from tests.server.test_app_lifecycle import read_body
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.metrics import admin_metrics
 from tests.wire.test_error_shape import assert_error_shape
 
 PERSON = {
@@ -195,7 +196,7 @@ def test_without_a_client_limit_a_cut_answer_is_retried_within_the_models_contex
     assert response.json()["choices"][0]["message"]["content"] == '{"name": "a", "age": 4}'
     assert [b.get("max_tokens") for b in worker.bodies] == [None, 30]
     assert all(b["stream"] is False for b in worker.bodies[1:])
-    metrics = httpx.get(gateway.url + "/metrics").text
+    metrics = admin_metrics(gateway)
     assert (
         'gateway_guided_json_invalid_answers_total{action="retry_ok",finish_reason="length",model="m1"} 1.0' in metrics
     )

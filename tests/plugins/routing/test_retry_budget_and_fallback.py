@@ -32,11 +32,12 @@ from tests.plugins.routing.test_through_the_gateway import CHAT, counts, fleet, 
 from tests.support.fakes import ServerThread
 from tests.support.faults import wait_for
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.metrics import admin_metrics
 
 
 def metric(server: ServerThread, line_start: str) -> float:
     """The value of the first /metrics sample whose line starts with ``line_start`` (0 when absent)."""
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
+    for line in admin_metrics(server).splitlines():
         if line.startswith(line_start):
             return float(line.rsplit(" ", 1)[1])
     return 0.0

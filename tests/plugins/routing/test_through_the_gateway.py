@@ -29,6 +29,7 @@ from tests.support.dns import NAME, scripted_routing, two_addresses
 from tests.support.fakes import FakeUpstream, ServerThread, free_port
 from tests.support.faults import wait_for
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.metrics import admin_metrics
 
 CHAT = [{"role": "user", "content": "hi"}]
 ADMIN_TOKEN = "routing-admin"
@@ -289,7 +290,7 @@ def test_admission_queue_waits_then_admits(gateway_factory: GatewayFactory, thre
         queued_seen = 0.0
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and queued_seen == 0:
-            for line in httpx.get(gw.url + "/metrics").text.splitlines():
+            for line in admin_metrics(gw).splitlines():
                 if line.startswith('gateway_queued_requests{model="m1"}'):
                     queued_seen = float(line.split()[-1])
             time.sleep(0.02)
@@ -298,7 +299,7 @@ def test_admission_queue_waits_then_admits(gateway_factory: GatewayFactory, thre
         assert len(results) == 4
         assert queued_seen >= 1
         assert plugin_of(app).shared.gates["m1"].in_flight == 0
-        after = httpx.get(gw.url + "/metrics").text
+        after = admin_metrics(gw)
         assert 'gateway_queued_requests{model="m1"} 0.0' in after
 
 
