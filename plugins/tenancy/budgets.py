@@ -14,6 +14,7 @@ and ``completion_tokens`` (charged), and ``tokens`` (reserved, then settled to t
 
 from __future__ import annotations
 
+import calendar
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,6 +30,7 @@ _TTL_S = {"day": 35 * 86400, "month": 400 * 86400, "hour": 31 * 86400}
 _FIELDS = ("requests", "tokens", "prompt_tokens", "completion_tokens")
 #: What the usage history shows of each hash.
 HISTORY_FIELDS = ("requests", "refusals", "prompt_tokens", "completion_tokens")
+_TWO_DIGITS = tuple(f"{i:02d}" for i in range(100))  # format specs cost more than a lookup, twice a request
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,18 +46,25 @@ class Budget:
     ttl_s: int
 
 
-def window(period: Period, now: float | datetime) -> tuple[str, float]:
+def windows(now: float) -> dict[Period, tuple[str, float]]:
+    """For each period: (id of the one containing ``now``, epoch seconds when it ends), in UTC.
+
+    One ``gmtime`` and arithmetic, no ``datetime``: it runs twice per request (key and tenant). Epoch
+    time has no leap seconds, so hours and days are whole multiples of 3600 and 86400 seconds."""
+    at = time.gmtime(now)
+    y, m, d, h = str(at.tm_year), _TWO_DIGITS[at.tm_mon], _TWO_DIGITS[at.tm_mday], _TWO_DIGITS[at.tm_hour]
+    next_month = calendar.timegm((at.tm_year + at.tm_mon // 12, at.tm_mon % 12 + 1, 1, 0, 0, 0))
+    day = "d" + y + m + d
+    return {
+        "day": (day, now - now % 86400 + 86400),
+        "month": ("m" + y + m, float(next_month)),
+        "hour": ("h" + day[1:] + h, now - now % 3600 + 3600),
+    }
+
+
+def window(period: Period, now: float) -> tuple[str, float]:
     """(id of the period containing ``now``, epoch seconds when it ends), both in UTC."""
-    at = now if isinstance(now, datetime) else datetime.fromtimestamp(now, UTC)
-    if period == "hour":
-        start = at.replace(minute=0, second=0, microsecond=0)
-        return start.strftime("h%Y%m%d%H"), start.timestamp() + 3600
-    if period == "day":
-        start = at.replace(hour=0, minute=0, second=0, microsecond=0)
-        return start.strftime("d%Y%m%d"), start.timestamp() + 86400
-    start = at.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    nxt = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
-    return start.strftime("m%Y%m"), nxt.timestamp()
+    return windows(now)[period]
 
 
 def scope_prefix(prefix: str, tenant: str) -> str:
@@ -70,9 +79,9 @@ def usage_key(prefix: str, tenant: str, scope: str, name: str, period_id: str) -
 def budgets_for(prefix: str, tenant: str, scope: str, name: str, limits: Limits, now: float) -> list[Budget]:
     """The day and month budgets of one scope, then its hour (never limited: counted for the history)."""
     out = []
-    at = datetime.fromtimestamp(now, UTC)
+    ids = windows(now)
     for period, limit in (("day", limits.tokens_per_day), ("month", limits.tokens_per_month), ("hour", None)):
-        period_id, resets_at = window(period, at)  # type: ignore[arg-type]
+        period_id, resets_at = ids[period]  # type: ignore[index]
         key = usage_key(prefix, tenant, scope, name, period_id)
         out.append(Budget(scope, name, period, limit, key, resets_at, _TTL_S[period]))  # type: ignore[arg-type]
     return out

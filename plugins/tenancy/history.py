@@ -43,7 +43,8 @@ async def usage_history(
     starts = periods(period, days, now)
     async with redis.pipeline(transaction=False) as pipe:
         for start in starts:
-            pipe.hmget(usage_key(prefix, tenant, scope, name, window(period, start)[0]), list(HISTORY_FIELDS))
+            period_id = window(period, start.timestamp())[0]
+            pipe.hmget(usage_key(prefix, tenant, scope, name, period_id), list(HISTORY_FIELDS))
         raw = await pipe.execute()
     rows = []
     for start, values in zip(starts, raw, strict=True):

@@ -80,6 +80,13 @@ def coloured_pixels(page: Any, selector: str, rgb: tuple[int, int, int]) -> int:
     return count
 
 
+def wait_for_points(page: Any, selector: str) -> None:
+    """Until the chart at ``selector`` has two points or more. A function, not an expression: the page's
+    CSP forbids the eval Playwright would poll an expression with."""
+    predicate = "(selector) => Number(document.querySelector(selector)?.dataset.points) >= 2"
+    page.wait_for_function(predicate, arg=selector, timeout=WAIT_MS)
+
+
 def burst(public: str, seconds: float) -> None:
     """Requests for ``seconds``, paced streams among them (so some are in flight when a sample is taken)."""
     deadline = time.monotonic() + seconds
@@ -109,7 +116,7 @@ def test_live_and_worker_charts_draw_the_series_after_a_burst(
     sign_in(page, console["admin"])
     page.click("#tabs button[data-view='live']")
     traffic = "div.model-charts[data-model='m1'] div.chart[data-chart='traffic']"
-    page.wait_for_function(f'document.querySelector("{traffic}")?.dataset.points >= 2', timeout=WAIT_MS)
+    wait_for_points(page, traffic)
     assert coloured_pixels(page, traffic, BLUE) > 50  # the requests/s line, not only axes and grid
     for name in ("ttft", "latency", "tokens", "load"):
         chart = f"div.model-charts[data-model='m1'] div.chart[data-chart='{name}']"
@@ -121,7 +128,7 @@ def test_live_and_worker_charts_draw_the_series_after_a_burst(
 
     page.click("#tabs button[data-view='workers']")
     spark = f"#workers tr[data-worker='{console['worker']}'] td.spark"
-    page.wait_for_function(f'document.querySelector("{spark}")?.dataset.points >= 2', timeout=WAIT_MS)
+    wait_for_points(page, spark)
     assert coloured_pixels(page, spark, BLUE) > 10  # its in-flight line
     held = page.locator(f"#workers tr[data-worker='{console['worker']}'] td.held")
     assert held.count() == 2  # where cached blocks and adapters will show

@@ -52,7 +52,7 @@
         cursor: { show: !compact },
         padding: compact ? [4, 4, 4, 4] : undefined,
         legend: { show: !compact },
-        scales: { x: { time: true }, y: { range: (u, min, max) => [0, max > 0 ? max * 1.1 : 1] } },
+        scales: { x: { time: true, range: bars ? barRange : undefined }, y: { range: (u, min, max) => [0, max > 0 ? max * 1.1 : 1] } },
         axes: compact ? [{ show: false }, { show: false }] : [{}, { size: 60 }],
         series: [{}, ...series.map((s, i) => ({
           label: s.label, stroke: COLORS[i % COLORS.length], width: compact ? 1.5 : 2,
@@ -69,13 +69,21 @@
     return chart;
   }
 
+  // Bars stand beside their period's tick: leave half a period free at both ends so none is cut.
+  function barRange(u, min, max) {
+    const t = u.data[0];
+    const step = t.length > 1 ? t[1] - t[0] : 3600;
+    return [min - step * 0.6, max + step * 0.6];
+  }
+
   const ms = (values) => values.map((v) => (v === null ? null : v * 1000));
   const pct = (values) => values.map((v) => (v === null ? null : v * 100));
 
   function showSpan(series) {
     chartsAvailable(); // says so at once when the library is missing, even before there is data
     for (const span of document.querySelectorAll(".series-span")) {
-      span.textContent = String(Math.round((series.points * series.interval_s) / 60));
+      const seconds = series.points * series.interval_s;
+      span.textContent = seconds >= 120 ? `${Math.round(seconds / 60)} min` : `${Math.round(seconds)} s`;
     }
     $("series-interval").textContent = String(series.interval_s);
   }
