@@ -133,7 +133,7 @@ def test_a_prompt_goes_to_the_worker_holding_its_prefix_and_the_prediction_is_ch
             (0, None),
             (len(set(shared)), view["workers"][1]["hit_rate"]),
         ]
-        metrics = httpx.get(gw.url + "/metrics").text
+        metrics = httpx.get(gw.url + "/metrics", headers=ADMIN).text
         assert 'gateway_routing_placements_total{how="precise",model="m1"} 4.0' in metrics
 
 
@@ -157,7 +157,7 @@ def test_predictions_that_disagree_degrade_the_model_until_they_agree_again(
             post(gw, body)
         view = placement(gw)
         assert view["degraded"] is True
-        metrics = httpx.get(gw.url + "/metrics").text
+        metrics = httpx.get(gw.url + "/metrics", headers=ADMIN).text
         assert 'gateway_routing_placement_degraded{model="m1"} 1.0' in metrics
         # Degraded: placed by approximate affinity, still predicted and checked. Now the workers agree.
         fakes[0].behavior.cached_tokens = min(len(hashes), (n - 1) // BLOCK) * BLOCK
@@ -167,7 +167,7 @@ def test_predictions_that_disagree_degrade_the_model_until_they_agree_again(
         assert placement(gw)["degraded"] is False
         assert (
             'gateway_routing_placements_total{how="fallback_degraded",model="m1"}'
-            in httpx.get(gw.url + "/metrics").text
+            in httpx.get(gw.url + "/metrics", headers=ADMIN).text
         )
 
 
@@ -176,7 +176,7 @@ def test_a_worker_whose_events_are_not_followed_makes_the_model_fall_back(gatewa
         for _ in range(3):
             post(gw, chat("What are your opening hours?"))
         assert sum(chats(f) for f in fakes) == 3
-        text = httpx.get(gw.url + "/metrics").text
+        text = httpx.get(gw.url + "/metrics", headers=ADMIN).text
         assert 'gateway_routing_placements_total{how="fallback_untrusted",model="m1"} 3.0' in text
 
 
