@@ -12,27 +12,15 @@ import httpx
 import pytest
 import redis
 
+from tests.support.cache import namespace, redis_client, wait_stored
 from tests.support.fakes import FakeUpstream, ServerThread
-from tests.support.faults import wait_for
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.tenancy import prefix
+
+__all__ = ["namespace", "prefix", "redis_client"]  # fixtures used by name below (each test's own Redis keys)
 
 ADMIN = "adm-" + uuid.uuid4().hex
 BODY = {"messages": [{"role": "user", "content": "write the query"}], "temperature": 0, "max_tokens": 4}
-
-
-@pytest.fixture
-def names(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
-    """(tenancy prefix, cache namespace) of this test; their Redis keys are deleted afterwards."""
-    monkeypatch.setenv("GATEWAY_TENANCY_PEPPER", "pepper-" + uuid.uuid4().hex)
-    tag = uuid.uuid4().hex[:12]
-    prefix, namespace = f"test:lora:{tag}", f"lora{tag}"
-    yield prefix, namespace
-    client = redis.Redis()
-    for pattern in (f"{prefix}*", f"gwcache:{namespace}:*"):
-        keys = list(client.scan_iter(match=pattern, count=1000))
-        if keys:
-            client.delete(*keys)
-    client.close()
 
 
 @pytest.fixture
@@ -42,12 +30,12 @@ def lora_worker() -> Iterator[tuple[FakeUpstream, ServerThread]]:
         yield fake, server
 
 
-def config(url: str, prefix: str, namespace: str) -> dict[str, Any]:
+def config(url: str, tenancy_prefix: str, cache_namespace: str) -> dict[str, Any]:
     cfg = base_config(
         [url],
         plugins=[
-            {"name": "tenancy", "config": {"redis_prefix": prefix}},
-            {"name": "cache", "config": {"namespace": namespace, "timeout_ms": 500}},
+            {"name": "tenancy", "config": {"redis_prefix": tenancy_prefix}},
+            {"name": "cache", "config": {"namespace": cache_namespace, "timeout_ms": 500}},
             {"name": "routing"},
         ],
     )
@@ -80,10 +68,10 @@ def listed(server: ServerThread, key: str) -> set[str]:
 
 
 def test_a_key_not_allowed_an_adapter_gets_404_and_never_sees_it(
-    gateway_factory: GatewayFactory, lora_worker: tuple[FakeUpstream, ServerThread], names: tuple[str, str]
+    gateway_factory: GatewayFactory, lora_worker: tuple[FakeUpstream, ServerThread], prefix: str, namespace: str
 ) -> None:
     fake, worker = lora_worker
-    with gateway_factory(config(worker.url, *names), admin_token=ADMIN) as (_, gw):
+    with gateway_factory(config(worker.url, prefix, namespace), admin_token=ADMIN) as (_, gw):
         base_only, sql_only = create_key(gw, "base", ["m1"]), create_key(gw, "sql", ["sql"])
         for model in ("sql", "sql-v1"):
             refused = ask(gw, base_only, model)
@@ -99,29 +87,27 @@ def test_a_key_not_allowed_an_adapter_gets_404_and_never_sees_it(
 
 
 def test_the_cache_keeps_an_adapters_answers_apart_from_the_base_models(
-    gateway_factory: GatewayFactory, lora_worker: tuple[FakeUpstream, ServerThread], names: tuple[str, str]
+    gateway_factory: GatewayFactory,
+    lora_worker: tuple[FakeUpstream, ServerThread],
+    prefix: str,
+    namespace: str,
+    redis_client: redis.Redis,
 ) -> None:
     fake, worker = lora_worker
-    client = redis.Redis()
-    with gateway_factory(config(worker.url, *names), admin_token=ADMIN) as (_, gw):
+    with gateway_factory(config(worker.url, prefix, namespace), admin_token=ADMIN) as (_, gw):
         key = create_key(gw, "all", ["*"])
         fake.behavior.text = "the base model's answer"
         assert ask(gw, key, "m1").headers["x-cache"] == "miss"
-        _wait_entries(client, names[1], 1)
+        wait_stored(redis_client, namespace, 1)
         fake.behavior.text = "the adapter's answer"
         first = ask(gw, key, "sql")
         assert first.headers["x-cache"] == "miss" and "adapter's" in first.text
-        _wait_entries(client, names[1], 2)
+        wait_stored(redis_client, namespace, 2)
         for model in ("sql", "sql-v1"):  # an alias shares its adapter's entries
             again = ask(gw, key, model)
             assert again.headers["x-cache"] == "hit" and "adapter's" in again.text
         assert "base model's" in ask(gw, key, "m1").text
     assert [r.body["model"] for r in fake.requests] == ["m1", "sql"]
-    client.close()
-
-
-def _wait_entries(client: redis.Redis, namespace: str, n: int) -> None:
-    wait_for(lambda: len(list(client.scan_iter(match=f"gwcache:{namespace}:e:*"))) >= n, 5, f"{n} cache entries")
 
 
 def test_safety_rules_of_an_adapter_apply_to_it_and_not_to_its_base_model(

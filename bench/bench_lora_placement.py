@@ -1,0 +1,175 @@
+"""Adapter-affine placement against least-outstanding without affinity, on two real vLLM CPU workers.
+
+Two managed SmolLM2 workers with LoRA (``max_loras`` 2 each, ``--enforce-eager``) serve a workload that
+mixes the base model and several adapters (made at start with peft, as tests/e2e/test_lora_with_vllm.py
+does). The same requests run twice through an in-process gateway, once per placement:
+
+- ``affinity``: the default scorers (a worker holding the adapter first, then a free slot, then load);
+- ``no-affinity``: the same loader, with the affinity and free-slot weights at 0: least outstanding
+  requests alone, loading wherever the request lands.
+
+Between the two runs every adapter is unloaded from both workers. Printed side by side: adapter loads per
+1,000 requests (from ``gateway_adapter_loads_total``), TTFT p50/p99 and output tokens/s.
+
+    .venv/bin/python bench/bench_lora_placement.py                 # 96 requests per run, concurrency 6
+    .venv/bin/python bench/bench_lora_placement.py --requests 300  # steadier numbers, much longer
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gateway.ops.settings import Settings  # noqa: E402
+from gateway.pipeline.config import GatewayConfig  # noqa: E402
+from gateway.pipeline.registry import PluginRegistry  # noqa: E402
+from gateway.server.app import create_app  # noqa: E402
+from tests.e2e.test_lora_with_vllm import NAMES, make_adapters, private_model_copy  # noqa: E402
+from tests.support.fakes import ServerThread, free_port  # noqa: E402
+from tests.support.gateways import ENGINE_MODEL, base_config, engine_config  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_workload import pct  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "lora_placement.json"
+ADMIN_TOKEN = "bench-lora"
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+PLACEMENTS = {
+    "affinity": {},
+    "no-affinity": {"affinity_weight": 0, "free_slot_weight": 0},
+}
+
+
+def workload(n: int, seed: int = 7) -> list[str]:
+    """The model of each request: the base model a third of the time, else an adapter, the first ones
+    more often than the last (a few hot fine-tunes and a tail)."""
+    rng = random.Random(seed)
+    weights = [1 / (i + 1) for i in range(len(NAMES))]
+    return [ENGINE_MODEL if rng.random() < 1 / 3 else rng.choices(NAMES, weights)[0] for _ in range(n)]
+
+
+def gateway_config(workers: list[str], adapters: dict[str, str], placement: dict[str, float]) -> dict[str, Any]:
+    routing = {"adapters": {"sync_interval_s": 1, **placement}}
+    config = base_config(workers, plugins=[{"name": "routing", "config": routing}])
+    config["models"][0] |= {
+        "name": ENGINE_MODEL,
+        "aliases": [],
+        "adapters": [{"name": n, "path": p} for n, p in adapters.items()],
+        "lora": {"max_loras": 2, "max_lora_rank": 8},
+    }
+    config["upstream"] |= {"first_byte_timeout_s": 300, "idle_timeout_s": 120}
+    return config
+
+
+async def one(client: httpx.AsyncClient, base: str, model: str, index: int) -> tuple[float, int]:
+    body = {
+        "model": model, "messages": [{"role": "user", "content": f"Say something about the number {index}."}],
+        "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    started = asyncio.get_running_loop().time()
+    first, tokens = 0.0, 0
+    async with client.stream("POST", base + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{model}: {response.status_code} {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and not first and '"content"' in line:
+                first = asyncio.get_running_loop().time()
+            if line.startswith("data: {") and '"usage"' in line and '"completion_tokens"' in line:
+                tokens = json.loads(line[6:]).get("usage", {}).get("completion_tokens", tokens) or tokens
+    return (first or asyncio.get_running_loop().time()) - started, tokens
+
+
+async def run(base: str, models: list[str], concurrency: int) -> dict[str, Any]:
+    queue = list(enumerate(models))
+    ttfts: list[float] = []
+    tokens = 0
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def loop() -> None:
+            nonlocal tokens
+            while queue:
+                index, model = queue.pop(0)
+                ttft, count = await one(client, base, model, index)
+                ttfts.append(ttft * 1000)
+                tokens += count
+
+        started = asyncio.get_running_loop().time()
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        wall = asyncio.get_running_loop().time() - started
+    return {"ttft_p50_ms": pct(ttfts, 50), "ttft_p99_ms": pct(ttfts, 99), "tokens_per_s": tokens / wall}
+
+
+def loads(base: str) -> float:
+    text = httpx.get(base + "/metrics", headers=ADMIN, timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("gateway_adapter_loads_total{") and 'outcome="ok"' in line
+    )
+
+
+def unload_everything(workers: list[str]) -> None:
+    for url in workers:
+        for card in httpx.get(url + "/v1/models", timeout=10).json()["data"]:
+            if card.get("parent"):
+                httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": card["id"]}, timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=6)
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    models_dir = private_model_copy(scratch)
+    adapters = make_adapters(models_dir / ENGINE_MODEL, scratch / "adapters")
+    ports = [free_port(), free_port()]
+    engine = engine_config(ports[0])
+    spec = engine["engine"]["workers"][0]
+    engine["engine"]["workers"] = [
+        {**spec, "name": f"lora-{i}", "port": p, "omp_threads_bind": str(i % 2), "max_num_seqs": 8}
+        for i, p in enumerate(ports)
+    ]
+    engine["models"][0] |= {"workers": ["lora-0", "lora-1"], "lora": {"max_loras": 2, "max_lora_rank": 8}}
+    settings = Settings(model_dir=models_dir, admin_token=ADMIN_TOKEN)
+    workers = [f"http://127.0.0.1:{p}" for p in ports]
+    models = workload(args.requests)
+    report: dict[str, Any] = {"requests": args.requests, "concurrency": args.concurrency, "placements": {}}
+    engine_app = create_app(settings, registry=PluginRegistry(), config=GatewayConfig.model_validate(engine))
+    with ServerThread(engine_app, start_timeout_s=1200):
+        for name, placement in PLACEMENTS.items():
+            unload_everything(workers)
+            config = GatewayConfig.model_validate(gateway_config(workers, adapters, placement))
+            app = create_app(
+                Settings(admin_token=ADMIN_TOKEN, managed_workers=False), registry=PluginRegistry(), config=config
+            )
+            with ServerThread(app) as gateway:
+                result = asyncio.run(run(gateway.url, models, args.concurrency))
+                result["loads_per_1000"] = loads(gateway.url) * 1000 / args.requests
+            report["placements"][name] = result
+            print(f"  {name}: {result}", flush=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    print("| placement | loads / 1,000 requests | TTFT p50 ms | TTFT p99 ms | tokens/s |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, r in report["placements"].items():
+        print(
+            f"| {name} | {r['loads_per_1000']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+            f"{r['tokens_per_s']:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
