@@ -111,7 +111,7 @@ def test_validate_then_reload_a_config(page: Any, console: dict[str, Any]) -> No
     assert app.state.holder.current.config.upstream.connect_timeout_s == 4
     page.wait_for_selector(f"#config-version:has-text('{after}')", timeout=WAIT_MS)
     first = page.locator("#reloads-table tbody tr").first
-    assert "accepted" in first.inner_text() and "admin API from 127.0.0.1" in first.inner_text()
+    assert "accepted" in first.inner_text() and "admin token holder from 127.0.0.1" in first.inner_text()
     screenshot(page, "config")
     assert page.console_errors == []
 
