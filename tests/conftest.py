@@ -17,7 +17,7 @@ from gateway.pipeline.registry import PluginRegistry
 from gateway.server.app import GatewayApp, create_app
 from gateway.server.front_door import http_protocol
 from tests.support.fakes import FakeUpstream, ServerThread, free_port
-from tests.support.gateways import REPO, GatewayFactory, RealEngine, base_config, engine_config
+from tests.support.gateways import ENGINE_ADMIN_TOKEN, REPO, GatewayFactory, RealEngine, base_config, engine_config
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +95,8 @@ def real_engine() -> Iterator[RealEngine]:
     """Started once per session, on first use (the model is prepared by `make test` beforehand)."""
     port = free_port()
     config = GatewayConfig.model_validate(engine_config(port))
-    app = create_app(Settings(model_dir=REPO / "models"), registry=PluginRegistry(), config=config)
+    settings = Settings(model_dir=REPO / "models", admin_token=ENGINE_ADMIN_TOKEN)
+    app = create_app(settings, registry=PluginRegistry(), config=config)
     with ServerThread(app, start_timeout_s=900) as server:
         yield RealEngine(gateway_url=server.url, url=f"http://127.0.0.1:{port}", app=app)
 

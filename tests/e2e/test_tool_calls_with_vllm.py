@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.gateways import RealEngine
+from tests.support.gateways import ENGINE_ADMIN_TOKEN, RealEngine
 
 pytestmark = pytest.mark.engine
 
@@ -156,5 +156,8 @@ def test_tokenize_detokenize_round_trip_through_the_gateway(real_engine: RealEng
 
 def test_version_reports_the_workers_vllm(real_engine: RealEngine) -> None:
     vllm = pytest.importorskip("vllm")
-    answer = httpx.get(real_engine.gateway_url + "/version", timeout=30).json()
+    admin = {"authorization": f"Bearer {ENGINE_ADMIN_TOKEN}"}
+    answer = httpx.get(real_engine.gateway_url + "/admin/versions", headers=admin, timeout=30).json()
     assert answer["vllm"] == {"smollm2": vllm.__version__}
+    public = httpx.get(real_engine.gateway_url + "/version", timeout=30).json()
+    assert set(public) == {"version"}  # a caller without a key learns no model

@@ -30,6 +30,7 @@ GatewayFactory = Callable[..., contextlib.AbstractContextManager[tuple[GatewayAp
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_MODEL = "smollm2"
+ENGINE_ADMIN_TOKEN = "e2e-admin-token"  # the real engine's admin API (per-model vLLM versions, ...)
 
 
 @dataclass
