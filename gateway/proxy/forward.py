@@ -72,22 +72,22 @@ class Proxy:
         if inspected:
             relay = InspectedRelay(ctx, self.services.metrics, self._count_usage, trip.end)
             return StreamReply(relay.relay(answer), ctx.response_headers)
-        settle = partial(self._settle_usage, ctx) if tap is not None and tap.settles else None
+        settle = partial(self._settle_usage, ctx) if tap is not None else None
         stream = PassThrough(ctx, answer, self.services.metrics, trip.end, tap, settle)
         return StreamReply(None, ctx.response_headers, passthrough=stream)
 
     @staticmethod
     def _stream_tap(ctx: RequestContext) -> StreamTap | None:
-        """A pass-through stream whose usage a plugin needs (the worker is asked for it, before the trip) or
-        whose request sets a completion limit (kept whatever the worker does): read by a tap."""
-        limit = completion_limit(ctx)
-        settles = ctx.snapshot.pipeline.settles_from_usage(ctx)
-        if limit is None and not settles:
+        """A pass-through stream whose usage a plugin needs (billing): the worker is asked for it (before
+        the trip), and a tap reads the bytes, keeping the request's completion limit too. A stream no plugin
+        bills passes through untapped: the limit is kept where someone pays for what passes it (the parsed
+        relay keeps it always)."""
+        if not ctx.snapshot.pipeline.settles_from_usage(ctx):
             return None
-        strip = not ask_for_usage(ctx) if settles else False
+        strip = not ask_for_usage(ctx)
         n = ctx.body.get("n")
         choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-        return StreamTap(strip=strip, limit=limit, choices=choices, settles=settles)
+        return StreamTap(strip=strip, limit=completion_limit(ctx), choices=choices)
 
     async def _settle_usage(self, ctx: RequestContext, usage: dict[str, Any] | None) -> None:
         self._count_usage(ctx, usage)

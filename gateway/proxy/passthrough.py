@@ -8,10 +8,10 @@ Two ways to relay it, with the same bookkeeping (time to first token, time per o
 
 Exactly one of them runs. The bytes come from an ``AnswerStream`` (``gateway.proxy.answer``), which
 hides a failover to another worker; when it raises its final error, the stream ends with that error as
-one event. When a plugin needs the stream's usage (``Plugin.reads_stream_text = False``) or the request
-has a completion limit, a ``StreamTap`` (``gateway.proxy.stream_tap``) reads the bytes: it finds the usage
-(then ``settle(usage)`` runs before ``[DONE]`` goes out), counts the tokens sent, and ends the stream at
-the limit should the worker run past it (the worker's connection is closed, which makes vLLM stop).
+one event. When a plugin needs the stream's usage (``Plugin.reads_stream_text = False``: billing), a
+``StreamTap`` (``gateway.proxy.stream_tap``) reads the bytes: it finds the usage (then ``settle(usage)``
+runs before ``[DONE]`` goes out), counts the tokens sent, and ends the stream at the request's limit should
+the worker run past it (the worker's connection is closed, which makes vLLM stop).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class PassThrough:
         if tap is None:
             return b""
         held = b"" if tap.limited else tap.flush()
-        if settle is None:
+        if settle is None:  # a tap without plugins to settle (tests of the tap alone)
             return held + self._done
         self._ctx.delivered = Delivered(stream_tokens=tap.completion_tokens(), usage=tap.usage, complete=False)
         try:

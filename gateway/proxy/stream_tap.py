@@ -67,10 +67,9 @@ class StreamTap:
     """See the module docstring. ``feed`` each piece of the stream in order; once ``limited``, the stream
     is over (the caller stops reading the worker)."""
 
-    __slots__ = ("_choices", "_held", "_strip", "limit", "limited", "settles", "tokens", "usage")
+    __slots__ = ("_choices", "_held", "_strip", "limit", "limited", "tokens", "usage")
 
-    def __init__(self, *, strip: bool, limit: int | None = None, choices: int = 1, settles: bool = True) -> None:
-        self.settles = settles  # a plugin needs the usage (``settle`` runs before [DONE])
+    def __init__(self, *, strip: bool, limit: int | None = None, choices: int = 1) -> None:
         self._strip = strip  # the client did not ask for the usage event
         self._held = b""  # the start of an event that may be the usage event or the [DONE] mark
         self._choices = choices

@@ -2,8 +2,10 @@
 
 A worker that ignores ``max_tokens`` (a bug, a misconfigured engine, a hostile one) must not make a
 tenant receive, or pay for, more than it asked: a stream is ended at the limit with ``finish_reason:
-"length"`` (both relays), and tenancy never charges more completion tokens than the request allowed. A
-worker that honours the limit never meets this code: it ends the answer itself at exactly the limit.
+"length"`` (the parsed relay always; the byte pass-through whenever a plugin bills the stream, which is
+when its bytes are tapped anyway: an unbilled pass-through stays untouched, at no cost per read), and
+tenancy never charges more completion tokens than the request allowed. A worker that honours the limit
+never meets this code: it ends the answer itself at exactly the limit.
 
 The limit is ``max_completion_tokens`` (else ``max_tokens``) times ``n``, over all choices together: one
 choice may then run past its own share while another stops short, which costs the tenant nothing more.
