@@ -28,9 +28,13 @@ def completion_limit(ctx: RequestContext) -> int | None:
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
         return None
+    return limit * choice_count(body)
+
+
+def choice_count(body: dict[str, Any]) -> int:
+    """How many choices the request asks for (``n``, 1 when absent or not a positive integer)."""
     n = body.get("n")
-    choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-    return limit * choices
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
 def length_end(first: dict[str, Any], indices: list[int]) -> dict[str, Any]:
