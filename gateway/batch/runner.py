@@ -39,6 +39,12 @@ from gateway.wire.errors import GatewayError, ServerError
 log = logging.getLogger("gateway.batch")
 
 
+def rotated_after(runnable: list[tuple[str, Any]], last: str) -> list[tuple[str, Any]]:
+    """The batches (sorted by id) starting with the first one after ``last``, wrapping around."""
+    start = next((i for i, (batch_id, _) in enumerate(runnable) if batch_id > last), 0)
+    return runnable[start:] + runnable[:start]
+
+
 def replica_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
@@ -59,6 +65,7 @@ class Runner:
         self.metrics = metrics
         self.owner = lifecycle.owner
         self.running: dict[asyncio.Task[None], tuple[str, int]] = {}
+        self._last_served = ""  # the batch whose line was started last: the next round starts after it
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -140,11 +147,17 @@ class Runner:
 
     async def _dispatch(self, runnable: list[tuple[str, dict[str, Any]]]) -> None:
         """Claim lines one per batch in turn (no batch starves another) while this replica has room and
-        the lines' models have idle capacity."""
+        the lines' models have idle capacity.
+
+        The turn carries over between rounds: a round starts with the batch after the one served last,
+        so with room for one line at a time (a round per finished line) the batches still alternate.
+        """
         config = self._config()
+        runnable = rotated_after(runnable, self._last_served)
         while runnable and len(self.running) < config.max_in_flight:
             batch_id, record = runnable.pop(0)
             if await self._start_one(batch_id, record, config):
+                self._last_served = batch_id
                 runnable.append((batch_id, record))
 
     async def _start_one(self, batch_id: str, record: dict[str, Any], config: BatchesConfig) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 
+from gateway.batch.runner import rotated_after
 from tests.support.batches import batches_section, chat_line, jsonl, wait_for
 from tests.support.fakes import FakeUpstream
 from tests.support.gateways import GatewayFactory, base_config
@@ -72,3 +73,14 @@ def test_batches_take_turns(
             wait_for(client, batch_id, ("completed",))
     order = [r.body["messages"][0]["content"] for r in upstream.requests]
     assert order[0] == "big" and order[1:5].count("small") == 2, order
+
+
+def test_the_turn_carries_over_between_rounds() -> None:
+    """Each round starts after the batch served last, wrapping around, so a one-line-at-a-time runner
+    alternates between batches whatever their ids."""
+    batches: list[tuple[str, Any]] = [("batch_a", {}), ("batch_b", {}), ("batch_c", {})]
+    assert [b for b, _ in rotated_after(batches, "")] == ["batch_a", "batch_b", "batch_c"]
+    assert [b for b, _ in rotated_after(batches, "batch_a")] == ["batch_b", "batch_c", "batch_a"]
+    assert [b for b, _ in rotated_after(batches, "batch_c")] == ["batch_a", "batch_b", "batch_c"]
+    # the batch served last may have finished since: the turn goes to the next id after it
+    assert [b for b, _ in rotated_after(batches[::2], "batch_b")] == ["batch_c", "batch_a"]
