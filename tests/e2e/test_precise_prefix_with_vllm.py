@@ -1,9 +1,10 @@
 """With two real vLLM CPU workers publishing KV cache events: the gateway's index agrees with the workers.
 
-Each worker has a small KV cache (12 blocks of 128 tokens, float32), so the workload (six system
-prompts of three full blocks each, three questions per prompt, interleaved) does not fit and the workers
-evict: the index must follow ``BlockRemoved`` as well as ``BlockStored``. For every request the access
-log carries the gateway's prediction (``cached_tokens_predicted``) beside the worker's usage
+Each worker has a small KV cache (12 blocks of 128 tokens, float32), so the workload (ten system
+prompts of three full blocks each, two questions per prompt back to back, then one more per prompt) does
+not fit and the workers evict whatever the placement (30 blocks of prefixes, 24 blocks in both caches
+together): the index must follow ``BlockRemoved`` as well as ``BlockStored``. For every request the
+access log carries the gateway's prediction (``cached_tokens_predicted``) beside the worker's usage
 (``prompt_tokens_details.cached_tokens``); they must be equal on at least 95% of requests. Then one
 worker is killed and restarted by the engine supervisor: its entries are dropped, and the same
 prompts are predicted as exactly again.
@@ -75,16 +76,21 @@ def gateway() -> Iterator[tuple[GatewayApp, ServerThread, list[str]]]:
         yield app, server, [f"http://127.0.0.1:{p}" for p in ports]
 
 
-def workload(prompts: int, questions: int) -> list[dict[str, Any]]:
+def workload(prompts: int, questions: int, revisit: bool = False) -> list[dict[str, Any]]:
+    """Each prompt's questions back to back (the later ones reuse its cached prefix whatever the
+    placement); with ``revisit``, one more question per prompt after all of them, in the same order: by
+    then the small caches have evicted the early prompts, so only an index that followed the
+    evictions predicts those revisits right."""
     nonce = uuid.uuid4().hex[:8]
     rng = random.Random(5)
     words = ["parcel", "courier", "refund", "customs", "label", "warehouse", "tracking", "address", "invoice", "pallet"]
     systems = [f"[{nonce}-{k}] Policy {k}: " + " ".join(rng.choices(words, k=330)) for k in range(prompts)]
+    order = [(k, q) for k in range(prompts) for q in range(questions)]
+    order += [(k, questions) for k in range(prompts)] if revisit else []
     return [
         {"model": "smollm2", "max_tokens": 2, "temperature": 0,
          "messages": [{"role": "system", "content": systems[k]}, {"role": "user", "content": f"Question {q}?"}]}
-        for q in range(questions)
-        for k in range(prompts)
+        for k, q in order
     ]  # fmt: skip
 
 
@@ -115,7 +121,7 @@ def test_the_index_agrees_with_the_workers_through_evictions_and_a_restart(
     recorder = Predictions()
     logging.getLogger("gateway.access").addHandler(recorder)
     try:
-        send_all(app, server, workload(prompts=6, questions=3))
+        send_all(app, server, workload(prompts=10, questions=2, revisit=True))
         pairs = list(recorder.pairs)
         feed = app.state.services.workers.kv
         # The block size is learned from the first events: the very first requests may go unpredicted.
