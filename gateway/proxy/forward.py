@@ -22,10 +22,11 @@ from gateway.proxy.answer import AnswerStream
 from gateway.proxy.inspected import InspectedRelay
 from gateway.proxy.passthrough import PassThrough
 from gateway.proxy.stream_tap import StreamTap, ask_for_usage
-from gateway.proxy.token_limit import cap_answer, choice_count, completion_limit
+from gateway.proxy.token_limit import cap_answer, completion_limit
 from gateway.proxy.trip import Trip
 from gateway.upstream.client import UpstreamFailure, UpstreamResponse
 from gateway.wire.errors import BadGateway
+from gateway.wire.protocol import requested_choices
 from gateway.wire.streaming import replay, replay_chunks, wants_usage
 
 
@@ -85,7 +86,7 @@ class Proxy:
         if not ctx.snapshot.pipeline.settles_from_usage(ctx):
             return None
         strip = not ask_for_usage(ctx)
-        return StreamTap(strip=strip, limit=completion_limit(ctx), choices=choice_count(ctx.body))
+        return StreamTap(strip=strip, limit=completion_limit(ctx), choices=requested_choices(ctx.body))
 
     async def _settle_usage(self, ctx: RequestContext, usage: dict[str, Any] | None) -> None:
         self._count_usage(ctx, usage)

@@ -16,25 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.pipeline.context import RequestContext
+from gateway.wire.protocol import requested_completion_tokens
 
 _GENERATING = frozenset({"chat/completions", "completions"})
 
 
 def completion_limit(ctx: RequestContext) -> int | None:
     """The most completion tokens the client may be sent for ``ctx`` (None: the request sets no limit)."""
-    if ctx.endpoint not in _GENERATING:
-        return None
-    body = ctx.body
-    limit = body.get("max_completion_tokens") or body.get("max_tokens")
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
-        return None
-    return limit * choice_count(body)
-
-
-def choice_count(body: dict[str, Any]) -> int:
-    """How many choices the request asks for (``n``, 1 when absent or not a positive integer)."""
-    n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    return requested_completion_tokens(ctx.body) if ctx.endpoint in _GENERATING else None
 
 
 def length_end(first: dict[str, Any], indices: list[int]) -> dict[str, Any]:

@@ -107,6 +107,21 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def requested_choices(body: dict[str, Any]) -> int:
+    """How many choices the request asks for (``n``, 1 when absent or not a positive integer)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
+def requested_completion_tokens(body: dict[str, Any]) -> int | None:
+    """The most completion tokens the request allows over all its choices: ``max_completion_tokens``
+    (else ``max_tokens``) times ``n``; None when it sets no positive integer limit."""
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return None
+    return limit * requested_choices(body)
+
+
 def check_request(endpoint: Endpoint, body: dict[str, Any]) -> tuple[str, bool]:
     """Check the fields the gateway relies on. Returns (model name, stream)."""
     model = body.get("model")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.wire.protocol import requested_completion_tokens
+
 _PER_MESSAGE = 4  # role markers and separators of a chat template
 _SCORING = frozenset({"rerank", "v2/rerank", "score"})
 _SCORING_FIELDS = ("query", "documents", "text_1", "text_2", "queries", "items", "data_1", "data_2")
@@ -49,17 +51,7 @@ def prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
 
 def reserved_completion(body: dict[str, Any]) -> int:
     """The most completion tokens the request allows (``max_completion_tokens`` / ``max_tokens``) x n."""
-    limit = body.get("max_completion_tokens") or body.get("max_tokens")
-    n = body.get("n") or 1
-    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 and isinstance(n, int) and n > 0:
-        return limit * n
-    return 0
-
-
-def choices(body: dict[str, Any]) -> int:
-    """How many choices the request asks for (``n``, default 1)."""
-    n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    return requested_completion_tokens(body) or 0
 
 
 def reported_usage(response: dict[str, Any]) -> tuple[int | None, int] | None:

@@ -43,6 +43,7 @@ from gateway.wire.errors import (
     ServiceUnavailable,
     model_not_found,
 )
+from gateway.wire.protocol import requested_choices
 from plugins.tenancy import estimate
 from plugins.tenancy.admin import TenancyAdmin
 from plugins.tenancy.admitted import Admitted
@@ -191,7 +192,7 @@ class TenancyPlugin(Plugin):
             raise self._refusal(decision, decision.granted or least, tenant)
         reserved = decision.granted if via_redis or clamp else want
         if clamp:
-            choices = estimate.choices(ctx.body)
+            choices = requested_choices(ctx.body)
             affordable = int(reserved / factor) if factor > 0 else want
             ctx.body["max_tokens"] = max(1, (affordable - prompt) // choices)
             ctx.mark_body_changed()
@@ -210,7 +211,7 @@ class TenancyPlugin(Plugin):
         given = estimate.reserved_completion(ctx.body)
         if given:
             return prompt + given, prompt + given, False
-        choices = estimate.choices(ctx.body)
+        choices = requested_choices(ctx.body)
         context = self._context_of(ctx)
         worst = prompt + max(1, context - prompt) * choices
         if self.config.without_max_tokens == "clamp":
