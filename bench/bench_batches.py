@@ -122,6 +122,18 @@ def gateway(args: argparse.Namespace, tmp: Path) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        drop_keys(batches["redis_prefix"])
+
+
+def drop_keys(prefix: str) -> None:
+    """Delete the run's keys from Redis (batches, lines, results, files' metadata)."""
+    import redis
+
+    client = redis.Redis()
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
 
 
 async def interactive(url: str, model: str, rate: float, duration_s: float, max_tokens: int) -> list[float]:
