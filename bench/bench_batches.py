@@ -250,7 +250,7 @@ async def run(args: argparse.Namespace) -> None:
         a, b = p(alone, q) * 1000, p(together, q) * 1000
         print(f"| interactive {name} | {a:.1f} | {b:.1f} | {b / a if a else 0:.2f}x |")
     print(f"| output tokens/s: straight to the workers (best c={best}) vs the batch alone "
-          f"| {direct_rate:.1f} | {batch_rate:.1f} | {batch_rate / direct_rate:.0%} |")  # fmt: skip
+          f"| {direct_rate:.1f} | {batch_rate:.1f} | {batch_rate / direct_rate:.1%} |")  # fmt: skip
 
 
 def main() -> None:
