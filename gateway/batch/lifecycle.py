@@ -2,7 +2,8 @@
 
 - ``validate``: read the input file, write its lines into the shared work (``gateway.batch.work``) in run
   order, write malformed lines off to the error results, and move the batch to ``in_progress`` (or
-  ``failed`` with ``errors`` for an input that is no batch).
+  ``failed`` with ``errors`` for an input that is no batch); the models its lines name are kept on it
+  (``_models``, for operators).
 - ``finalize``: write off what was not done (``batch_expired``, ``batch_cancelled``), write the output
   and error files, and move the batch to its final status. The files' ids are derived from the batch
   id, so a finalization taken over writes the same files again rather than new ones.
@@ -23,7 +24,7 @@ import orjson
 
 from gateway.batch.files import Files
 from gateway.batch.jobs import Jobs
-from gateway.batch.lines import error_line, parse_input
+from gateway.batch.lines import Parsed, error_line, parse_input
 from gateway.batch.work import Work
 from gateway.pipeline.batch_config import BatchesConfig
 
@@ -31,6 +32,7 @@ _LEFTOVER = {
     "expired": ("batch_expired", "This line was not run before the batch's completion window ended."),
     "cancelled": ("batch_cancelled", "This line was not run before the batch was cancelled."),
 }
+MODELS_SHOWN = 16
 
 
 def result_file_id(batch_id: str, part: str) -> str:
@@ -77,7 +79,12 @@ class Lifecycle:
             line = error_line(custom_id, code, f"Line {index + 1}: {message}")
             await self.work.record(batch_id, index, field, line, ok=False, tokens=(0, 0))
         await self.jobs.move(
-            batch_id, ("validating",), "in_progress", in_progress_at=int(time.time()), n_total=len(parsed.lines)
+            batch_id,
+            ("validating",),
+            "in_progress",
+            in_progress_at=int(time.time()),
+            n_total=len(parsed.lines),
+            _models=models_of(parsed),
         )
 
     async def finalize(self, batch_id: str, record: dict[str, Any], final: str) -> bool:
@@ -115,6 +122,12 @@ class Lifecycle:
         if moved:
             await self.work.drop(batch_id)
         return moved
+
+
+def models_of(parsed: Parsed, most: int = MODELS_SHOWN) -> list[str]:
+    """The models the batch's lines name, as written (sorted, at most ``most``, each cut to 200 characters):
+    what operators see of a batch's model. Not part of the OpenAI object."""
+    return sorted({model[:200] for model, _ in parsed.keys if model})[:most]
 
 
 def _errors(data: list[dict[str, Any]]) -> dict[str, Any]:

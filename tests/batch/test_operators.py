@@ -41,6 +41,12 @@ def test_gateway_batches_lists_shows_and_cancels(
             rows = listed.output.splitlines()
             assert rows[0].startswith(held.id) and "in_progress" in rows[0]
             assert rows[1].startswith(finished.id) and "[########################] 4/4 100%" in rows[1]
+            auth = {"authorization": f"Bearer {TOKEN}"}
+            running = httpx.get(f"{server.url}/admin/batches/{held.id}", headers=auth).json()
+            assert (running["models"], running["queued"], running["key_id"]) == (["m1"], 4, None)
+            done = httpx.get(f"{server.url}/admin/batches/{finished.id}", headers=auth).json()
+            assert (done["models"], done["queued"], done["progress"]) == (["m1"], 0, 1.0)
+            assert done["output_tokens_per_s"] <= 12  # 12 tokens over at least one (whole) second
             shown = runner.invoke(main, ["batches", "show", finished.id, *args])
             assert shown.exit_code == 0 and '"owner": "shared"' in shown.output and '"progress": 1.0' in shown.output
             cancelled = runner.invoke(main, ["batches", "cancel", held.id, *args])

@@ -51,7 +51,7 @@ def test_with_an_admin_port_the_public_port_has_no_console(
         page = httpx.get(admin + "/admin/ui")
         assert page.status_code == 200
         assert page.headers["content-type"].startswith("text/html")
-        for path in ("/admin/stats", "/admin/series", "/admin/workers", "/admin/reloads"):
+        for path in ("/admin/stats", "/admin/series", "/admin/workers", "/admin/reloads", "/admin/batches"):
             assert httpx.get(admin + path).status_code == 401, path
         assert httpx.post(admin + "/admin/config/diff", content=b"models: []").status_code == 401
 

@@ -41,6 +41,7 @@ FILES = {
     "/admin/ui/console.css": ("console.css", "text/css; charset=utf-8"),
     "/admin/ui/charts.js": ("charts.js", "text/javascript; charset=utf-8"),
     "/admin/ui/usage.js": ("usage.js", "text/javascript; charset=utf-8"),
+    "/admin/ui/batches.js": ("batches.js", "text/javascript; charset=utf-8"),
     "/admin/ui/vendor/uPlot.iife.min.js": ("vendor/uPlot.iife.min.js", "text/javascript; charset=utf-8"),
     "/admin/ui/vendor/uPlot.min.css": ("vendor/uPlot.min.css", "text/css; charset=utf-8"),
 }

@@ -23,15 +23,21 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], inclu
 
 
 def describe(record: dict[str, Any], now: float) -> dict[str, Any]:
-    """The OpenAI object with its owner, share done, and output tokens per second since it started."""
+    """The OpenAI object with its owner (scope, and the key that created it when tenancy knows one), the
+    models its lines name (None until it is validated), share done, lines waiting to run (``queued``, while
+    it is in progress), and output tokens per second since it started."""
     obj = public(record)
     counts = obj["request_counts"]
     done = counts["completed"] + counts["failed"]
+    caller = record.get("_caller") or {}
     started = record.get("in_progress_at")
     ended = record.get("completed_at") or record.get("expired_at") or record.get("cancelled_at") or now
-    elapsed = max(ended - started, 1e-3) if started else None
+    elapsed = max(ended - started, 1) if started else None  # whole seconds: a batch done within one counts one
     obj["owner"] = record["_scope"]
+    obj["key_id"] = caller.get("key_id")
+    obj["models"] = record.get("_models")
     obj["progress"] = round(done / counts["total"], 4) if counts["total"] else 0.0
+    obj["queued"] = max(counts["total"] - done, 0) if obj["status"] == "in_progress" else 0
     obj["output_tokens_per_s"] = round(record.get("n_output_tokens", 0) / elapsed, 2) if elapsed else None
     return obj
 

@@ -1,6 +1,6 @@
 // The operator console. Plain JavaScript, loaded from this origin only (see the CSP): this file (sign-in,
-// tabs, config, tenancy, playground), charts.js (workers and live views, on uPlot, vendored at build time)
-// and usage.js (usage over time).
+// tabs, config, tenancy, playground), charts.js (workers and live views, on uPlot, vendored at build time),
+// usage.js (usage over time) and batches.js (every tenant's batches with their progress).
 //
 // Rules this file keeps: the admin token lives in one variable (never in storage or a cookie) and goes out as
 // the x-admin-token header; every value from the gateway (tenant names, errors, model output) is put on the
@@ -96,7 +96,7 @@
     $("version").textContent = "";
   }
 
-  // The views defined here; charts.js (workers, live) and usage.js add theirs through window.GatewayConsole.
+  // The views defined here; charts.js (workers, live), usage.js and batches.js add theirs through window.GatewayConsole.
   const refreshers = {
     config: refreshConfig,
     tenancy: refreshTenancy,
