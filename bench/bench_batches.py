@@ -101,6 +101,8 @@ def gateway(args: argparse.Namespace, tmp: Path) -> Iterator[str]:
     if args.engine_priority is not None:
         batches["engine_priority"] = args.engine_priority
     batches["admission_share"] = args.admission_share
+    batches["busy_lines_per_worker"] = args.busy_lines
+    batches["interactive_quiet_s"] = args.quiet_s
     routing = {"default": {"admission": {"max_in_flight": args.max_in_flight, "max_queue": 256}}}
     config = {
         "models": [{"name": args.model, "workers": args.workers}],
@@ -268,6 +270,8 @@ def main() -> None:
     parser.add_argument("--max-in-flight", type=int, default=16, help="routing's admission max_in_flight")
     parser.add_argument("--admission-share", type=float, default=0.5, help="batches.admission_share")
     parser.add_argument("--worker-share", type=int, default=8, help="batches.worker_max_in_flight")
+    parser.add_argument("--busy-lines", type=int, default=1, help="batches.busy_lines_per_worker")
+    parser.add_argument("--quiet-s", type=float, default=2.0, help="batches.interactive_quiet_s")
     parser.add_argument("--engine-priority", type=int, help="batches.engine_priority (workers with the policy)")
     parser.add_argument("--direct-concurrency", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--probe-lines", type=int, default=200, help="lines each direct concurrency is tried on")

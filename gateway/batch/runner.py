@@ -18,11 +18,13 @@ import os
 import socket
 import time
 import uuid
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from gateway.batch.capacity import has_room
+from gateway.batch.capacity import IdleGate
 from gateway.batch.jobs import FINAL, Jobs
 from gateway.batch.lifecycle import Lifecycle
 from gateway.batch.lines import output_line
@@ -37,6 +39,15 @@ from gateway.pipeline.services import Services
 from gateway.wire.errors import GatewayError, ServerError
 
 log = logging.getLogger("gateway.batch")
+
+
+@dataclass(frozen=True, slots=True)
+class RunningLine:
+    """A line this replica runs: its batch, its index in the input file, its model's name."""
+
+    batch_id: str
+    index: int
+    model: str
 
 
 def rotated_after(runnable: list[tuple[str, Any]], last: str) -> list[tuple[str, Any]]:
@@ -64,7 +75,8 @@ class Runner:
         self.jobs, self.work, self.lifecycle, self.submitter = jobs, work, lifecycle, submitter
         self.metrics = metrics
         self.owner = lifecycle.owner
-        self.running: dict[asyncio.Task[None], tuple[str, int]] = {}
+        self.running: dict[asyncio.Task[None], RunningLine] = {}
+        self.gate = IdleGate()
         self._last_served = ""  # the batch whose line was started last: the next round starts after it
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -141,8 +153,8 @@ class Runner:
 
     def _stop_local(self, batch_id: str) -> None:
         """Cancel this replica's lines of the batch (their worker requests are closed, vLLM aborts them)."""
-        for task, (owner_batch, _) in list(self.running.items()):
-            if owner_batch == batch_id:
+        for task, line in list(self.running.items()):
+            if line.batch_id == batch_id:
                 task.cancel()
 
     async def _dispatch(self, runnable: list[tuple[str, dict[str, Any]]]) -> None:
@@ -169,12 +181,13 @@ class Runner:
         line = orjson.loads(raw)
         snapshot = self.holder.current
         model = snapshot.models.resolve(line["body"]["model"])
-        if model is not None and not has_room(self.services, snapshot.config, model, config):
+        in_flight = Counter(line.model for line in self.running.values())
+        if model is not None and not self.gate.has_room(self.services, snapshot.config, model, config, in_flight):
             await self.work.release(batch_id, self.owner, [index])
             return False
         caller = Caller(**record["_caller"])
         task = asyncio.create_task(self._run(batch_id, index, line, caller), name=f"batch-line-{index}")
-        self.running[task] = (batch_id, index)
+        self.running[task] = RunningLine(batch_id, index, model.name if model is not None else "")
         self.metrics.running.set(len(self.running))
         task.add_done_callback(self._line_finished)
         return True
@@ -210,8 +223,8 @@ class Runner:
         while True:
             await asyncio.sleep(self.lifecycle.config.lease_s / 3)
             held: dict[str, list[int]] = {}
-            for batch_id, index in self.running.values():
-                held.setdefault(batch_id, []).append(index)
+            for line in self.running.values():
+                held.setdefault(line.batch_id, []).append(line.index)
             for batch_id, indexes in held.items():
                 try:
                     await self.work.renew(batch_id, self.owner, indexes)

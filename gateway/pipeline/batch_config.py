@@ -72,6 +72,17 @@ class BatchesConfig(BaseModel):
     worker_max_in_flight: int = Field(
         4, ge=1, le=10_000, description="a line is sent only to a model with a worker holding fewer requests"
     )
+    busy_lines_per_worker: int = Field(
+        1,
+        ge=0,
+        le=10_000,
+        description="while interactive requests run on a model's workers (or ran within interactive_quiet_s), "
+        "at most this many of this replica's lines per available worker (0: none)",
+    )
+    interactive_quiet_s: float = Field(
+        2.0, ge=0, le=3600, description="how long a model's workers must carry no interactive request before "
+        "the batch grows back to worker_max_in_flight (0: never shrink)",
+    )
     admission_share: float = Field(
         0.5,
         gt=0,

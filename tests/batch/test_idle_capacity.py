@@ -84,3 +84,65 @@ def test_the_turn_carries_over_between_rounds() -> None:
     assert [b for b, _ in rotated_after(batches, "batch_c")] == ["batch_a", "batch_b", "batch_c"]
     # the batch served last may have finished since: the turn goes to the next id after it
     assert [b for b, _ in rotated_after(batches[::2], "batch_b")] == ["batch_c", "batch_a"]
+
+
+def send_held_interactive(server_url: str, upstream: FakeUpstream) -> threading.Thread:
+    """One interactive chat request, held at the fake worker until ``upstream.behavior.hold`` is set."""
+    body = {"model": "m1", "messages": [{"role": "user", "content": "interactive"}]}
+    user = threading.Thread(target=lambda: httpx.post(server_url + "/v1/chat/completions", json=body, timeout=30))
+    user.start()
+    while not upstream.requests:
+        time.sleep(0.01)
+    return user
+
+
+def test_the_batch_shrinks_while_interactive_requests_run_and_grows_back_when_quiet(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """No admission limit configured: a worker may hold 8 requests. While one interactive request runs,
+    the batch sends one line (``busy_lines_per_worker``), not seven; once quiet, the rest go together."""
+    section = batches_section(batch_names, busy_lines_per_worker=1, interactive_quiet_s=0.5)
+    config = base_config([upstream_url], batches=section)
+    upstream.behavior.hold = threading.Event()
+    with gateway_factory(config) as (_, server):
+        user = send_held_interactive(server.url, upstream)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        source = client.files.create(file=("in.jsonl", jsonl([chat_line(f"b-{i}", "batch") for i in range(6)])),
+                                     purpose="batch")  # fmt: skip
+        batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        wait_for(client, batch.id, ("in_progress",))
+        time.sleep(20 * 0.05)  # twenty rounds of the runner
+        sent = [r.body["messages"][0]["content"] for r in upstream.requests]
+        assert sent == ["interactive", "batch"], sent
+        first, upstream.behavior.hold = upstream.behavior.hold, threading.Event()  # later lines are held anew
+        first.set()  # the interactive request and the first line finish: the workers go quiet
+        user.join(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(upstream.requests) < 7:
+            time.sleep(0.02)
+        # after the quiet period the other five lines went out together, all held at the worker at once
+        assert [r.body["messages"][0]["content"] for r in upstream.requests[2:]] == ["batch"] * 5
+        upstream.behavior.hold.set()
+        done = wait_for(client, batch.id, ("completed",))
+    assert done.request_counts.completed == 6  # type: ignore[union-attr]
+
+
+def test_interactive_traffic_does_not_shrink_the_batch_when_the_quiet_period_is_zero(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    section = batches_section(batch_names, busy_lines_per_worker=1, interactive_quiet_s=0)
+    config = base_config([upstream_url], batches=section)
+    upstream.behavior.hold = threading.Event()
+    with gateway_factory(config) as (_, server):
+        user = send_held_interactive(server.url, upstream)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        source = client.files.create(file=("in.jsonl", jsonl([chat_line(f"b-{i}", "batch") for i in range(4)])),
+                                     purpose="batch")  # fmt: skip
+        batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(upstream.requests) < 5:
+            time.sleep(0.02)
+        assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["interactive"] + ["batch"] * 4
+        upstream.behavior.hold.set()
+        user.join(timeout=30)
+        wait_for(client, batch.id, ("completed",))
