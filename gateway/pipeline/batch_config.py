@@ -80,7 +80,10 @@ class BatchesConfig(BaseModel):
         "at most this many of this replica's lines per available worker (0: none)",
     )
     interactive_quiet_s: float = Field(
-        2.0, ge=0, le=3600, description="how long a model's workers must carry no interactive request before "
+        2.0,
+        ge=0,
+        le=3600,
+        description="how long a model's workers must carry no interactive request before "
         "the batch grows back to worker_max_in_flight (0: never shrink)",
     )
     admission_share: float = Field(
