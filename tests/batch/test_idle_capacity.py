@@ -12,7 +12,7 @@ import httpx
 import openai
 
 from gateway.batch.runner import rotated_after
-from tests.support.batches import batches_section, chat_line, jsonl, wait_for
+from tests.support.batches import batches_section, chat_line, start, wait_for
 from tests.support.fakes import FakeUpstream
 from tests.support.gateways import GatewayFactory, base_config
 
@@ -37,9 +37,7 @@ def test_lines_wait_while_interactive_traffic_holds_the_model(
         while len(upstream.requests) < 2:  # both hold a slot: the model is at half its max_in_flight
             time.sleep(0.01)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        source = client.files.create(file=("in.jsonl", jsonl([chat_line(f"b-{i}", "batch") for i in range(3)])),
-                                     purpose="batch")  # fmt: skip
-        batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = start(client, [chat_line(f"b-{i}", "batch") for i in range(3)])
         wait_for(client, batch.id, ("in_progress",))
         time.sleep(20 * 0.05)  # twenty rounds of the runner: none may send a line
         assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["interactive"] * 2
@@ -63,10 +61,7 @@ def test_batches_take_turns(
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         ids = []
         for name, size in (("big", 8), ("small", 2)):
-            lines = [chat_line(f"{name}-{i}", name) for i in range(size)]
-            source = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-            ids.append(client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
-                                             completion_window="24h").id)  # fmt: skip
+            ids.append(start(client, [chat_line(f"{name}-{i}", name) for i in range(size)]).id)
             wait_for(client, ids[-1], ("in_progress",))
         upstream.behavior.hold.set()  # the big batch's first line was held until both were running
         for batch_id in ids:
@@ -107,11 +102,11 @@ def test_the_batch_shrinks_while_interactive_requests_run_and_grows_back_when_qu
     with gateway_factory(config) as (_, server):
         user = send_held_interactive(server.url, upstream)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        source = client.files.create(file=("in.jsonl", jsonl([chat_line(f"b-{i}", "batch") for i in range(6)])),
-                                     purpose="batch")  # fmt: skip
-        batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
-        wait_for(client, batch.id, ("in_progress",))
-        time.sleep(20 * 0.05)  # twenty rounds of the runner
+        batch = start(client, [chat_line(f"b-{i}", "batch") for i in range(6)])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(upstream.requests) < 2:  # the first line goes out
+            time.sleep(0.02)
+        time.sleep(20 * 0.05)  # twenty more rounds of the runner: no second line may go
         sent = [r.body["messages"][0]["content"] for r in upstream.requests]
         assert sent == ["interactive", "batch"], sent
         first, upstream.behavior.hold = upstream.behavior.hold, threading.Event()  # later lines are held anew
@@ -136,9 +131,7 @@ def test_interactive_traffic_does_not_shrink_the_batch_when_the_quiet_period_is_
     with gateway_factory(config) as (_, server):
         user = send_held_interactive(server.url, upstream)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        source = client.files.create(file=("in.jsonl", jsonl([chat_line(f"b-{i}", "batch") for i in range(4)])),
-                                     purpose="batch")  # fmt: skip
-        batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = start(client, [chat_line(f"b-{i}", "batch") for i in range(4)])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(upstream.requests) < 5:
             time.sleep(0.02)

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, wait_for
+from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, start, wait_for
 from tests.support.cache import cache_gateway_config, namespace, redis_client, wait_stored
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
@@ -21,11 +21,6 @@ __all__ = ["namespace", "redis_client"]
 
 def sdk(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def start(client: openai.OpenAI, lines: list[Any], endpoint: str = "/v1/chat/completions") -> Any:
-    source = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-    return client.batches.create(input_file_id=source.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
 
 
 def every_custom_id_once(client: openai.OpenAI, batch: Any) -> dict[str, dict[str, Any]]:

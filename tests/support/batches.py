@@ -66,3 +66,9 @@ def wait_for(client: openai.OpenAI, batch_id: str, statuses: tuple[str, ...], ti
 
 def parse_jsonl(data: bytes) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in data.splitlines() if line.strip()]
+
+
+def start(client: openai.OpenAI, lines: list[Any], endpoint: str = "/v1/chat/completions") -> Any:
+    """Upload ``lines`` as a batch input file and create a batch of them (24 h window)."""
+    source = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    return client.batches.create(input_file_id=source.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
