@@ -92,7 +92,7 @@ def entry_names(client: redis.Redis, namespace: str) -> list[bytes]:
     return list(client.scan_iter(match=f"{PREFIX}:{namespace}:e:*", count=1000))
 
 
-def wait_stored(client: redis.Redis, namespace: str, count: int = 1, timeout_s: float = 5.0) -> None:
+def wait_stored(client: redis.Redis, namespace: str, count: int = 1, timeout_s: float = 20.0) -> None:
     """Stores happen in the background after the reply: wait (bounded) until ``count`` entries exist."""
     deadline = time.monotonic() + timeout_s
     while len(entry_names(client, namespace)) < count:
