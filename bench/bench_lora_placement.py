@@ -12,7 +12,8 @@ Each run starts on a cold fleet (every adapter unloaded from both workers) and f
 requests of the same mix (the same ones in both runs), whose loads are reported apart as the cold start;
 then the measured requests. Printed side by side, for the measured requests only: adapter loads per 1,000
 requests on the warm fleet (from ``gateway_adapter_loads_total``), TTFT p50/p99 and output tokens/s; with
-the cold start's loads, and the adapters each worker lists at the end.
+the cold start's loads, the adapters each worker lists at the end, each worker's share of the measured
+requests (its own ``vllm:request_success_total``) and the mean time of a load.
 
 The mix has more adapters than one worker holds (``max_loras``) and no more than the fleet holds, so
 placement decides whether they stay put or keep being swapped.
@@ -130,6 +131,22 @@ def loads(base: str) -> float:
     )
 
 
+def metric_sum(text: str, prefix: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def load_ms(base: str) -> float:
+    """Mean time of the gateway's adapter loads (the POST to the worker), in ms."""
+    text = httpx.get(base + "/metrics", headers=ADMIN, timeout=10).text
+    count = metric_sum(text, "gateway_adapter_load_seconds_count")
+    return metric_sum(text, "gateway_adapter_load_seconds_sum") * 1000 / count if count else 0.0
+
+
+def served(workers: list[str]) -> list[float]:
+    """Requests each worker has finished, by its own count (vllm:request_success_total)."""
+    return [metric_sum(httpx.get(url + "/metrics", timeout=10).text, "vllm:request_success_total") for url in workers]
+
+
 def listed(workers: list[str]) -> dict[str, list[str]]:
     """The adapters each worker lists (its own word, not the gateway's)."""
     return {
@@ -181,12 +198,14 @@ def main() -> None:
             )
             with ServerThread(app) as gateway:
                 asyncio.run(run(gateway.url, warm, args.concurrency, f"{run_no}.0"))
-                cold = loads(gateway.url)
+                cold, before = loads(gateway.url), served(workers)
                 result = asyncio.run(run(gateway.url, models, args.concurrency, f"{run_no}.1"))
-                steady = loads(gateway.url) - cold
+                steady, after = loads(gateway.url) - cold, served(workers)
+                mean_load_ms = load_ms(gateway.url)
             result |= {
                 "cold_start_loads": cold, "loads": steady, "loads_per_1000": steady * 1000 / args.requests,
-                "listed_at_end": listed(workers),
+                "mean_load_ms": mean_load_ms, "listed_at_end": listed(workers),
+                "share_per_worker": [round((a - b) / args.requests, 3) for a, b in zip(after, before, strict=True)],
             }  # fmt: skip
             report["placements"][name] = result
             print(f"  {name}: {result}", flush=True)
@@ -201,7 +220,10 @@ def main() -> None:
             f"{r['ttft_p99_ms']:.0f} | {r['tokens_per_s']:.1f} |"
         )
     for name, r in report["placements"].items():
-        print(f"  {name}: adapters listed at the end: {r['listed_at_end']}")
+        print(
+            f"  {name}: adapters listed at the end {list(r['listed_at_end'].values())}, share of the measured "
+            f"requests per worker {r['share_per_worker']}, a load took {r['mean_load_ms']:.0f} ms on average"
+        )
     affine, other = (report["placements"][p]["loads"] for p in PLACEMENTS)
     print(f"  loads on the warm fleet: {affine:.0f} with affinity, {other:.0f} without", end="")
     print(f" ({other / affine:.1f}x fewer)" if affine else "")
