@@ -19,7 +19,7 @@ The mix has more adapters than one worker holds (``max_loras``) and no more than
 placement decides whether they stay put or keep being swapped.
 
     .venv/bin/python bench/bench_lora_placement.py                 # 48 + 96 requests per run, concurrency 6
-    .venv/bin/python bench/bench_lora_placement.py --requests 400  # steadier numbers, much longer
+    .venv/bin/python bench/bench_lora_placement.py --requests 600  # steady numbers, about 15 minutes
 """
 
 from __future__ import annotations
