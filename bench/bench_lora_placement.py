@@ -81,7 +81,8 @@ def gateway_config(workers: list[str], adapters: dict[str, str], placement: dict
     return config
 
 
-async def one(client: httpx.AsyncClient, base: str, model: str, prompt: str) -> tuple[float, int]:
+async def one(client: httpx.AsyncClient, base: str, model: str, prompt: str) -> tuple[float, int] | None:
+    """TTFT and output tokens of one streamed request; None (and the error printed) if it failed."""
     body = {
         "model": model, "messages": [{"role": "user", "content": prompt}],
         "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True,
@@ -91,7 +92,8 @@ async def one(client: httpx.AsyncClient, base: str, model: str, prompt: str) -> 
     first, tokens = 0.0, 0
     async with client.stream("POST", base + "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"{model}: {response.status_code} {(await response.aread())[:300]!r}")
+            print(f"  {model}: {response.status_code} {(await response.aread())[:300]!r}", flush=True)
+            return None
         async for line in response.aiter_lines():
             if line.startswith("data: {") and not first and '"content"' in line:
                 first = asyncio.get_running_loop().time()
@@ -105,21 +107,26 @@ async def run(base: str, models: list[str], concurrency: int, tag: str) -> dict[
     run or phase finds another's prompts in the workers' prefix caches."""
     queue = list(enumerate(models))
     ttfts: list[float] = []
-    tokens = 0
+    tokens = errors = 0
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def loop() -> None:
-            nonlocal tokens
+            nonlocal tokens, errors
             while queue:
                 index, model = queue.pop(0)
-                ttft, count = await one(client, base, model, f"({tag}) Say something about the number {index}.")
-                ttfts.append(ttft * 1000)
-                tokens += count
+                answer = await one(client, base, model, f"({tag}) Say something about the number {index}.")
+                if answer is None:
+                    errors += 1
+                    continue
+                ttfts.append(answer[0] * 1000)
+                tokens += answer[1]
 
         started = asyncio.get_running_loop().time()
         await asyncio.gather(*(loop() for _ in range(concurrency)))
         wall = asyncio.get_running_loop().time() - started
-    return {"ttft_p50_ms": pct(ttfts, 50), "ttft_p99_ms": pct(ttfts, 99), "tokens_per_s": tokens / wall}
+    return {
+        "ttft_p50_ms": pct(ttfts, 50), "ttft_p99_ms": pct(ttfts, 99), "tokens_per_s": tokens / wall, "errors": errors,
+    }  # fmt: skip
 
 
 def loads(base: str) -> float:
@@ -156,9 +163,14 @@ def listed(workers: list[str]) -> dict[str, list[str]]:
 
 
 def unload_everything(workers: list[str]) -> None:
+    """A cold fleet: every adapter unloaded, and no worker listing one any more."""
     for url, names in listed(workers).items():
         for name in names:
-            httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+            response = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+            if response.status_code not in (200, 404):
+                raise RuntimeError(f"unloading {name} from {url}: {response.status_code} {response.text[:300]}")
+    if any(listed(workers).values()):
+        raise RuntimeError(f"adapters still listed after unloading: {listed(workers)}")
 
 
 def main() -> None:
@@ -197,14 +209,14 @@ def main() -> None:
                 Settings(admin_token=ADMIN_TOKEN, managed_workers=False), registry=PluginRegistry(), config=config
             )
             with ServerThread(app) as gateway:
-                asyncio.run(run(gateway.url, warm, args.concurrency, f"{run_no}.0"))
+                cold_errors = asyncio.run(run(gateway.url, warm, args.concurrency, f"{run_no}.0"))["errors"]
                 cold, before = loads(gateway.url), served(workers)
                 result = asyncio.run(run(gateway.url, models, args.concurrency, f"{run_no}.1"))
                 steady, after = loads(gateway.url) - cold, served(workers)
                 mean_load_ms = load_ms(gateway.url)
             result |= {
                 "cold_start_loads": cold, "loads": steady, "loads_per_1000": steady * 1000 / args.requests,
-                "mean_load_ms": mean_load_ms, "listed_at_end": listed(workers),
+                "mean_load_ms": mean_load_ms, "listed_at_end": listed(workers), "cold_start_errors": cold_errors,
                 "share_per_worker": [round((a - b) / args.requests, 3) for a, b in zip(after, before, strict=True)],
             }  # fmt: skip
             report["placements"][name] = result
@@ -212,6 +224,9 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{args.requests} measured requests per run, after {args.warmup} on the cold fleet; c={args.concurrency}")
+    for name, r in report["placements"].items():
+        if r["errors"]:
+            print(f"  {name}: {r['errors']} measured requests failed (left out of TTFT and tokens/s)")
     print("| placement | loads / 1,000 requests | loads in the cold start | TTFT p50 ms | TTFT p99 ms | tokens/s |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, r in report["placements"].items():
