@@ -111,11 +111,22 @@ class AdapterLoader:
     async def unload(self, worker: Worker, name: str, reason: str) -> None:
         """Unload ``name`` from ``worker`` (call with ``lock(worker.url)`` held); an adapter the worker
         does not know is gone already."""
-        status, body = await self._post(worker.url, UNLOAD_PATH, {"lora_name": name})
+        state = worker.adapters
+        last_use = state.held.get(name)
+        # Not held from now on: a request arriving during the unload loads it again (after this one, on
+        # the worker's lock) instead of being sent to a worker about to drop it.
+        state.removed(name)
+        try:
+            status, body = await self._post(worker.url, UNLOAD_PATH, {"lora_name": name})
+        except BaseException:
+            if last_use is not None:  # not known to be gone: the next read of the worker's models decides
+                state.added(name, last_use)
+            raise
         if status not in (200, 404):
+            if last_use is not None:
+                state.added(name, last_use)
             raise load_refused(name, worker.url, status, body, action="unload")
-        worker.adapters.removed(name)
-        worker.adapters.pinned.discard(name)
+        state.pinned.discard(name)
         self.metrics.adapter_evictions.labels(worker.url, name, reason).inc()
         log.info("unloaded adapter %s from %s (%s)", name, worker.url, reason)
 

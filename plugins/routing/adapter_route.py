@@ -98,9 +98,15 @@ class AdapterPlan(Plan):
         model = self._ctx.model
         if not isinstance(model, AdapterModel):
             return
-        await self._loader.ensure(worker, model.adapter, self._settings_of(model.base))
         name = model.upstream_name
+        # In use from before the load is awaited: a request that waits on another request's load must
+        # not find its adapter evicted, by a third request's load, between that load and its attempt.
         worker.adapters.acquire(name)
+        try:
+            await self._loader.ensure(worker, model.adapter, self._settings_of(model.base))
+        except BaseException:
+            worker.adapters.release(name)
+            raise
         self._using[worker] = name
 
     def finished(self, worker: Worker, *, ok: bool, error: GatewayError | None = None) -> None:

@@ -235,6 +235,32 @@ def _rows(gw: ServerThread) -> list[dict[str, Any]]:
     return [row for model in models for row in model["workers"]]
 
 
+def test_requests_waiting_on_a_load_keep_their_adapter_from_the_next_load(gateway_factory: GatewayFactory) -> None:
+    """Two requests wait for sql's load while a request for support waits for the worker's lock behind
+    it (one slot). When sql lands, the support load runs before the waiters resume: it must see sql in
+    use and load beside it, not evict it and leave the waiters to the worker's 404."""
+    with fleet(1) as workers, gateway_factory(lora_config(workers, max_loras=1)) as (app, gw):
+        fake, server = workers[0]
+        release = threading.Event()
+        fake.lora_hold = release
+        with ThreadPoolExecutor(3) as pool:
+            first = [pool.submit(ask, gw, "sql")]
+            wait_for(lambda: loads(fake) == ["sql"], 10, "sql's load to reach the worker")
+            first.append(pool.submit(ask, gw, "sql"))
+            wait_for(lambda: worker(app, server).adapters.active.get("sql") == 2, 10, "both sql requests waiting")
+            other = pool.submit(ask, gw, "support")
+            wait_for(lambda: ("support", "loading") in _states(app, server), 10, "support's load to be queued")
+            release.set()
+            assert [f.result(timeout=30) for f in first] == ["Hello from the fake worker."] * 2
+            assert other.result(timeout=30)
+        assert ("unload", {"lora_name": "sql"}) not in fake.lora_calls
+        assert sorted(fake.adapters) == ["sql", "support"]  # over max_loras while both were busy
+
+
+def _states(app: GatewayApp, server: ServerThread) -> list[tuple[str, str]]:
+    return [(str(a["name"]), str(a["state"])) for a in worker(app, server).adapters.describe(0.0)]
+
+
 def test_an_adapter_in_use_is_neither_evicted_nor_unloaded(gateway_factory: GatewayFactory) -> None:
     with fleet(1) as workers, gateway_factory(lora_config(workers, max_loras=1), admin_token=ADMIN_TOKEN) as (_, gw):
         fake, server = workers[0]
