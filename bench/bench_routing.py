@@ -2,14 +2,35 @@
 
 1. Decision cost: ``on_request`` + the first ``next_worker`` + ``finished`` of the routing plugin with
    64 workers, per policy (in-process, no network): microseconds per request.
-2. With two real vLLM workers: a shared-prefix workload (many requests sharing one of a few long system
-   prompts, shuffled) sent through a gateway per policy; TTFT p50/p99, the workers' prefix-cache hit rate
-   (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries`` deltas, in tokens), the requests each
-   worker served and, for prefix affinity, how many requests the bounded-load cap sent off their
-   prefix's home worker. Each policy gets prompts with its own nonce so no run profits from another
-   run's cache.
+2. With two real vLLM workers that publish their KV cache events (so ``precise_prefix`` can follow them):
+   each workload of ``--workloads`` sent through an in-process gateway per policy (round robin, least
+   outstanding, prefix affinity, precise prefix), then through two gateway replicas (``--replicas``;
+   each request goes to the next replica in turn) for ``--replica-policies``. Per run: the workers'
+   prefix-cache hit rate (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries`` deltas, in tokens),
+   TTFT p50/p99 at the client, output tokens/s (the usage of every streamed answer over the run's wall
+   time), this process's CPU per request (clients and gateways: the difference between two policies is
+   what one adds), the requests each worker served, for prefix affinity how many requests the
+   bounded-load cap sent off their prefix's home worker, and for precise prefix how many predictions of
+   cached tokens equal what the worker reported. Each run gets prompts of its own (a nonce, or a seed of
+   vLLM's generator) so no run profits from another run's cache. The runs are printed side by side at
+   the end, with the targets (precise >= 1.3x affinity's hit rate at a lower TTFT p99; two replicas
+   within 10% of one).
 
-Two regimes, on the same workers:
+The workloads:
+
+- ``prefix_repetition``: vLLM's own benchmark set (``vllm bench serve --dataset-name prefix_repetition``,
+  ``PrefixRepetitionRandomDataset`` from the installed vLLM, generated here with the model's tokenizer):
+  ``--prompts`` (16) prefixes of ``--prefix-blocks`` x 128 random tokens, ``--repeats`` (4) requests per
+  prefix with ``--suffix-tokens`` (64) random tokens after it, shuffled by vLLM, sent as completions
+  (as vLLM's ``openai`` backend sends them) for ``--max-tokens`` (16) output tokens. The KV cache per
+  worker below holds 10 of the 16 prefixes.
+- ``multi_turn``: ``--conversations`` (8) chats of ``--turns`` (6) turns: a system prompt of
+  ``--system-blocks`` (2) blocks + 24 tokens, user turns of ``--turn-words`` (96) words, each request
+  carrying the whole history with the worker's own replies. A conversation goes back to the end of the
+  queue after each turn, so all of them are in flight, interleaved. The last turns hold about 9 blocks
+  per conversation, about 75 for all 8: more than one worker's cache (45), less than the pool's (90).
+- ``shared_prefix`` (the default): this file's own shared system prompts, in two regimes:
+
 
 - **cache pressure** (``--prompts``, 16 by default): the shared prefixes need more KV cache than one
   worker has, but fit in the two workers together. This is where routing decides the hit rate: round
@@ -45,6 +66,8 @@ blocks each worker reports are printed, so the regime is visible).
 
     .venv/bin/python bench/bench_routing.py                                   # decision cost only
     flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers
+    flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers --skip-decision-cost \
+        --workloads prefix_repetition,multi_turn
     .venv/bin/python bench/bench_routing.py --workers http://127.0.0.1:8301,http://127.0.0.1:8302
 """
 
@@ -52,7 +75,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -63,8 +88,8 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -88,12 +113,14 @@ from gateway.upstream.client import UpstreamClient, UpstreamConfig
 from gateway.upstream.workers import Worker, WorkerTable
 from plugins.routing import RoutingPlugin
 from plugins.routing.policies import WorkerPool, prompt_prefix, stable_hash
+from plugins.routing.prompt_tokens import PromptTokenizer
 from tests.support.fakes import ServerThread, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-POLICIES = ["round_robin", "least_outstanding", "prefix_affinity"]
+POLICIES = ["round_robin", "least_outstanding", "prefix_affinity", "precise_prefix"]
 MODEL = "smollm2"
 BLOCK_TOKENS = 128  # vLLM's default KV block on the CPU, passed explicitly so the sizing holds
+MAX_MODEL_LEN = 2048  # the longest multi_turn conversation, with room
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 
 
@@ -206,6 +233,7 @@ async def managed_workers(kv_bytes: int, max_model_len: int, models_dir: Path) -
             max_num_seqs=8,
             enforce_eager=True,
             omp_threads_bind=str(i % cores),
+            kv_events=True,  # for precise_prefix; it also adds --enable-prompt-tokens-details
             extra_args=["--kv-cache-memory-bytes", str(kv_bytes), "--block-size", str(BLOCK_TOKENS)],
         )
         for i in range(2)
@@ -217,7 +245,36 @@ async def managed_workers(kv_bytes: int, max_model_len: int, models_dir: Path) -
         yield [spec.url for spec in specs]
 
 
-# -- 3. the shared-prefix workload ------------------------------------------------------------------
+# -- 3. the workloads -------------------------------------------------------------------------------
+
+#: every request streams, asks for its usage (output tokens; precise_prefix checks its prediction on it)
+STREAM: dict[str, Any] = {"temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+@dataclass
+class Conversation:
+    """Requests sent one after another. For chat, each turn's request carries the whole history: the
+    earlier turns and the worker's own replies to them. A single request is a conversation of one turn."""
+
+    endpoint: str  # "chat/completions" or "completions"
+    turns: list[dict[str, Any]]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    sent: int = 0
+
+    def next_body(self) -> dict[str, Any]:
+        turn = self.turns[self.sent]
+        if self.endpoint != "chat/completions":
+            return turn
+        return {**turn, "messages": [*self.history, *turn["messages"]]}
+
+    def answered(self, body: dict[str, Any], reply: str) -> None:
+        self.sent += 1
+        if self.endpoint == "chat/completions":
+            self.history = [*body["messages"], {"role": "assistant", "content": reply}]
+
+    @property
+    def done(self) -> bool:
+        return self.sent == len(self.turns)
 
 
 def system_prompts(
@@ -240,6 +297,7 @@ def system_prompts(
 
 
 def workload(systems: list[str], repeats: int, seed: int) -> list[dict[str, Any]]:
+    """The project's shared-prefix set: ``repeats`` short questions per system prompt, shuffled."""
     requests = [
         {
             "model": MODEL,
@@ -248,14 +306,72 @@ def workload(systems: list[str], repeats: int, seed: int) -> list[dict[str, Any]
                 {"role": "user", "content": f"Question {r}: name one colour."},
             ],
             "max_tokens": 4,
-            "temperature": 0,
-            "stream": True,
+            **STREAM,
         }
         for system in systems
         for r in range(repeats)
     ]
     random.Random(seed).shuffle(requests)
     return requests
+
+
+@functools.cache
+def hf_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer  # the engine extra
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def prefix_repetition(model_dir: Path, seed: int, args: argparse.Namespace) -> list[Conversation]:
+    """vLLM's own ``prefix_repetition`` benchmark set (``vllm bench serve --dataset-name
+    prefix_repetition``: ``vllm.benchmarks.datasets.PrefixRepetitionRandomDataset``), generated here with
+    the model's tokenizer: ``--prompts`` prefixes of random tokens, ``--prefix-blocks`` x 128 tokens
+    each, ``--repeats`` requests per prefix with a random suffix of ``--suffix-tokens``, shuffled by
+    vLLM. Sent as vLLM's ``openai`` backend sends it: a completions request with the prompt text."""
+    from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset  # heavy: imports torch
+
+    samples = PrefixRepetitionRandomDataset(random_seed=seed).sample(
+        hf_tokenizer(model_dir),
+        num_requests=args.prompts * args.repeats,
+        prefix_len=args.prefix_blocks * BLOCK_TOKENS,
+        suffix_len=args.suffix_tokens,
+        num_prefixes=args.prompts,
+        output_len=args.max_tokens,
+    )
+    return [
+        Conversation(
+            "completions",
+            [{"model": MODEL, "prompt": s.prompt, "max_tokens": s.expected_output_len, "ignore_eos": True, **STREAM}],
+        )
+        for s in samples
+    ]
+
+
+def multi_turn(tokenizer: Tokenizer, nonce: str, seed: int, args: argparse.Namespace) -> list[Conversation]:
+    """``--conversations`` chats of ``--turns`` turns each: a distinct system prompt of
+    ``--system-blocks`` KV blocks (+24 tokens), then user turns of ``--turn-words`` words; each turn's
+    request carries every earlier turn and the worker's replies (``--max-tokens`` each), so a
+    conversation's prefix grows by about a block per turn. Interleaved: a conversation goes back to the
+    end of the queue after each turn, so every conversation is in flight at once."""
+    systems, _ = system_prompts(tokenizer, nonce, args.conversations, args.system_blocks, seed)
+    rng = random.Random(seed)
+    return [
+        Conversation(
+            "chat/completions",
+            [
+                {
+                    "model": MODEL,
+                    "messages": ([{"role": "system", "content": system}] if t == 0 else [])
+                    + [{"role": "user", "content": f"Turn {t}: " + " ".join(rng.choices(WORDS, k=args.turn_words))}],
+                    "max_tokens": args.max_tokens,
+                    "ignore_eos": True,
+                    **STREAM,
+                }
+                for t in range(args.turns)
+            ],
+        )
+        for system in systems
+    ]
 
 
 # -- 4. measuring one policy --------------------------------------------------------------------------
@@ -277,121 +393,233 @@ async def worker_metrics(client: httpx.AsyncClient, urls: list[str]) -> dict[str
 
 
 class ServedBy(logging.Handler):
-    """request id -> the worker that served it, from the gateway's access log lines."""
+    """From the gateway's access log lines: request id -> the worker that served it, and for precise
+    placement the predicted cached tokens beside those the worker reported."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.workers: dict[str, str] = {}
+        self.predictions: list[tuple[int, int]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         fields = getattr(record, "fields", {})
         if "worker" in fields:
             self.workers[fields["request_id"]] = fields["worker"]
+        if "cached_tokens_predicted" in fields:
+            details = (fields.get("usage") or {}).get("prompt_tokens_details") or {}
+            self.predictions.append((fields["cached_tokens_predicted"], details.get("cached_tokens", -1)))
 
 
-def home_worker(urls: list[str], body: dict[str, Any], prefix_chars: int) -> str:
+def home_worker(urls: list[str], endpoint: str, body: dict[str, Any], prefix_chars: int) -> str:
     """The worker prefix affinity picks for ``body`` when no worker has anything in flight."""
-    key = stable_hash(prompt_prefix("chat/completions", body, prefix_chars).encode())
+    key = stable_hash(prompt_prefix(endpoint, body, prefix_chars).encode())
     worker = WorkerPool([Worker(url=url) for url in urls]).hashed(key, 1.0, [], 0.0)
     assert worker is not None
     return worker.url
 
 
-async def run_policy(
-    policy: str, urls: list[str], requests: list[dict[str, Any]], args: argparse.Namespace
-) -> dict[str, Any]:
+def reuse_ceiling(sent: list[tuple[str, dict[str, Any]]], tokenizer: PromptTokenizer) -> float:
+    """The hit rate of this run's requests, in the order sent, on one cache that never evicts: per request
+    the full blocks of its longest prefix shared with an earlier request (at most ``(tokens - 1) // 128``,
+    as vLLM caps a hit), over all prompt tokens. No routing can do better on the prompts alone (blocks
+    filled while decoding are left out: a reply's tokens, rendered again in the next turn, may differ)."""
+    seen: set[tuple[int, ...]] = set()
+    hits = total = 0
+    for endpoint, body in sent:
+        tokens = tokenizer.tokens(endpoint, body) or []
+        chains = [tuple(tokens[: (k + 1) * BLOCK_TOKENS]) for k in range(len(tokens) // BLOCK_TOKENS)]
+        held = 0
+        while held < min(len(chains), (len(tokens) - 1) // BLOCK_TOKENS) and chains[held] in seen:
+            held += 1
+        hits += held * BLOCK_TOKENS
+        total += len(tokens)
+        seen.update(chains)
+    return hits / total if total else 0.0
+
+
+def gateway_app(policy: str, urls: list[str], model_dir: Path, args: argparse.Namespace) -> Any:
+    routing: dict[str, Any] = {"policy": policy, "load_factor": args.load_factor}
+    if policy == "precise_prefix":  # the workers are not this gateway's managed ones: name the tokenizer
+        routing["precise"] = {"tokenizer": str(model_dir)}
     config = {
         "models": [{"name": MODEL, "workers": urls}],
-        "plugins": [{"name": "routing", "config": {"default": {"policy": policy, "load_factor": args.load_factor}}}],
+        "plugins": [{"name": "routing", "config": {"default": routing}}],
         "upstream": {"first_byte_timeout_s": 300, "idle_timeout_s": 300},
     }
-    app = create_app(
+    return create_app(
         Settings(),
         registry=PluginRegistry({"routing": RoutingPlugin}, discover=False),
         config=GatewayConfig.model_validate(config),
         engine_factory=None,
     )
-    ids = {f"bench-{uuid.uuid4().hex}": body for body in requests}
+
+
+async def run_policy(
+    policy: str,
+    urls: list[str],
+    conversations: list[Conversation],
+    args: argparse.Namespace,
+    model_dir: Path,
+    replicas: int = 1,
+) -> dict[str, Any]:
+    """Send ``conversations`` through ``replicas`` in-process gateways (same policy, same workers; each
+    request goes to the next replica in turn) with ``args.concurrency`` clients in a closed loop."""
+    sent: dict[str, tuple[str, dict[str, Any]]] = {}
     served = ServedBy()
     access = logging.getLogger("gateway.access")
     access.addHandler(served)
     ttfts: list[float] = []
+    output_tokens = 0
+    turn = 0
     try:
-        with ServerThread(app) as server:
+        with contextlib.ExitStack() as servers:
+            gateways = [
+                servers.enter_context(ServerThread(gateway_app(policy, urls, model_dir, args), start_timeout_s=120))
+                for _ in range(replicas)
+            ]
             async with httpx.AsyncClient(timeout=600) as client:
                 before = await worker_metrics(client, urls)
-                queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
-                for item in ids.items():
-                    queue.put_nowait(item)
+                queue = collections.deque(conversations)
+                cpu, wall = time.process_time(), time.perf_counter()
 
                 async def user() -> None:
-                    while not queue.empty():
-                        request_id, body = queue.get_nowait()
+                    nonlocal output_tokens, turn
+                    while queue:
+                        conversation = queue.popleft()
+                        body = conversation.next_body()
+                        request_id = f"bench-{uuid.uuid4().hex}"
+                        sent[request_id] = (conversation.endpoint, body)
+                        server = gateways[turn % len(gateways)]
+                        turn += 1
                         started = time.perf_counter()
-                        headers = {"x-request-id": request_id}
-                        url = server.url + "/v1/chat/completions"
-                        async with client.stream("POST", url, json=body, headers=headers) as r:
-                            first = None
+                        url = f"{server.url}/v1/{conversation.endpoint}"
+                        first, text = None, []
+                        async with client.stream("POST", url, json=body, headers={"x-request-id": request_id}) as r:
                             async for line in r.aiter_lines():
-                                if first is None and line.startswith("data: {"):
+                                if not line.startswith("data: {"):
+                                    continue
+                                if first is None:
                                     first = time.perf_counter() - started
-                            if r.status_code != 200 or first is None:
-                                raise RuntimeError(f"request failed: HTTP {r.status_code}")
-                            ttfts.append(first)
+                                chunk = json.loads(line[6:])
+                                for choice in chunk.get("choices") or []:
+                                    text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+                                if chunk.get("usage"):
+                                    output_tokens += chunk["usage"].get("completion_tokens", 0)
+                        if r.status_code != 200 or first is None:
+                            raise RuntimeError(f"request failed: HTTP {r.status_code}")
+                        ttfts.append(first)
+                        conversation.answered(body, "".join(text))
+                        if not conversation.done:
+                            queue.append(conversation)
 
                 await asyncio.gather(*(user() for _ in range(args.concurrency)))
+                cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
                 after = await worker_metrics(client, urls)
     finally:
         access.removeHandler(served)
     queries = after["queries"] - before["queries"]
     ttfts.sort()
-    homes = {rid: home_worker(urls, body, 1024) for rid, body in ids.items()}
+    homes = {rid: home_worker(urls, endpoint, body, 1024) for rid, (endpoint, body) in sent.items()}
+    predictions = served.predictions
     return {
         "hit_rate": (after["hits"] - before["hits"]) / queries if queries else 0.0,
         "ttft_p50_ms": statistics.median(ttfts) * 1000,
         "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] * 1000,
+        "output_tok_s": output_tokens / wall,
+        "cpu_ms": cpu / len(ttfts) * 1000,  # this process: clients and gateways
         "requests": len(ttfts),
         "per_worker": [Counter(served.workers.values())[url] for url in urls],
         "off_home": sum(served.workers.get(rid) != home for rid, home in homes.items()),
+        "predicted": (sum(p == r for p, r in predictions), len(predictions)),
+        "ceiling": reuse_ceiling(list(sent.values()), args.prompt_tokenizer),
         "blocks": [after.get(url, 0.0) for url in urls],
     }
 
 
-async def run_regime(
-    title: str, urls: list[str], tokenizer: Tokenizer, prompts: int, args: argparse.Namespace
-) -> dict[str, dict[str, Any]]:
-    n = prompts * args.repeats
-    print(
-        f"\n{title}: {prompts} system prompts x {args.repeats} requests ({n}), {args.prefix_blocks} shared KV "
-        f"blocks each, concurrency {args.concurrency}, {len(urls)} workers, load factor {args.load_factor:g}"
+# -- 5. one workload, every policy, side by side ----------------------------------------------------------
+
+HEADER = (
+    f"{'workload':<22}{'policy':<19}{'gw':>3}{'hit rate':>10}{'ceiling':>9}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}"
+    f"{'out tok/s':>11}{'CPU ms/req':>12}{'per worker':>12}{'off home':>10}{'predicted':>11}"
+)
+
+
+def row(workload_name: str, policy: str, replicas: int, r: dict[str, Any]) -> str:
+    off_home = str(r["off_home"]) if policy == "prefix_affinity" else "-"
+    agree, checked = r["predicted"]
+    predicted = f"{agree}/{checked}" if checked else "-"
+    return (
+        f"{workload_name:<22}{policy:<19}{replicas:>3}{r['hit_rate']:>10.3f}{r['ceiling']:>9.3f}"
+        f"{r['ttft_p50_ms']:>13.0f}"
+        f"{r['ttft_p99_ms']:>13.0f}{r['output_tok_s']:>11.1f}{r['cpu_ms']:>12.1f}"
+        f"{'/'.join(map(str, r['per_worker'])):>12}{off_home:>10}{predicted:>11}"
     )
-    results: dict[str, dict[str, Any]] = {}
-    for policy in POLICIES:
-        systems, turn = system_prompts(tokenizer, uuid.uuid4().hex[:8], prompts, args.prefix_blocks, args.seed)
-        requests = workload(systems, args.repeats, args.seed)
-        if policy == POLICIES[0]:
-            print(f"system turn {turn} tokens")
-            print(
-                f"{'policy':<20}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'requests':>10}"
-                f"{'per worker':>12}{'off home':>10}"
-            )
-        results[policy] = r = await run_policy(policy, urls, requests, args)
-        off_home = str(r["off_home"]) if policy == "prefix_affinity" else "-"
-        print(
-            f"{policy:<20}{r['hit_rate']:>10.3f}{r['ttft_p50_ms']:>13.0f}{r['ttft_p99_ms']:>13.0f}"
-            f"{r['requests']:>10}{'/'.join(map(str, r['per_worker'])):>12}{off_home:>10}"
-        )
-        if policy == "prefix_affinity":
-            split = Counter(home_worker(urls, {"messages": [{"role": "system", "content": s}]}, 1024) for s in systems)
-            print(f"{'':<20}(its prefixes' homes per worker: {' / '.join(str(split[u]) for u in urls)})")
-    rr, pa = results["round_robin"], results["prefix_affinity"]
-    ratio = pa["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else math.inf
-    faster = pa["ttft_p50_ms"] < rr["ttft_p50_ms"]
-    print(
-        f"prefix_affinity / round_robin: hit rate {ratio:.2f}x (target >= 1.5x), TTFT p50 "
-        f"{pa['ttft_p50_ms']:.0f} vs {rr['ttft_p50_ms']:.0f} ms ({'lower' if faster else 'NOT lower'})"
-    )
+
+
+async def run_workload(
+    name: str,
+    make: Callable[[int], list[Conversation]],
+    urls: list[str],
+    args: argparse.Namespace,
+    model_dir: Path,
+) -> list[tuple[str, str, int, dict[str, Any]]]:
+    """Every policy with one gateway, then ``args.replica_policies`` with ``args.replicas`` gateways.
+    ``make(i)`` gives run ``i`` prompts of its own (a fresh nonce or seed): no run profits from another's
+    cache."""
+    runs = [(p, 1) for p in args.policies]
+    if args.replicas > 1:
+        runs += [(p, args.replicas) for p in args.replica_policies]
+    results = []
+    print(f"\n{name}\n{HEADER}")
+    for i, (policy, replicas) in enumerate(runs):
+        conversations = make(i)
+        r = await run_policy(policy, urls, conversations, args, model_dir, replicas)
+        results.append((name, policy, replicas, r))
+        print(row(name, policy, replicas, r))
+        if policy == "prefix_affinity" and replicas == 1:
+            keys = {
+                prompt_prefix(c.endpoint, c.turns[0], 1024): home_worker(urls, c.endpoint, c.turns[0], 1024)
+                for c in conversations
+            }
+            split = Counter(keys.values())
+            print(f"{'':<22}(its prefixes' homes per worker: {' / '.join(str(split[u]) for u in urls)})")
+    summarize(name, results)
     return results
+
+
+def summarize(name: str, results: list[tuple[str, str, int, dict[str, Any]]]) -> None:
+    one = {policy: r for _, policy, n, r in results if n == 1}
+    many = {policy: (n, r) for _, policy, n, r in results if n > 1}
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}x" if b else "inf"
+
+    if "round_robin" in one and "prefix_affinity" in one:
+        rr, pa = one["round_robin"], one["prefix_affinity"]
+        print(
+            f"  {name}: prefix_affinity / round_robin hit rate {ratio(pa['hit_rate'], rr['hit_rate'])}, "
+            f"TTFT p50 {pa['ttft_p50_ms']:.0f} vs {rr['ttft_p50_ms']:.0f} ms"
+        )
+    if "prefix_affinity" in one and "precise_prefix" in one:
+        pa, pp = one["prefix_affinity"], one["precise_prefix"]
+        met = pp["hit_rate"] >= 1.3 * pa["hit_rate"] and pp["ttft_p99_ms"] < pa["ttft_p99_ms"]
+        print(
+            f"  {name}: precise_prefix / prefix_affinity hit rate {ratio(pp['hit_rate'], pa['hit_rate'])} "
+            f"(target >= 1.3x), TTFT p99 {pp['ttft_p99_ms']:.0f} vs {pa['ttft_p99_ms']:.0f} ms (target lower): "
+            f"{'met' if met else 'NOT met'}; CPU per request {pp['cpu_ms'] - pa['cpu_ms']:+.1f} ms"
+        )
+        print(
+            f"  {name}: reuse ceiling {pa['ceiling']:.3f} / {pp['ceiling']:.3f}: affinity / precise reach "
+            f"{ratio(pa['hit_rate'], pa['ceiling'])} / {ratio(pp['hit_rate'], pp['ceiling'])} of it"
+        )
+    for policy, (n, r) in many.items():
+        if policy in one:
+            base = one[policy]["hit_rate"]
+            change = (r["hit_rate"] - base) / base if base else 0.0
+            print(
+                f"  {name}: {policy} with {n} gateways: hit rate {r['hit_rate']:.3f} vs {base:.3f} with one "
+                f"({change:+.1%}; target within 10%: {'met' if abs(change) <= 0.10 else 'NOT met'})"
+            )
 
 
 async def warm_up(urls: list[str], tokenizer: Tokenizer, args: argparse.Namespace) -> None:
@@ -400,7 +628,8 @@ async def warm_up(urls: list[str], tokenizer: Tokenizer, args: argparse.Namespac
     async with httpx.AsyncClient(timeout=600) as client:
         for url in urls:
             for body in workload(systems, 2, args.seed):
-                r = await client.post(url + "/v1/chat/completions", json={**body, "stream": False})
+                plain = {k: v for k, v in body.items() if k != "stream_options"}
+                r = await client.post(url + "/v1/chat/completions", json={**plain, "stream": False})
                 r.raise_for_status()
         blocks = await worker_metrics(client, urls)
     print("KV cache blocks per worker (vLLM's count): " + " / ".join(f"{blocks.get(u, 0):.0f}" for u in urls))
@@ -412,10 +641,26 @@ async def main() -> None:
     workers.add_argument("--workers", help="comma-separated URLs of two (or more) real vLLM workers")
     workers.add_argument("--managed-workers", action="store_true", help="start two vLLM CPU workers here")
     parser.add_argument("--iterations", type=int, default=20_000)
-    parser.add_argument("--prompts", type=int, default=16, help="distinct shared system prompts (cache pressure)")
+    parser.add_argument(
+        "--workloads",
+        default="shared_prefix",
+        help="comma-separated: shared_prefix (this file's, two regimes), prefix_repetition (vLLM's), multi_turn",
+    )
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, each with one gateway")
+    parser.add_argument(
+        "--replica-policies", default="prefix_affinity,precise_prefix", help="run again with --replicas gateways"
+    )
+    parser.add_argument("--replicas", type=int, default=2, help="gateways in front of the workers (1: skip)")
+    parser.add_argument("--prompts", type=int, default=16, help="distinct shared prefixes (cache pressure)")
     parser.add_argument("--light-prompts", type=int, default=8, help="prompts for the no-pressure regime; 0: skip")
-    parser.add_argument("--repeats", type=int, default=4, help="requests per system prompt")
-    parser.add_argument("--prefix-blocks", type=int, default=4, help="KV blocks (128 tokens) per system prompt")
+    parser.add_argument("--repeats", type=int, default=4, help="requests per shared prefix")
+    parser.add_argument("--prefix-blocks", type=int, default=4, help="KV blocks (128 tokens) per shared prefix")
+    parser.add_argument("--suffix-tokens", type=int, default=64, help="prefix_repetition: tokens after the prefix")
+    parser.add_argument("--max-tokens", type=int, default=16, help="prefix_repetition, multi_turn: output tokens")
+    parser.add_argument("--conversations", type=int, default=8, help="multi_turn: conversations")
+    parser.add_argument("--turns", type=int, default=6, help="multi_turn: turns per conversation")
+    parser.add_argument("--system-blocks", type=int, default=2, help="multi_turn: KV blocks of each system prompt")
+    parser.add_argument("--turn-words", type=int, default=96, help="multi_turn: words per user turn")
     parser.add_argument(
         "--cache-share", type=float, default=0.625, help="managed workers: share of the prefixes one worker caches"
     )
@@ -424,11 +669,14 @@ async def main() -> None:
     parser.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor for affinity")
     parser.add_argument("--skip-decision-cost", action="store_true")
     args = parser.parse_args()
+    args.policies = [p for p in args.policies.split(",") if p]
+    args.replica_policies = [p for p in args.replica_policies.split(",") if p]
+    workloads = [w for w in args.workloads.split(",") if w]
 
     if not args.skip_decision_cost:
         print("routing decision cost, 64 workers (on_request + next_worker + finished)")
         print(f"{'policy':<20}{'us/request':>12}{'with admission':>16}")
-        for policy in [*POLICIES, "session_affinity"]:
+        for policy in ["round_robin", "least_outstanding", "prefix_affinity", "session_affinity"]:
             plain = await decision_cost(policy, 64, args.iterations, admission=False)
             gated = await decision_cost(policy, 64, args.iterations, admission=True)
             print(f"{policy:<20}{plain:>12.1f}{gated:>16.1f}")
@@ -438,6 +686,13 @@ async def main() -> None:
     models_dir = REPO / "models"
     model_dir = Path(await asyncio.to_thread(prepare_model, MODEL, models_dir))
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    args.prompt_tokenizer = await PromptTokenizer.load(str(model_dir))  # as precise_prefix tokenizes
+    nonce = uuid.uuid4().hex[:8]
+    base_seed = int(nonce, 16) % 1_000_000
+    makers: dict[str, Callable[[int], list[Conversation]]] = {
+        "prefix_repetition": lambda i: prefix_repetition(model_dir, base_seed + i, args),
+        "multi_turn": lambda i: multi_turn(tokenizer, f"{nonce}-{i}", args.seed + i, args),
+    }
     async with contextlib.AsyncExitStack() as stack:
         if args.managed_workers:
             geometry = KvGeometry.of(model_dir)
@@ -448,14 +703,30 @@ async def main() -> None:
                 f"x {geometry.block_bytes:,} bytes ({geometry.block_tokens} tokens x {geometry.token_bytes:,}) "
                 f"= {kv_bytes:,} bytes; {args.prompts} prefixes need {args.prompts * args.prefix_blocks} blocks"
             )
-            max_model_len = (args.prefix_blocks + 2) * BLOCK_TOKENS  # a system turn, a question, 4 tokens
-            urls = await stack.enter_async_context(managed_workers(kv_bytes, max_model_len, models_dir))
+            urls = await stack.enter_async_context(managed_workers(kv_bytes, MAX_MODEL_LEN, models_dir))
         else:
             urls = [u.rstrip("/") for u in args.workers.split(",")]
         await warm_up(urls, tokenizer, args)
-        await run_regime("cache pressure", urls, tokenizer, args.prompts, args)
-        if args.light_prompts:
-            await run_regime("no cache pressure", urls, tokenizer, args.light_prompts, args)
+        results = []
+        for name in workloads:
+            if name == "shared_prefix":
+                # under cache pressure (--prompts), then without (--light-prompts; 0: skip)
+                for prompts in [args.prompts, args.light_prompts][: 2 if args.light_prompts else 1]:
+
+                    def make(i: int, prompts: int = prompts) -> list[Conversation]:
+                        systems, _ = system_prompts(tokenizer, f"{nonce}-{i}", prompts, args.prefix_blocks, args.seed)
+                        bodies = workload(systems, args.repeats, args.seed)
+                        return [Conversation("chat/completions", [b]) for b in bodies]
+
+                    title = f"shared_prefix {prompts}x{args.repeats}"
+                    results += await run_workload(title, make, urls, args, model_dir)
+            else:
+                results += await run_workload(name, makers[name], urls, args, model_dir)
+    print(f"\nside by side ({len(urls)} workers, concurrency {args.concurrency}, nonce {nonce})\n{HEADER}")
+    for name, policy, replicas, r in results:
+        print(row(name, policy, replicas, r))
+    for name in dict.fromkeys(name for name, *_ in results):
+        summarize(name, [x for x in results if x[0] == name])
 
 
 if __name__ == "__main__":
