@@ -29,6 +29,11 @@ The workloads:
   carrying the whole history with the worker's own replies. A conversation goes back to the end of the
   queue after each turn, so all of them are in flight, interleaved. The last turns hold about 9 blocks
   per conversation, about 75 for all 8: more than one worker's cache (45), less than the pool's (90).
+- ``common_head``: this file's retrieval-shaped set: one set of instructions (about 1.7 blocks, longer
+  than prefix_affinity's 1,024-character key) starts every system prompt, then one of ``--prompts``
+  documents of ``--prefix-blocks`` blocks, then a short question; ``--repeats`` per document, shuffled.
+  The blocks that decide the hit rate (the documents) do not start the prompt, so affinity's key is the
+  same for every request.
 - ``shared_prefix`` (the default): this file's own shared system prompts, in two regimes:
 
 
@@ -347,6 +352,32 @@ def prefix_repetition(model_dir: Path, seed: int, args: argparse.Namespace) -> l
     ]
 
 
+def common_head(tokenizer: Tokenizer, nonce: str, seed: int, args: argparse.Namespace) -> list[Conversation]:
+    """Retrieval-shaped requests: every system prompt starts with the same instructions (longer than
+    prefix_affinity's ``prefix_chars``, 1,024 characters), then one of ``--prompts`` documents of
+    ``--prefix-blocks`` blocks, then a question; ``--repeats`` questions per document, shuffled. The
+    shared blocks that decide the hit rate (the documents) do not start the prompt."""
+    rng = random.Random(seed)
+    head = f"[{nonce}] Answer from the document below only. " + " ".join(rng.choices(WORDS, k=220))
+    documents, _ = system_prompts(tokenizer, nonce, args.prompts, args.prefix_blocks, seed)
+    bodies = [
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": f"{head}\n\nDocument {k}: {document}"},
+                {"role": "user", "content": f"Question {r}: name one colour."},
+            ],
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+            **STREAM,
+        }
+        for k, document in enumerate(documents)
+        for r in range(args.repeats)
+    ]
+    rng.shuffle(bodies)
+    return [Conversation("chat/completions", [b]) for b in bodies]
+
+
 def multi_turn(tokenizer: Tokenizer, nonce: str, seed: int, args: argparse.Namespace) -> list[Conversation]:
     """``--conversations`` chats of ``--turns`` turns each: a distinct system prompt of
     ``--system-blocks`` KV blocks (+24 tokens), then user turns of ``--turn-words`` words; each turn's
@@ -644,7 +675,8 @@ async def main() -> None:
     parser.add_argument(
         "--workloads",
         default="shared_prefix",
-        help="comma-separated: shared_prefix (this file's, two regimes), prefix_repetition (vLLM's), multi_turn",
+        help="comma-separated: shared_prefix (this file's, two regimes), prefix_repetition (vLLM's), "
+        "multi_turn, common_head",
     )
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, each with one gateway")
     parser.add_argument(
@@ -692,6 +724,7 @@ async def main() -> None:
     makers: dict[str, Callable[[int], list[Conversation]]] = {
         "prefix_repetition": lambda i: prefix_repetition(model_dir, base_seed + i, args),
         "multi_turn": lambda i: multi_turn(tokenizer, f"{nonce}-{i}", args.seed + i, args),
+        "common_head": lambda i: common_head(tokenizer, f"{nonce}-{i}", args.seed + i, args),
     }
     async with contextlib.AsyncExitStack() as stack:
         if args.managed_workers:
