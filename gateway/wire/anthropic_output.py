@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from gateway.wire.errors import anthropic_sse
+from gateway.wire.streaming import first_choice_deltas
 
 
 def new_message_id() -> str:
@@ -131,10 +132,7 @@ class MessageStream:
         out: list[bytes] = []
         if chunk.get("usage"):
             self._usage = chunk["usage"]
-        for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
+        for choice, delta in first_choice_deltas(chunk):
             text = delta.get("content")
             if text:
                 out += self._block("text", {"type": "text", "text": ""})

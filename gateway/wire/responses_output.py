@@ -12,6 +12,7 @@ import orjson
 
 from gateway.wire.responses_items import message_item, new_id, text_part
 from gateway.wire.responses_request import ResponsesRequest
+from gateway.wire.streaming import first_choice_deltas
 
 #: A chat finish_reason that makes a Response incomplete, and the reason it then gives.
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -185,10 +186,7 @@ class EventStream:
         out: list[bytes] = []
         if chunk.get("usage"):
             self._usage = chunk["usage"]
-        for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
+        for choice, delta in first_choice_deltas(chunk):
             text = delta.get("content")
             if text:
                 out += self._text(text, logprobs_of(choice))

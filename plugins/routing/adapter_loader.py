@@ -116,16 +116,15 @@ class AdapterLoader:
         # Not held from now on: a request arriving during the unload loads it again (after this one, on
         # the worker's lock) instead of being sent to a worker about to drop it.
         state.removed(name)
+        gone = False
         try:
             status, body = await self._post(worker.url, UNLOAD_PATH, {"lora_name": name})
-        except BaseException:
-            if last_use is not None:  # not known to be gone: the next read of the worker's models decides
+            if status not in (200, 404):
+                raise load_refused(name, worker.url, status, body, action="unload")
+            gone = True
+        finally:
+            if not gone and last_use is not None:  # not known to be gone: held as before
                 state.added(name, last_use)
-            raise
-        if status not in (200, 404):
-            if last_use is not None:
-                state.added(name, last_use)
-            raise load_refused(name, worker.url, status, body, action="unload")
         state.pinned.discard(name)
         self.metrics.adapter_evictions.labels(worker.url, name, reason).inc()
         log.info("unloaded adapter %s from %s (%s)", name, worker.url, reason)
