@@ -37,6 +37,7 @@ class WorkerAdapters:
     held: dict[str, float] = field(default_factory=dict)  # name -> last use (monotonic)
     learnt: dict[str, float] = field(default_factory=dict)  # name -> when the gateway learnt it held it
     loading: set[str] = field(default_factory=set)
+    unloading: set[str] = field(default_factory=set)  # not held, though the worker may list them a while
     pinned: set[str] = field(default_factory=set)
     active: dict[str, int] = field(default_factory=dict)  # name -> requests using it now
     synced_at: float = 0.0  # last successful read of the worker's /v1/models (monotonic), 0: never
@@ -109,7 +110,7 @@ class WorkerAdapters:
         dropped = [n for n in self.held if n not in listed and self.learnt.get(n, 0.0) <= asked_at]
         for name in dropped:
             self.removed(name)
-        added = [n for n in listed if n not in self.held and n not in self.loading]
+        added = [n for n in listed if n not in self.held and n not in self.loading and n not in self.unloading]
         for name in added:
             self.held[name] = 0.0
             self.learnt[name] = now

@@ -116,6 +116,7 @@ class AdapterLoader:
         # Not held from now on: a request arriving during the unload loads it again (after this one, on
         # the worker's lock) instead of being sent to a worker about to drop it.
         state.removed(name)
+        state.unloading.add(name)  # and a read of the worker's models meanwhile does not list it back
         gone = False
         try:
             status, body = await self._post(worker.url, UNLOAD_PATH, {"lora_name": name})
@@ -123,6 +124,7 @@ class AdapterLoader:
                 raise load_refused(name, worker.url, status, body, action="unload")
             gone = True
         finally:
+            state.unloading.discard(name)
             if not gone and last_use is not None:  # not known to be gone: held as before
                 state.added(name, last_use)
         state.pinned.discard(name)

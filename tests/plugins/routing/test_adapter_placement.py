@@ -101,3 +101,13 @@ def test_the_sync_notices_a_restarted_worker_and_keeps_state_when_the_worker_can
     assert "sql" in worker.adapters.held  # unknown is not empty
     assert asyncio.run(sync.sync_one(worker)) is True
     assert worker.adapters.held == {}
+
+
+def test_an_adapter_being_unloaded_is_not_listed_back_by_a_read_of_the_worker() -> None:
+    """The worker still lists it until the unload returns: a read meanwhile must not make it held again
+    (a request would be sent to it, and the eviction loop would pick it a second time)."""
+    state = WorkerAdapters()
+    state.unloading.add("support")
+    added, dropped = state.reconcile(["sql", "support"], asked_at=1.0, now=2.0)
+    assert (added, dropped) == (["sql"], [])
+    assert not state.holds("support")
