@@ -45,7 +45,7 @@ class PreciseConfig(_Strict):
         None, ge=1, description="the workers' KV block size (default: learned from their events; CPU 128, GPU 16)"
     )
     prefix_weight: float = Field(3.0, ge=0, description="weight of the share of the prompt's blocks held")
-    queue_weight: float = Field(2.0, ge=0, description="weight of the worker's load (min-max over candidates)")
+    queue_weight: float = Field(2.0, ge=0, description="weight of the worker's load (1 - load / the bounded-load cap)")
     kv_weight: float = Field(1.0, ge=0, description="weight of the worker's free KV cache")
     thread_above_chars: int = Field(
         4096, ge=0, description="prompts longer than this are tokenized in a thread, off the event loop"

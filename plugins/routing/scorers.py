@@ -4,9 +4,12 @@ Each signal is a small scorer returning 0..1 for one worker, combined by weight 
 composes its scorers):
 
 - ``prefix``: the share of the prompt's full blocks the worker holds from the start (its KV index);
-- ``queue``: 1 for the least loaded candidate, 0 for the most (min-max over the candidates), the load
-  being the larger of this replica's in-flight requests and the worker's own running count (it sees every
-  replica's requests; ours are fresher) plus the worker's waiting requests;
+- ``queue``: ``1 - load / cap``, the load being the larger of this replica's in-flight requests and the
+  worker's own running count (it sees every replica's requests; ours are fresher) plus the worker's
+  waiting requests, and ``cap`` the bounded-load cap below. Not min-max over the candidates: with two
+  workers and a few requests each, min-max makes one request's difference worth the whole weight, so a
+  worker holding most of the prompt lost to one running a single request less, and the same prefix
+  ended up cached (and evicted) on both;
 - ``kv``: 1 - the worker's KV cache use (a full cache evicts to admit anything new).
 
 A worker over the bounded-load cap (the policy's ``load_factor`` x the mean load, or the mean plus
@@ -49,8 +52,8 @@ def prefix_score(c: Candidate, total_blocks: int) -> float:
     return c.prefix_blocks / total_blocks if total_blocks > 0 else 0.0
 
 
-def queue_score(c: Candidate, low: float, high: float) -> float:
-    return 1.0 if high <= low else 1.0 - (c.load - low) / (high - low)
+def queue_score(c: Candidate, cap: float) -> float:
+    return max(0.0, 1.0 - c.load / cap)
 
 
 def kv_score(c: Candidate) -> float:
@@ -68,15 +71,13 @@ def rank(
     """Candidates best first, each with its score; ties keep the given order (callers rotate it)."""
     if not candidates:
         return []
-    loads = [c.load for c in candidates]
-    low, high = min(loads), max(loads)
-    mean = (sum(loads) + 1) / len(candidates)
+    mean = (sum(c.load for c in candidates) + 1) / len(candidates)
     cap = max(math.ceil(load_factor * mean), math.ceil(mean + load_slack))
     scored = []
     for i, c in enumerate(candidates):
         score = (
             weights.prefix * prefix_score(c, total_blocks)
-            + weights.queue * queue_score(c, low, high)
+            + weights.queue * queue_score(c, cap)
             + weights.kv * kv_score(c)
         )
         scored.append((c.load >= cap, -score, i, c))

@@ -63,6 +63,16 @@ def test_load_and_a_full_cache_weigh_against_a_short_prefix() -> None:
     assert even[0][1].key == "b"
 
 
+def test_one_request_more_does_not_outweigh_most_of_the_prompt_held() -> None:
+    # a retrieval prompt of 6 blocks: a holds the shared head and the document (5), b the head only (1)
+    for a_load, b_load in [(1, 0), (2, 1), (4, 3)]:
+        ranked = rank([Candidate("b", 1, b_load), Candidate("a", 5, a_load)], 6, Weights())
+        assert ranked[0][1].key == "a", (a_load, b_load)
+    # with equal prefixes the load still decides
+    ranked = rank([Candidate("a", 1, 3), Candidate("b", 1, 2)], 6, Weights())
+    assert ranked[0][1].key == "b"
+
+
 def test_a_worker_over_the_bounded_load_ranks_last_whatever_it_holds() -> None:
     hot = Candidate("hot", 8, 20)
     ranked = rank([hot, Candidate("idle", 0, 0)], 8, Weights(prefix=100.0), load_factor=1.25, load_slack=4)
