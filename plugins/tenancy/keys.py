@@ -9,7 +9,6 @@ read again. Nothing here logs a key or a digest.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 import time
@@ -27,7 +26,7 @@ KEY_PREFIX = "sk-gw-"
 
 def hash_key(key: str, pepper: bytes) -> str:
     """The digest a key is stored and looked up by."""
-    return hmac.new(pepper, key.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+    return hmac.digest(pepper, key.encode("utf-8", "surrogatepass"), "sha256").hex()  # one C call
 
 
 def new_key() -> str:
