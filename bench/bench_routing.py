@@ -12,7 +12,10 @@
    what one adds), the requests each worker served, for prefix affinity how many requests the
    bounded-load cap sent off their prefix's home worker, and for precise prefix how many predictions of
    cached tokens equal what the worker reported. Each run gets prompts of its own (a nonce, or a seed of
-   vLLM's generator) so no run profits from another run's cache. The runs are printed side by side at
+   vLLM's generator) so no run profits from another run's cache; with ``--same-prompts`` (managed
+   workers only) every run of a workload gets the same prompts instead, and the two workers are
+   restarted before each run (a new process has an empty cache), so the policies and the replica counts
+   are compared on identical prompts and the same hash split. The runs are printed side by side at
    the end, with the targets (precise >= 1.3x affinity's hit rate at a lower TTFT p99; two replicas
    within 10% of one).
 
@@ -73,6 +76,8 @@ blocks each worker reports are printed, so the regime is visible).
     flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers
     flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers --skip-decision-cost \
         --workloads prefix_repetition,multi_turn
+    flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers --skip-decision-cost \
+        --workloads prefix_repetition,multi_turn,common_head --same-prompts     # identical prompts per run
     .venv/bin/python bench/bench_routing.py --workers http://127.0.0.1:8301,http://127.0.0.1:8302
 """
 
@@ -93,7 +98,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,9 +228,19 @@ class KvGeometry:
         return (cached_prefixes * prefix_blocks + concurrency + 1) * self.block_bytes
 
 
+Restart = Callable[[], Awaitable[None]]
+
+
+async def no_restart() -> None:
+    raise SystemExit("--same-prompts needs --managed-workers (the workers are restarted between runs)")
+
+
 @contextlib.asynccontextmanager
-async def managed_workers(kv_bytes: int, max_model_len: int, models_dir: Path) -> AsyncIterator[list[str]]:
-    """Two vLLM CPU workers serving ``smollm2``, one core each, started and stopped by the engine manager."""
+async def managed_workers(
+    kv_bytes: int, max_model_len: int, models_dir: Path
+) -> AsyncIterator[tuple[list[str], Restart]]:
+    """Two vLLM CPU workers serving ``smollm2``, one core each, started and stopped by the engine manager;
+    with a function that restarts both (on the same ports: the same URLs), which empties their caches."""
     cores = os.cpu_count() or 1
     specs = [
         ManagedWorkerSpec(
@@ -245,9 +260,16 @@ async def managed_workers(kv_bytes: int, max_model_len: int, models_dir: Path) -
     ]
     engine = EngineManager(specs, models_dir, ready_timeout_s=900, progress=lambda m: print(f"[model] {m}"))
     started = time.perf_counter()
+
+    async def restart() -> None:
+        began = time.perf_counter()
+        await engine.stop()
+        await engine.start()
+        print(f"{'':<22}(both workers restarted, caches empty, in {time.perf_counter() - began:.0f} s)")
+
     async with engine:
         print(f"two managed workers ready in {time.perf_counter() - started:.0f} s")
-        yield [spec.url for spec in specs]
+        yield [spec.url for spec in specs], restart
 
 
 # -- 3. the workloads -------------------------------------------------------------------------------
@@ -593,17 +615,21 @@ async def run_workload(
     urls: list[str],
     args: argparse.Namespace,
     model_dir: Path,
+    restart: Restart = no_restart,
 ) -> list[tuple[str, str, int, dict[str, Any]]]:
     """Every policy with one gateway, then ``args.replica_policies`` with ``args.replicas`` gateways.
     ``make(i)`` gives run ``i`` prompts of its own (a fresh nonce or seed): no run profits from another's
-    cache."""
+    cache. With ``args.same_prompts`` every run gets ``make(0)`` and ``restart`` empties the workers'
+    caches before each run but the first."""
     runs = [(p, 1) for p in args.policies]
     if args.replicas > 1:
         runs += [(p, args.replicas) for p in args.replica_policies]
     results = []
     print(f"\n{name}\n{HEADER}")
     for i, (policy, replicas) in enumerate(runs):
-        conversations = make(i)
+        if args.same_prompts and i > 0:
+            await restart()
+        conversations = make(0 if args.same_prompts else i)
         r = await run_policy(policy, urls, conversations, args, model_dir, replicas)
         results.append((name, policy, replicas, r))
         print(row(name, policy, replicas, r))
@@ -700,6 +726,9 @@ async def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor for affinity")
     parser.add_argument("--skip-decision-cost", action="store_true")
+    parser.add_argument(
+        "--same-prompts", action="store_true", help="the same prompts in every run, workers restarted between runs"
+    )
     args = parser.parse_args()
     args.policies = [p for p in args.policies.split(",") if p]
     args.replica_policies = [p for p in args.replica_policies.split(",") if p]
@@ -736,9 +765,14 @@ async def main() -> None:
                 f"x {geometry.block_bytes:,} bytes ({geometry.block_tokens} tokens x {geometry.token_bytes:,}) "
                 f"= {kv_bytes:,} bytes; {args.prompts} prefixes need {args.prompts * args.prefix_blocks} blocks"
             )
-            urls = await stack.enter_async_context(managed_workers(kv_bytes, MAX_MODEL_LEN, models_dir))
+            urls, restart_cold = await stack.enter_async_context(managed_workers(kv_bytes, MAX_MODEL_LEN, models_dir))
+
+            async def restart() -> None:  # then warmed up like the first time: no run pays a cold worker
+                await restart_cold()
+                await warm_up(urls, tokenizer, args)
+
         else:
-            urls = [u.rstrip("/") for u in args.workers.split(",")]
+            urls, restart = [u.rstrip("/") for u in args.workers.split(",")], no_restart
         await warm_up(urls, tokenizer, args)
         results = []
         for name in workloads:
@@ -752,9 +786,9 @@ async def main() -> None:
                         return [Conversation("chat/completions", [b]) for b in bodies]
 
                     title = f"shared_prefix {prompts}x{args.repeats}"
-                    results += await run_workload(title, make, urls, args, model_dir)
+                    results += await run_workload(title, make, urls, args, model_dir, restart)
             else:
-                results += await run_workload(name, makers[name], urls, args, model_dir)
+                results += await run_workload(name, makers[name], urls, args, model_dir, restart)
     print(f"\nside by side ({len(urls)} workers, concurrency {args.concurrency}, nonce {nonce})\n{HEADER}")
     for name, policy, replicas, r in results:
         print(row(name, policy, replicas, r))
