@@ -167,15 +167,18 @@ class Decision:
 
     def headers(self) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers, for the tightest bucket of each kind."""
+        tightest: dict[str, tuple[int, int, Bucket]] = {}  # kind -> (remaining, -reset ms, bucket)
+        for bucket, (remaining, reset_ms) in self.remaining.items():
+            known = tightest.get(bucket.kind)
+            if known is None or (remaining, -reset_ms) < known[:2]:
+                tightest[bucket.kind] = (remaining, -reset_ms, bucket)
         out: dict[str, str] = {}
         for kind in ("requests", "tokens"):
-            states = [(b, s) for b, s in self.remaining.items() if b.kind == kind]
-            if not states:
-                continue
-            bucket, (remaining, reset_ms) = min(states, key=lambda item: (item[1][0], -item[1][1]))
-            out[f"x-ratelimit-limit-{kind}"] = str(bucket.limit)
-            out[f"x-ratelimit-remaining-{kind}"] = str(max(0, min(bucket.limit, remaining)))
-            out[f"x-ratelimit-reset-{kind}"] = format_duration(reset_ms)
+            if kind in tightest:
+                remaining, neg_reset_ms, bucket = tightest[kind]
+                out[f"x-ratelimit-limit-{kind}"] = str(bucket.limit)
+                out[f"x-ratelimit-remaining-{kind}"] = str(max(0, min(bucket.limit, remaining)))
+                out[f"x-ratelimit-reset-{kind}"] = format_duration(-neg_reset_ms)
         return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
+from gateway.ops.metrics import CachedLabels
 from gateway.pipeline.services import Services
 
 _SHARED = "tenancy.metrics"
@@ -17,14 +18,19 @@ _SHARED = "tenancy.metrics"
 class TenancyMetrics:
     def __init__(self, services: Services) -> None:
         r = services.metrics.registry
-        self.admitted = Counter(
-            "gateway_tenancy_requests", "Requests admitted, by tenant and key id", ["tenant", "key_id"], registry=r
+        # Counted on every request: each child looked up once (as many as prometheus_client keeps anyway).
+        self.admitted = CachedLabels(
+            Counter(
+                "gateway_tenancy_requests", "Requests admitted, by tenant and key id", ["tenant", "key_id"], registry=r
+            )
         )
-        self.tokens = Counter(
-            "gateway_tenancy_tokens",
-            "Tokens used, by tenant and kind (prompt|completion)",
-            ["tenant", "kind"],
-            registry=r,
+        self.tokens = CachedLabels(
+            Counter(
+                "gateway_tenancy_tokens",
+                "Tokens used, by tenant and kind (prompt|completion)",
+                ["tenant", "kind"],
+                registry=r,
+            )
         )
         self.refusals = Counter(
             "gateway_tenancy_refusals",
@@ -32,7 +38,7 @@ class TenancyMetrics:
             ["tenant", "reason"],
             registry=r,
         )
-        services.metrics.mark_private(self.admitted, self.tokens, self.refusals)
+        services.metrics.mark_private(self.admitted.metric, self.tokens.metric, self.refusals)
         self.redis_errors = Counter(
             "gateway_tenancy_redis_errors", "Redis calls that failed, by operation", ["op"], registry=r
         )
