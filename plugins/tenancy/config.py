@@ -42,6 +42,9 @@ class TenantConfig(Limits):
     )
 
 
+NO_LIMITS = TenantConfig()  # a tenant the config does not name
+
+
 class ConfigKey(BaseModel):
     """A client key declared in config.yaml (by digest). Revoke it by removing it and reloading."""
 

@@ -167,18 +167,19 @@ class Decision:
 
     def headers(self) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers, for the tightest bucket of each kind."""
-        tightest: dict[str, tuple[int, int, Bucket]] = {}  # kind -> (remaining, -reset ms, bucket)
+        tightest: dict[str, Bucket] = {}  # kind -> the bucket with least left (the later reset on a tie)
         for bucket, (remaining, reset_ms) in self.remaining.items():
             known = tightest.get(bucket.kind)
-            if known is None or (remaining, -reset_ms) < known[:2]:
-                tightest[bucket.kind] = (remaining, -reset_ms, bucket)
+            if known is None or (remaining, -reset_ms) < (self.remaining[known][0], -self.remaining[known][1]):
+                tightest[bucket.kind] = bucket
         out: dict[str, str] = {}
         for kind in ("requests", "tokens"):
             if kind in tightest:
-                remaining, neg_reset_ms, bucket = tightest[kind]
+                bucket = tightest[kind]
+                remaining, reset_ms = self.remaining[bucket]
                 out[f"x-ratelimit-limit-{kind}"] = str(bucket.limit)
                 out[f"x-ratelimit-remaining-{kind}"] = str(max(0, min(bucket.limit, remaining)))
-                out[f"x-ratelimit-reset-{kind}"] = format_duration(-neg_reset_ms)
+                out[f"x-ratelimit-reset-{kind}"] = format_duration(reset_ms)
         return out
 
 

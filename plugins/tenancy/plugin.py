@@ -48,16 +48,15 @@ from plugins.tenancy import estimate
 from plugins.tenancy.admin import TenancyAdmin
 from plugins.tenancy.admitted import Admitted
 from plugins.tenancy.batch_lines import LINE_PRIORITY, batch_line, caller, line_key, priced, priced_pair
-from plugins.tenancy.budgets import budgets_for, exhausted, format_duration, scope_prefix
-from plugins.tenancy.config import Limits, TenancyConfig, TenantConfig
+from plugins.tenancy.budgets import exhausted, format_duration
+from plugins.tenancy.config import NO_LIMITS, TenancyConfig, TenantConfig
 from plugins.tenancy.keys import KeyInfo, KeyStore
-from plugins.tenancy.limits import Bucket, Decision, LocalLimiter, Plan, RedisLimiter
+from plugins.tenancy.limits import Decision, LocalLimiter, Plan, RedisLimiter
 from plugins.tenancy.metrics import TenancyMetrics
+from plugins.tenancy.plans import Plans
 
 log = logging.getLogger("gateway.tenancy")
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)
-_NO_LIMITS = TenantConfig()
-_PLAN_CACHE_SIZE = 10_000  # (key, tenant) pairs whose plans are kept
 CLAMP_HEADER = "x-gateway-max-tokens"
 _RATE_NAMES = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
 
@@ -101,8 +100,7 @@ class TenancyPlugin(Plugin):
         self._context: dict[str, int] = {}  # model name -> the longest context a request for it may reach
         self._names: dict[str, tuple[str, ...]] = {}  # model name -> it and its aliases
         self._settling: set[asyncio.Task[None]] = set()
-        #: (key, tenant) -> (plan, valid from, valid until): see ``_plan``
-        self._plans: dict[tuple[KeyInfo | None, str], tuple[Plan, float, float]] = {}
+        self.plans = Plans(config, lambda: type(self).clock())
 
     def prepare(self, config: GatewayConfig) -> None:
         """Learn each model's context: its max_model_len, else its managed workers', else the default."""
@@ -183,10 +181,10 @@ class TenancyPlugin(Plugin):
         else:
             ctx.tenant = self.config.anonymous_tenant
         tenant = ctx.tenant
-        tenant_config = self.config.tenants.get(tenant, _NO_LIMITS)
+        tenant_config = self.config.tenants.get(tenant, NO_LIMITS)
         ctx.priority = LINE_PRIORITY if line is not None else self._priority(tenant_config, ctx.headers)
         factor = self.config.batch_price_factor if line is not None else 1.0
-        plan = self._plan(info, tenant)
+        plan = self.plans.of(info, tenant)
         prompt = estimate.prompt_tokens(ctx.endpoint, ctx.body)
         want, least, clamp = self._reservation(ctx, prompt)
         want, least = priced(want, factor), priced(least, factor)
@@ -245,7 +243,7 @@ class TenancyPlugin(Plugin):
         and touches no token bucket or budget."""
         info = await self._authenticate(call.headers) if self.config.auth else None
         tenant = info.tenant if info is not None else self.config.anonymous_tenant
-        plan = self._plan(info, tenant)
+        plan = self.plans.of(info, tenant)
         requests = Plan([b for b in plan.buckets if b.kind == "requests"], [])
         if not requests.buckets:
             return
@@ -278,39 +276,6 @@ class TenancyPlugin(Plugin):
                 code="invalid_api_key",
             )
         return info
-
-    def _plan(self, info: KeyInfo | None, tenant: str) -> Plan:
-        """Every counter a request of ``info`` (or an anonymous one) in ``tenant`` touches. The same for
-        a whole UTC hour (the shortest budget window), so it is built once per key and hour, not per
-        request (it was a third of tenancy's admission CPU)."""
-        now = type(self).clock()
-        cached = self._plans.get((info, tenant))
-        if cached is not None and cached[1] <= now < cached[2]:
-            return cached[0]
-        plan = self._new_plan(info, tenant, now)
-        hour = next(b for b in plan.budgets if b.period == "hour")
-        if len(self._plans) >= _PLAN_CACHE_SIZE:
-            self._plans.clear()  # many keys: rebuilt as they come back
-        self._plans[(info, tenant)] = (plan, hour.resets_at - 3600, hour.resets_at)
-        return plan
-
-    def _new_plan(self, info: KeyInfo | None, tenant: str, now: float) -> Plan:
-        prefix = self.config.redis_prefix
-        base = scope_prefix(prefix, tenant)
-        scopes: list[tuple[str, str, Limits]] = []
-        if info is not None:
-            scopes.append(("key", info.id, info.limits))
-        scopes.append(("tenant", tenant, self.config.tenants.get(tenant, _NO_LIMITS)))
-        buckets: list[Bucket] = []
-        budgets = []
-        for scope, name, limits in scopes:
-            key = f"{base}:rl:{scope}:{name}"
-            if limits.requests_per_minute:
-                buckets.append(Bucket(scope, name, "requests", limits.requests_per_minute, key + ":rpm"))
-            if limits.tokens_per_minute:
-                buckets.append(Bucket(scope, name, "tokens", limits.tokens_per_minute, key + ":tpm"))
-            budgets += budgets_for(prefix, tenant, scope, name, limits, now)
-        return Plan(buckets, budgets)
 
     async def _admit(self, plan: Plan, tokens: int, least: int, tenant: str) -> tuple[Decision, bool]:
         try:

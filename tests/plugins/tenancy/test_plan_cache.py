@@ -34,28 +34,28 @@ def key(limits: Limits) -> KeyInfo:
 def test_one_plan_per_key_and_hour() -> None:
     tenancy, info = plugin(), key(Limits(requests_per_minute=5, tokens_per_day=50))
     NOW[0] = datetime(2025, 3, 31, 22, 0, 0, tzinfo=UTC).timestamp()
-    plan = tenancy._plan(info, "t1")
+    plan = tenancy.plans.of(info, "t1")
     NOW[0] += 3599.9
-    assert tenancy._plan(info, "t1") is plan
-    assert tenancy._plan(None, "t1") is not plan  # an anonymous request of the tenant: its own plan
+    assert tenancy.plans.of(info, "t1") is plan
+    assert tenancy.plans.of(None, "t1") is not plan  # an anonymous request of the tenant: its own plan
     NOW[0] += 0.1  # 23:00: the hour's usage counter is another key
-    later = tenancy._plan(info, "t1")
+    later = tenancy.plans.of(info, "t1")
     assert later is not plan
     assert [b.redis_key for b in later.budgets if b.period == "hour"] != [
         b.redis_key for b in plan.budgets if b.period == "hour"
     ]
     NOW[0] += 3600  # midnight at the end of March: a new day and a new month
-    periods = {b.period: b.redis_key for b in tenancy._plan(info, "t1").budgets if b.scope == "key"}
+    periods = {b.period: b.redis_key for b in tenancy.plans.of(info, "t1").budgets if b.scope == "key"}
     assert periods["day"].endswith(":d20250401") and periods["month"].endswith(":m202504")
     NOW[0] -= 7200  # a clock set back: not the cached hour either
-    assert [b.redis_key for b in tenancy._plan(info, "t1").budgets] == [b.redis_key for b in plan.budgets]
+    assert [b.redis_key for b in tenancy.plans.of(info, "t1").budgets] == [b.redis_key for b in plan.budgets]
 
 
 def test_changed_limits_get_a_new_plan() -> None:
     tenancy = plugin()
     NOW[0] = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC).timestamp()
-    before = tenancy._plan(key(Limits(requests_per_minute=5)), "t1")
-    after = tenancy._plan(key(Limits(requests_per_minute=9)), "t1")
+    before = tenancy.plans.of(key(Limits(requests_per_minute=5)), "t1")
+    after = tenancy.plans.of(key(Limits(requests_per_minute=9)), "t1")
     assert [b.limit for b in before.buckets if b.scope == "key"] == [5]
     assert [b.limit for b in after.buckets if b.scope == "key"] == [9]
-    assert tenancy._plan(key(Limits(requests_per_minute=5)), "t1") is before  # an equal record: the same plan
+    assert tenancy.plans.of(key(Limits(requests_per_minute=5)), "t1") is before  # an equal record: the same plan
