@@ -37,6 +37,13 @@ The workloads:
   documents of ``--prefix-blocks`` blocks, then a short question; ``--repeats`` per document, shuffled.
   The blocks that decide the hit rate (the documents) do not start the prompt, so affinity's key is the
   same for every request.
+- ``shared_prefix_chat``: inference-perf's ``shared_prefix`` set with ``enable_multi_turn_chat``
+  (rebuilt from its generator, as the package needs Python 3.12), once per ``--groups`` (1,2): that
+  many system prompts of ``--system-blocks`` (2) blocks of random tokens, ``--sessions`` (8) sessions
+  split over them, each with a question of ``--question-tokens`` (64), ``--rounds`` (3) completions per
+  session, each carrying the session's whole context. The prompt starts with the group's system
+  prompt, so affinity's key is the group's: one group's sessions share a home worker. The last round
+  holds about 9 blocks per session, about 72 for all 8: more than one worker's cache (45).
 - ``shared_prefix`` (the default): this file's own shared system prompts, in two regimes:
 
 
@@ -78,6 +85,8 @@ blocks each worker reports are printed, so the regime is visible).
         --workloads prefix_repetition,multi_turn
     flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers --skip-decision-cost \
         --workloads prefix_repetition,multi_turn,common_head --same-prompts     # identical prompts per run
+    flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers --skip-decision-cost \
+        --workloads shared_prefix_chat --same-prompts                          # inference-perf's chat set
     .venv/bin/python bench/bench_routing.py --workers http://127.0.0.1:8301,http://127.0.0.1:8302
 """
 
@@ -304,6 +313,23 @@ class Conversation:
         return self.sent == len(self.turns)
 
 
+@dataclass
+class Session(Conversation):
+    """inference-perf's multi-turn completions session (``UserSessionCompletionAPIData`` with a
+    ``LocalUserSession`` whose context starts as the group's shared prefix): each round sends
+    ``context + " " + prompt``, then the context becomes that prompt plus ``" "`` and the answer."""
+
+    context: str = ""
+
+    def next_body(self) -> dict[str, Any]:
+        turn = self.turns[self.sent]
+        return {**turn, "prompt": f"{self.context} {turn['prompt']}"}
+
+    def answered(self, body: dict[str, Any], reply: str) -> None:
+        self.sent += 1
+        self.context = f"{body['prompt']} {reply}"
+
+
 def system_prompts(
     tokenizer: Tokenizer, nonce: str, count: int, prefix_blocks: int, seed: int
 ) -> tuple[list[str], int]:
@@ -372,6 +398,53 @@ def prefix_repetition(model_dir: Path, seed: int, args: argparse.Namespace) -> l
         )
         for s in samples
     ]
+
+
+def exact_length_text(hf: Any, ids: list[int], length: int, extend: Callable[[int], list[int]]) -> list[int]:
+    """inference-perf's ``converge_to_exact_length_text``: token ids whose decoded text tokenizes to
+    exactly ``length`` tokens (random tokens rarely survive a decode/encode round trip one to one)."""
+    for _ in range(20):
+        count = len(hf.encode(hf.decode(ids, skip_special_tokens=True), add_special_tokens=False))
+        if count == length:
+            return ids
+        ids = ids + extend(length - count) if count < length else ids[: max(1, len(ids) - (count - length))]
+    raise ValueError(f"no text of exactly {length} tokens")
+
+
+def shared_prefix_chat(model_dir: Path, groups: int, seed: int, args: argparse.Namespace) -> list[Conversation]:
+    """inference-perf's ``shared_prefix`` set with ``enable_multi_turn_chat`` (its
+    ``SharedPrefixDataGenerator`` and ``LocalUserSession``, version 0.7.0, rebuilt here: the package needs
+    Python 3.12). ``groups`` system prompts of ``--system-blocks`` x 128 random tokens; ``--sessions`` split
+    over the groups (inference-perf's users per group), each with its own question of ``--question-tokens``
+    random tokens after its group's prompt (the first a word-start token, as inference-perf pins it);
+    sessions shuffled. Every round a session sends its context, a space and its prompt (the group prompt
+    and the question again, as inference-perf does) as a completion of ``--max-tokens``; the context
+    starts as the group prompt and becomes the last prompt and its answer. ``--rounds`` rounds, sessions
+    interleaved (inference-perf sends user ``i % users`` next)."""
+    import numpy as np
+
+    hf = hf_tokenizer(model_dir)
+    rng = np.random.default_rng(seed)
+    special = set(hf.all_special_ids)
+    valid = np.array([i for i in range(hf.vocab_size) if i not in special])
+    word_starts = np.array([i for i in valid.tolist() if hf.decode([i])[:1].isspace()])
+
+    def tokens(n: int) -> list[int]:
+        return rng.choice(valid, size=n).tolist() if n > 0 else []
+
+    def question() -> list[int]:
+        return [int(rng.choice(word_starts)), *tokens(args.question_tokens - 1)]
+
+    sessions: list[Conversation] = []
+    for _ in range(groups):
+        length = args.system_blocks * BLOCK_TOKENS
+        prefix_ids = exact_length_text(hf, tokens(length), length, tokens)
+        prefix = hf.decode(prefix_ids, skip_special_tokens=True)
+        for _ in range(args.sessions // groups):
+            prompt = hf.decode(prefix_ids + question(), skip_special_tokens=True)
+            turn = {"model": MODEL, "prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True, **STREAM}
+            sessions.append(Session("completions", [turn] * args.rounds, context=prefix))
+    return [sessions[i] for i in rng.permutation(len(sessions))]
 
 
 def common_head(tokenizer: Tokenizer, nonce: str, seed: int, args: argparse.Namespace) -> list[Conversation]:
@@ -702,7 +775,7 @@ async def main() -> None:
         "--workloads",
         default="shared_prefix",
         help="comma-separated: shared_prefix (this file's, two regimes), prefix_repetition (vLLM's), "
-        "multi_turn, common_head",
+        "multi_turn, common_head, shared_prefix_chat (inference-perf's, once per --groups)",
     )
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, each with one gateway")
     parser.add_argument(
@@ -720,6 +793,12 @@ async def main() -> None:
     parser.add_argument("--system-blocks", type=int, default=2, help="multi_turn: KV blocks of each system prompt")
     parser.add_argument("--turn-words", type=int, default=96, help="multi_turn: words per user turn")
     parser.add_argument(
+        "--groups", default="1,2", help="shared_prefix_chat: comma-separated group counts (system prompts)"
+    )
+    parser.add_argument("--sessions", type=int, default=8, help="shared_prefix_chat: sessions, split over the groups")
+    parser.add_argument("--rounds", type=int, default=3, help="shared_prefix_chat: requests per session")
+    parser.add_argument("--question-tokens", type=int, default=64, help="shared_prefix_chat: tokens per question")
+    parser.add_argument(
         "--cache-share", type=float, default=0.625, help="managed workers: share of the prefixes one worker caches"
     )
     parser.add_argument("--concurrency", type=int, default=4)
@@ -732,6 +811,7 @@ async def main() -> None:
     args = parser.parse_args()
     args.policies = [p for p in args.policies.split(",") if p]
     args.replica_policies = [p for p in args.replica_policies.split(",") if p]
+    args.groups = [int(g) for g in args.groups.split(",") if g]
     workloads = [w for w in args.workloads.split(",") if w]
 
     if not args.skip_decision_cost:
@@ -755,6 +835,10 @@ async def main() -> None:
         "multi_turn": lambda i: multi_turn(tokenizer, f"{nonce}-{i}", args.seed + i, args),
         "common_head": lambda i: common_head(tokenizer, f"{nonce}-{i}", args.seed + i, args),
     }
+    for groups in args.groups:  # inference-perf's shared-prefix chat, once per group count
+        makers[f"shared_prefix_chat {groups}x{args.sessions // groups}"] = functools.partial(
+            lambda groups, i: shared_prefix_chat(model_dir, groups, base_seed + i, args), groups
+        )
     async with contextlib.AsyncExitStack() as stack:
         if args.managed_workers:
             geometry = KvGeometry.of(model_dir)
@@ -787,6 +871,9 @@ async def main() -> None:
 
                     title = f"shared_prefix {prompts}x{args.repeats}"
                     results += await run_workload(title, make, urls, args, model_dir, restart)
+            elif name == "shared_prefix_chat":
+                for title in [m for m in makers if m.startswith("shared_prefix_chat ")]:
+                    results += await run_workload(title, makers[title], urls, args, model_dir, restart)
             else:
                 results += await run_workload(name, makers[name], urls, args, model_dir, restart)
     print(f"\nside by side ({len(urls)} workers, concurrency {args.concurrency}, nonce {nonce})\n{HEADER}")
