@@ -78,7 +78,16 @@ class Metrics:
         #: Metric family -> the labels only the admin may see (``mark_private``).
         self.private_labels: dict[str, frozenset[str]] = {}
         self._health_exported: set[str] = set()
-        r = self.registry
+        self._declare_requests(self.registry)
+        self._declare_operations(self.registry)
+        self._declare_adapters(self.registry)
+        # The metrics touched by every request look each label set's child up once (CachedLabels);
+        # their label values (models, routes, statuses, plugins, hooks) come from small sets.
+        for name in ("requests", "latency", "ttft", "in_flight", "tpot", "tokens", "hook_duration"):
+            setattr(self, name, CachedLabels(getattr(self, name)))
+
+    def _declare_requests(self, r: CollectorRegistry) -> None:
+        """What every request adds to: counts, latencies, tokens, the in-flight and queued gauges."""
         self.requests = Counter(
             "gateway_requests",
             "Requests answered, by model, route and HTTP status",
@@ -127,6 +136,9 @@ class Metrics:
             ["model", "kind"],
             registry=r,
         )
+
+    def _declare_operations(self, r: CollectorRegistry) -> None:
+        """Workers, retries and resumptions, plugin hooks, managed workers' events, the config version."""
         self.upstream_errors = Counter(
             "gateway_upstream_errors",
             "Failures talking to workers, by worker and kind",
@@ -168,6 +180,8 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+
+    def _declare_adapters(self, r: CollectorRegistry) -> None:
         # LoRA adapters on workers (routing loads and evicts them). Adapter names may be a tenant's
         # own: the public /metrics sums them away, the admin side sees them.
         self.adapter_loads = Counter(
@@ -186,10 +200,6 @@ class Metrics:
             "gateway_adapter_load_seconds", "Time to load a LoRA adapter on a worker", ["worker"], registry=r
         )
         self.mark_private(self.adapter_loads, self.adapter_evictions, labels=("adapter",))
-        # The metrics touched by every request look each label set's child up once (CachedLabels);
-        # their label values (models, routes, statuses, plugins, hooks) come from small sets.
-        for name in ("requests", "latency", "ttft", "in_flight", "tpot", "tokens", "hook_duration"):
-            setattr(self, name, CachedLabels(getattr(self, name)))
 
     def observe_hook(self, plugin: str, hook: str, outcome: str, seconds: float) -> None:
         self.hook_duration.labels(plugin, hook, outcome).observe(seconds)

@@ -9,7 +9,7 @@ import sys
 
 from gateway.ops.settings import Settings
 from gateway.pipeline.config import GatewayConfig
-from gateway.server.app import ready_banner
+from gateway.server.lifecycle import ready_banner
 from tests.support.fakes import FakeUpstream
 from tests.support.gateways import GatewayFactory, base_config
 
