@@ -1,8 +1,9 @@
 """Protocol code this project owns, each behind a small interface and measured against the library it
 replaces:
 
-- HTTP/1.1 to workers: the interface ``http_api.HttpClient``; ``http1`` (asyncio + httptools, the default)
-  and ``http_aiohttp`` (aiohttp's client session, the library it replaces; ``GATEWAY_UPSTREAM_CLIENT``).
+- HTTP/1.1 to workers: the interface ``http_api.HttpClient``; ``http1`` (asyncio + httptools, the default;
+  its connection in ``http1_connection``, its keep-alive pool in ``http1_pool``) and ``http_aiohttp``
+  (aiohttp's client session, the library it replaces; ``GATEWAY_UPSTREAM_CLIENT``).
 - Redis pipelining for plugins: the interface ``redis_api.RedisPipeline``; ``redis_autopipe`` (hiredis,
   the default) and ``redis_py`` (redis-py's pipeline; ``GATEWAY_REDIS_CLIENT``).
 - ``chunked_writer``: the chunked writer onto uvicorn's transport.
