@@ -51,11 +51,7 @@ class ResponsesRequest:
 
 def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     """Check a Responses request body; raise a 400 naming the first problem."""
-    for name in body:
-        if name in _UNSUPPORTED:
-            raise unsupported(f"'{name}' is not supported by this gateway: {_UNSUPPORTED[name]}.", name)
-        if name not in _ACCEPTED:
-            raise unsupported(f"Unrecognized request argument supplied: {name}", name)
+    _check_arguments(body)
     model = body.get("model")
     if model is None:
         raise bad("You must provide a model parameter.", "model", "missing_required_parameter")
@@ -81,6 +77,65 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         raise unsupported(
             "'instructions' must be a string (input items as instructions are not supported).", "instructions"
         )
+    sampling = _sampling(body)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls")
+    tools = _check_tools(body.get("tools"))
+    tool_choice = _check_tool_choice(body.get("tool_choice"), tools)
+    if tools and parallel is not None:
+        sampling["parallel_tool_calls"] = parallel
+    sampling.update(options.chat)
+    text_format = _check_text(body.get("text"))
+    metadata = _check_metadata(body.get("metadata"))
+    echo = _echo(body, options.echo, text_format, metadata, parallel)
+    return ResponsesRequest(
+        model=model,
+        stream=stream,
+        store=store,
+        previous_response_id=previous,
+        input_items=items,
+        instructions=instructions,
+        sampling=sampling,
+        tools=tools,
+        tool_choice=tool_choice,
+        text_format=text_format,
+        echo=echo,
+        truncation=options.truncation,
+    )
+
+
+def _echo(
+    body: dict[str, Any], echoed: dict[str, Any], text_format: Any, metadata: Any, parallel: bool | None
+) -> dict[str, Any]:
+    """The request's fields as the response object repeats them (defaults filled in)."""
+    verbosity = echoed.pop("verbosity")
+    return {
+        **echoed,
+        "text": {"format": text_format, "verbosity": verbosity},
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": metadata,
+        "parallel_tool_calls": True if parallel is None else parallel,
+        "previous_response_id": body.get("previous_response_id"),
+        "temperature": body.get("temperature", 1.0),
+        "top_p": body.get("top_p", 1.0),
+        "store": _flag(body, "store", True),
+        # strings in the spec (not nullable): echoed when sent, left out otherwise
+        **{k: body[k] for k in ("user", "safety_identifier", "prompt_cache_key") if body.get(k) is not None},
+    }
+
+
+def _check_arguments(body: dict[str, Any]) -> None:
+    for name in body:
+        if name in _UNSUPPORTED:
+            raise unsupported(f"'{name}' is not supported by this gateway: {_UNSUPPORTED[name]}.", name)
+        if name not in _ACCEPTED:
+            raise unsupported(f"Unrecognized request argument supplied: {name}", name)
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat request's sampling fields from the Responses ones (checked)."""
     sampling: dict[str, Any] = {}
     max_output = body.get("max_output_tokens")
     if max_output is not None:
@@ -99,45 +154,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
             raise bad(f"'{name}' must be a string.", name)
     if isinstance(body.get("user"), str):
         sampling["user"] = body["user"]
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls")
-    tools = _check_tools(body.get("tools"))
-    tool_choice = _check_tool_choice(body.get("tool_choice"), tools)
-    if tools and parallel is not None:
-        sampling["parallel_tool_calls"] = parallel
-    sampling.update(options.chat)
-    text_format = _check_text(body.get("text"))
-    metadata = _check_metadata(body.get("metadata"))
-    verbosity = options.echo.pop("verbosity")
-    echo = {
-        **options.echo,
-        "text": {"format": text_format, "verbosity": verbosity},
-        "instructions": instructions,
-        "max_output_tokens": max_output,
-        "metadata": metadata,
-        "parallel_tool_calls": True if parallel is None else parallel,
-        "previous_response_id": previous,
-        "temperature": body.get("temperature", 1.0),
-        "top_p": body.get("top_p", 1.0),
-        "store": store,
-        # strings in the spec (not nullable): echoed when sent, left out otherwise
-        **{k: body[k] for k in ("user", "safety_identifier", "prompt_cache_key") if body.get(k) is not None},
-    }
-    return ResponsesRequest(
-        model=model,
-        stream=stream,
-        store=store,
-        previous_response_id=previous,
-        input_items=items,
-        instructions=instructions,
-        sampling=sampling,
-        tools=tools,
-        tool_choice=tool_choice,
-        text_format=text_format,
-        echo=echo,
-        truncation=options.truncation,
-    )
+    return sampling
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:

@@ -229,63 +229,42 @@ def replay(response: dict[str, Any], *, include_usage: bool) -> Iterator[bytes]:
     base: dict[str, Any] = {k: response[k] for k in ("id", "created", "model", "system_fingerprint") if k in response}
     base["object"] = "chat.completion.chunk" if is_chat else "text_completion"
     for choice in response.get("choices") or ():
-        index = choice.get("index", 0)
-        if is_chat:
-            msg = choice.get("message") or {}
-            yield encode_event(
-                {
-                    **base,
-                    "choices": [
-                        {
-                            "index": index,
-                            "delta": {"role": msg.get("role", "assistant"), "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-            )
-            delta: dict[str, Any] = {}
-            if msg.get("reasoning_content"):
-                delta["reasoning_content"] = msg["reasoning_content"]
-            if msg.get("content"):
-                delta["content"] = msg["content"]
-            if msg.get("tool_calls"):
-                delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(msg["tool_calls"])]
-            if delta:
-                yield encode_event(
-                    {
-                        **base,
-                        "choices": [
-                            {"index": index, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
-                        ],
-                    }
-                )
-            final: dict[str, Any] = {
-                "index": index,
-                "delta": {},
-                "logprobs": None,
-                "finish_reason": choice.get("finish_reason"),
-            }
-        else:
-            if choice.get("text"):
-                yield encode_event(
-                    {
-                        **base,
-                        "choices": [
-                            {
-                                "index": index,
-                                "text": choice["text"],
-                                "logprobs": choice.get("logprobs"),
-                                "finish_reason": None,
-                            }
-                        ],
-                    }
-                )
-            final = {"index": index, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")}
-        if "stop_reason" in choice:
-            final["stop_reason"] = choice["stop_reason"]
-        yield encode_event({**base, "choices": [final]})
+        yield from (_chat_events if is_chat else _text_events)(base, choice)
     if include_usage and response.get("usage") is not None:
         yield encode_event({**base, "choices": [], "usage": response["usage"]})
     yield DONE
+
+
+def _chat_events(base: dict[str, Any], choice: dict[str, Any]) -> Iterator[bytes]:
+    """One chat choice: the role, then everything the message holds in one delta, then the finish."""
+    index = choice.get("index", 0)
+    msg = choice.get("message") or {}
+    role = {"index": index, "delta": {"role": msg.get("role", "assistant"), "content": ""}}
+    yield encode_event({**base, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
+    delta: dict[str, Any] = {}
+    if msg.get("reasoning_content"):
+        delta["reasoning_content"] = msg["reasoning_content"]
+    if msg.get("content"):
+        delta["content"] = msg["content"]
+    if msg.get("tool_calls"):
+        delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(msg["tool_calls"])]
+    if delta:
+        content = {"index": index, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
+        yield encode_event({**base, "choices": [content]})
+    yield _final_event(base, choice, {"index": index, "delta": {}})
+
+
+def _text_events(base: dict[str, Any], choice: dict[str, Any]) -> Iterator[bytes]:
+    """One completions choice: its text in one event, then the finish."""
+    index = choice.get("index", 0)
+    if choice.get("text"):
+        text = {"index": index, "text": choice["text"], "logprobs": choice.get("logprobs"), "finish_reason": None}
+        yield encode_event({**base, "choices": [text]})
+    yield _final_event(base, choice, {"index": index, "text": ""})
+
+
+def _final_event(base: dict[str, Any], choice: dict[str, Any], head: dict[str, Any]) -> bytes:
+    final = {**head, "logprobs": None, "finish_reason": choice.get("finish_reason")}
+    if "stop_reason" in choice:
+        final["stop_reason"] = choice["stop_reason"]
+    return encode_event({**base, "choices": [final]})

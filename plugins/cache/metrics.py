@@ -1,6 +1,6 @@
 """The cache's Prometheus metrics, created once per process on the app's registry.
 
-They live in ``services.shared`` (see ``plugin.shared_state``) so a config reload, which builds a new
+They live in ``services.shared`` (see ``shared.shared_state``) so a config reload, which builds a new
 plugin instance, reuses them instead of registering the same names twice.
 """
 

@@ -18,11 +18,9 @@ breaker shared across reloads, and the request goes to the engine with ``x-cache
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -33,49 +31,16 @@ from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.services import Services
 from gateway.wire.errors import GatewayTimeout, InvalidRequest, ServiceUnavailable
-from plugins.cache.breaker import CircuitBreaker
 from plugins.cache.config import CacheConfig
-from plugins.cache.flight import LocalLeaders, wait_for_leader
+from plugins.cache.flight import wait_for_leader
 from plugins.cache.keys import CacheKey, backing_of, entry_pattern, make_key
-from plugins.cache.metrics import CacheMetrics
 from plugins.cache.policy import Decision, decide, is_complete
 from plugins.cache.replay import fresh_answer, recorded_event, stored_body
+from plugins.cache.shared import SHARED_KEY, shared_state
 from plugins.cache.store import CacheStore, Lookup, RedisUnavailable, decode_entry, encode_entry
 
 log = logging.getLogger("plugins.cache")
-SHARED_KEY = "cache"
 _PURGE_BUDGET_S = 120.0
-
-
-@dataclass
-class CacheShared:
-    """Per-process cache state that outlives config reloads (kept in ``services.shared``)."""
-
-    metrics: CacheMetrics
-    breaker: CircuitBreaker
-    leaders: LocalLeaders = field(default_factory=LocalLeaders)
-    reported_open: bool = False
-    # Lock tokens only need to be unique among every process sharing the Redis (they never leave the
-    # gateway): a random prefix per process and a counter, instead of the OS random source per miss.
-    _token_prefix: bytes = field(default_factory=lambda: secrets.token_bytes(12))
-    _token_counter: itertools.count[int] = field(default_factory=itertools.count)
-
-    def lock_token(self) -> bytes:
-        return self._token_prefix + next(self._token_counter).to_bytes(8, "big")
-
-
-def shared_state(services: Services, config: CacheConfig) -> CacheShared:
-    shared = services.shared.get(SHARED_KEY)
-    if shared is None:
-        shared = CacheShared(
-            metrics=CacheMetrics(services.metrics.registry),
-            breaker=CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s),
-        )
-        services.shared[SHARED_KEY] = shared
-    else:
-        shared.breaker.configure(config.breaker_failures, config.breaker_cooldown_s)
-    assert isinstance(shared, CacheShared)
-    return shared
 
 
 @dataclass(slots=True)
@@ -152,35 +117,9 @@ class CachePlugin(Plugin):
         )
         pending = _Pending(key, model)
         if decision.lookup:
-            token = self._shared.lock_token() if cfg.coalesce and decision.store else None
-            try:
-                found = await self._lookup(key, token)
-            except RedisUnavailable:
-                if token is not None:
-                    # A timed-out lookup may still have taken the lock in Redis (the script ran, the
-                    # reply came late): drop it, or identical requests would wait for a leader that
-                    # does not know it leads.
-                    self._spawn(self._release(key, token, local_leader=False))
+            found = await self._find(ctx, pending, decision.store)
+            if found is None:
                 return self._bypass(ctx, model, "redis")
-            if self._shared.reported_open:
-                self._shared.reported_open = False
-                self.metrics.breaker_open.set(0)
-            if found.status == "leader":
-                pending.lock_token = token
-                self._shared.leaders.lead(key.digest)
-                ctx.add_finalizer(lambda: self._finalize(pending))
-            elif found.status == "locked":
-                outcome, entry = await wait_for_leader(
-                    self.store,
-                    self._shared.leaders,
-                    key,
-                    wait_s=cfg.coalesce_wait_s,
-                    poll_interval_s=cfg.poll_interval_ms / 1000,
-                )
-                self.metrics.coalesced.labels(model, outcome).inc()
-                found = Lookup("hit", entry) if entry is not None else found
-                if outcome == "redis_error":
-                    return self._bypass(ctx, model, "redis")
             if found.status == "hit" and found.entry is not None:
                 answer = self._answer(ctx, model, found.entry, decision, started)
                 if answer is not None:
@@ -198,6 +137,42 @@ class CachePlugin(Plugin):
         else:
             ctx.step_aside(self)
         return None
+
+    async def _find(self, ctx: RequestContext, pending: _Pending, store: bool) -> Lookup | None:
+        """The entry for ``pending.key``. Coalescing a miss that will be stored, this request leads (it
+        holds the lock until its answer is stored or it ends) or waits for the leader's answer. None when
+        Redis failed: the request bypasses the cache."""
+        cfg, key = self.config, pending.key
+        token = self._shared.lock_token() if cfg.coalesce and store else None
+        try:
+            found = await self._lookup(key, token)
+        except RedisUnavailable:
+            if token is not None:
+                # A timed-out lookup may still have taken the lock in Redis (the script ran, the
+                # reply came late): drop it, or identical requests would wait for a leader that
+                # does not know it leads.
+                self._spawn(self._release(key, token, local_leader=False))
+            return None
+        if self._shared.reported_open:
+            self._shared.reported_open = False
+            self.metrics.breaker_open.set(0)
+        if found.status == "leader":
+            pending.lock_token = token
+            self._shared.leaders.lead(key.digest)
+            ctx.add_finalizer(lambda: self._finalize(pending))
+        elif found.status == "locked":
+            outcome, entry = await wait_for_leader(
+                self.store,
+                self._shared.leaders,
+                key,
+                wait_s=cfg.coalesce_wait_s,
+                poll_interval_s=cfg.poll_interval_ms / 1000,
+            )
+            self.metrics.coalesced.labels(pending.model, outcome).inc()
+            if outcome == "redis_error":
+                return None
+            found = Lookup("hit", entry) if entry is not None else found
+        return found
 
     async def _lookup(self, key: CacheKey, token: bytes | None) -> Lookup:
         if self.config.coalesce:

@@ -100,41 +100,59 @@ def scan_texts(rules: RuleSet, texts: Sequence[str], groups: Sequence[int] | Non
     if not rules or not texts:
         return []
     normalised = [normalize(t) for t in texts]
-    norms = [n for n, _ in normalised]
-    maps = [m for _, m in normalised]
-    findings: list[Finding] = []
-    seen: set[tuple[str, tuple[tuple[int, int, int], ...]]] = set()
+    found = _Findings([n for n, _ in normalised], [m for _, m in normalised])
+    same = [True] * (len(texts) - 1) if groups is None else [a == b for a, b in pairwise(groups)]
+    doc = found.joined(rules, same)
+    found.junctions(rules, same)
+    found.base64_runs(rules, doc)
+    return found.findings
 
-    def add(hit: Hit, matched: bytes, pieces: list[tuple[int, int, int]]) -> None:
+
+class _Findings:
+    """The findings of one scan, from its passes over the normalised texts, each kept once."""
+
+    def __init__(self, norms: list[str], maps: list[OffsetMap]) -> None:
+        self.norms, self.maps = norms, maps
+        self.findings: list[Finding] = []
+        self._seen: set[tuple[str, tuple[tuple[int, int, int], ...]]] = set()
+        self._main_hits: dict[int, list[tuple[str, int, int]]] = {}  # text -> (rule, start, end), normalised
+
+    def add(self, hit: Hit, matched: bytes, pieces: list[tuple[int, int, int]]) -> None:
         pieces_t = tuple(p for p in pieces if p[2] > p[1]) or tuple(pieces[:1])
         key = (hit.rule.id, pieces_t)
-        if key not in seen:
-            seen.add(key)
-            findings.append(Finding(hit.rule, hit.label, matched, pieces_t))
+        if key not in self._seen:
+            self._seen.add(key)
+            self.findings.append(Finding(hit.rule, hit.label, matched, pieces_t))
 
-    same = [True] * (len(texts) - 1) if groups is None else [a == b for a, b in pairwise(groups)]
-
-    # 1. The whole prompt, normalised and joined with spaces.
-    seps = [_GAP if not joined else "" if _edge_space(norms[i], norms[i + 1]) else " " for i, joined in enumerate(same)]
-    doc = _Doc(norms, range(len(norms)), [*seps, ""])
-    main_hits: dict[int, list[tuple[str, int, int]]] = {}  # text -> (rule, start, end) of normalised matches
-    for hit in rules.scan(doc.data):
-        start, end = doc.char_span(hit)
-        add(hit, doc.data[hit.start : hit.end], _pieces(doc, maps, norms, start, end))
-        first = bisect_index(doc.starts, start)
-        main_hits.setdefault(first, []).append((hit.rule.id, start - doc.starts[first], end - doc.starts[first]))
-
-    # 1b. The leetspeak view, for the wording rules: the same characters at the same offsets.
-    leet = leet_view(doc.data) if rules.wording else doc.data
-    if leet is not doc.data:
-        for hit in rules.wording.scan(leet):
+    def joined(self, rules: RuleSet, same: list[bool]) -> _Doc:
+        """1. The whole prompt, normalised and joined with spaces; then its leetspeak view for the wording
+        rules (the same characters at the same offsets). Returns the joined document."""
+        norms, maps = self.norms, self.maps
+        seps = [
+            _GAP if not joined else "" if _edge_space(norms[i], norms[i + 1]) else " " for i, joined in enumerate(same)
+        ]
+        doc = _Doc(norms, range(len(norms)), [*seps, ""])
+        for hit in rules.scan(doc.data):
             start, end = doc.char_span(hit)
-            add(hit, leet[hit.start : hit.end], _pieces(doc, maps, norms, start, end))
+            self.add(hit, doc.data[hit.start : hit.end], _pieces(doc, maps, norms, start, end))
+            first = bisect_index(doc.starts, start)
+            self._main_hits.setdefault(first, []).append(
+                (hit.rule.id, start - doc.starts[first], end - doc.starts[first])
+            )
+        leet = leet_view(doc.data) if rules.wording else doc.data
+        if leet is not doc.data:
+            for hit in rules.wording.scan(leet):
+                start, end = doc.char_span(hit)
+                self.add(hit, leet[hit.start : hit.end], _pieces(doc, maps, norms, start, end))
+        return doc
 
-    # 2. The texts glued with nothing between them: a token split across two texts. Only matches that
-    # cross a junction count (the rest the first pass saw), and not when the left text alone already
-    # matched the same rule there (an address followed by a word is not a split address).
-    if len(norms) > 1:
+    def junctions(self, rules: RuleSet, same: list[bool]) -> None:
+        """2. The texts glued with nothing between them: a token split across two texts. Only matches that
+        cross a junction count (the rest the first pass saw), and not when the left text alone already
+        matched the same rule there (an address followed by a word is not a split address)."""
+        norms = self.norms
+        if len(norms) < 2:
+            return
         glued = _Doc(norms, range(len(norms)), [*("" if joined else _GAP for joined in same), ""])
         for hit in rules.scan(glued.data):
             start, end = glued.char_span(hit)
@@ -142,27 +160,27 @@ def scan_texts(rules: RuleSet, texts: Sequence[str], groups: Sequence[int] | Non
             if end <= glued.starts[i] + len(norms[i]):
                 continue  # inside one text
             local_start = start - glued.starts[i]
-            if any(rule == hit.rule.id and end_ > local_start for rule, _, end_ in main_hits.get(i, ())):
+            if any(rule == hit.rule.id and end_ > local_start for rule, _, end_ in self._main_hits.get(i, ())):
                 continue
-            add(hit, glued.data[hit.start : hit.end], _pieces(glued, maps, norms, start, end))
+            self.add(hit, glued.data[hit.start : hit.end], _pieces(glued, self.maps, norms, start, end))
 
-    # 3. Base64 runs that decode to text.
-    decoded: list[str] = []
-    runs: list[tuple[int, int, int]] = []  # (slot, original start, original end) per decoded text
-    finder = _BASE64_RUN_SHORT if len(doc.text) < _SHORT else _BASE64_RUN
-    for match in finder.finditer(doc.text):
-        text = _base64_text(match.group())
-        if text is None:
-            continue
-        decoded.append(normalize(text)[0])
-        pieces = _pieces(doc, maps, norms, *match.span())
-        runs.append(pieces[0])
-    if decoded:
+    def base64_runs(self, rules: RuleSet, doc: _Doc) -> None:
+        """3. Base64 runs of the joined document that decode to text; a match inside one counts for the run."""
+        decoded: list[str] = []
+        runs: list[tuple[int, int, int]] = []  # (slot, original start, original end) per decoded text
+        finder = _BASE64_RUN_SHORT if len(doc.text) < _SHORT else _BASE64_RUN
+        for match in finder.finditer(doc.text):
+            text = _base64_text(match.group())
+            if text is None:
+                continue
+            decoded.append(normalize(text)[0])
+            runs.append(_pieces(doc, self.maps, self.norms, *match.span())[0])
+        if not decoded:
+            return
         bdoc = _Doc(decoded, range(len(decoded)), _GAP)
         for hit in rules.scan(bdoc.data):
             start, _ = bdoc.char_span(hit)
-            add(hit, bdoc.data[hit.start : hit.end], [runs[bisect_index(bdoc.starts, start)]])
-    return findings
+            self.add(hit, bdoc.data[hit.start : hit.end], [runs[bisect_index(bdoc.starts, start)]])
 
 
 def _edge_space(left: str, right: str) -> bool:
