@@ -564,7 +564,7 @@ def reuse_ceiling(sent: list[tuple[str, dict[str, Any]]], tokenizer: PromptToken
 
 
 def gateway_app(policy: str, urls: list[str], model_dir: Path, args: argparse.Namespace) -> Any:
-    routing: dict[str, Any] = {"policy": policy, "load_factor": args.load_factor}
+    routing: dict[str, Any] = {"policy": policy, "load_factor": args.load_factor, "load_slack": args.load_slack}
     if policy == "precise_prefix":  # the workers are not this gateway's managed ones: name the tokenizer
         routing["precise"] = {"tokenizer": str(model_dir)}
     config = {
@@ -804,6 +804,9 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor for affinity")
+    parser.add_argument(
+        "--load-slack", type=int, default=4, help="bounded loads: requests over the mean before a worker is over"
+    )
     parser.add_argument("--skip-decision-cost", action="store_true")
     parser.add_argument(
         "--same-prompts", action="store_true", help="the same prompts in every run, workers restarted between runs"
