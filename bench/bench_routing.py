@@ -411,6 +411,18 @@ def exact_length_text(hf: Any, ids: list[int], length: int, extend: Callable[[in
     raise ValueError(f"no text of exactly {length} tokens")
 
 
+@functools.cache
+def sampling_vocabulary(model_dir: Path) -> tuple[Any, Any]:
+    """inference-perf's token pools: every id but the special ones, and those that decode to a leading
+    space (a question starts with one, so it never merges with the prompt before it)."""
+    import numpy as np
+
+    hf = hf_tokenizer(model_dir)
+    special = set(hf.all_special_ids)
+    valid = np.array([i for i in range(hf.vocab_size) if i not in special])
+    return valid, np.array([i for i in valid.tolist() if hf.decode([i])[:1].isspace()])
+
+
 def shared_prefix_chat(model_dir: Path, groups: int, seed: int, args: argparse.Namespace) -> list[Conversation]:
     """inference-perf's ``shared_prefix`` set with ``enable_multi_turn_chat`` (its
     ``SharedPrefixDataGenerator`` and ``LocalUserSession``, version 0.7.0, rebuilt here: the package needs
@@ -425,9 +437,7 @@ def shared_prefix_chat(model_dir: Path, groups: int, seed: int, args: argparse.N
 
     hf = hf_tokenizer(model_dir)
     rng = np.random.default_rng(seed)
-    special = set(hf.all_special_ids)
-    valid = np.array([i for i in range(hf.vocab_size) if i not in special])
-    word_starts = np.array([i for i in valid.tolist() if hf.decode([i])[:1].isspace()])
+    valid, word_starts = sampling_vocabulary(model_dir)
 
     def tokens(n: int) -> list[int]:
         return rng.choice(valid, size=n).tolist() if n > 0 else []

@@ -126,6 +126,13 @@ class LiveStats:
 def report(old: Sample, new: Sample) -> dict[str, Any]:
     """The figures between two samples, by model, plus the totals that have no model."""
     seconds = max(new.at - old.at, 1e-6)
+    models, refusals = _tally(old, new)
+    out = {model: _rates(entry, seconds) for model, entry in sorted(models.items())}
+    return {"window_s": seconds, "models": out, "safety_refusals_per_s": refusals / seconds}
+
+
+def _tally(old: Sample, new: Sample) -> tuple[dict[str, dict[str, Any]], float]:
+    """Per model, the counts between two samples (gauges as they are now), and the safety refusals."""
 
     def delta(key: tuple[str, tuple[str, ...]]) -> float:
         return max(new.totals.get(key, 0.0) - old.totals.get(key, 0.0), 0.0)
@@ -169,22 +176,23 @@ def report(old: Sample, new: Sample) -> dict[str, Any]:
                     bound = float(labels[-1])
                     buckets = row(labels[0])["buckets"][kind]
                     buckets[bound] = buckets.get(bound, 0.0) + delta(key)
-    out: dict[str, Any] = {}
-    for model, entry in sorted(models.items()):
-        buckets = entry.pop("buckets")
-        looked_up = entry["cache_hits"] + entry["cache_misses"]
-        out[model] = {
-            "requests_per_s": entry["requests"] / seconds,
-            "errors_per_s": entry["errors"] / seconds,
-            "refusals_per_s": entry["refusals"] / seconds,
-            "tokens_per_s": entry["tokens"] / seconds,
-            "in_flight": entry["in_flight"],
-            "queued": entry["queued"],
-            "cache_hit_rate": entry["cache_hits"] / looked_up if looked_up else None,
-            **{
-                f"{kind}_p{round(q * 100)}_s": quantile(buckets[kind].items(), q)
-                for kind in _HISTOGRAMS
-                for q in _QUANTILES
-            },
-        }
-    return {"window_s": seconds, "models": out, "safety_refusals_per_s": refusals / seconds}
+    return models, refusals
+
+
+def _rates(entry: dict[str, Any], seconds: float) -> dict[str, Any]:
+    buckets = entry["buckets"]
+    looked_up = entry["cache_hits"] + entry["cache_misses"]
+    return {
+        "requests_per_s": entry["requests"] / seconds,
+        "errors_per_s": entry["errors"] / seconds,
+        "refusals_per_s": entry["refusals"] / seconds,
+        "tokens_per_s": entry["tokens"] / seconds,
+        "in_flight": entry["in_flight"],
+        "queued": entry["queued"],
+        "cache_hit_rate": entry["cache_hits"] / looked_up if looked_up else None,
+        **{
+            f"{kind}_p{round(q * 100)}_s": quantile(buckets[kind].items(), q)
+            for kind in _HISTOGRAMS
+            for q in _QUANTILES
+        },
+    }

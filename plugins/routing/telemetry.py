@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -94,6 +94,20 @@ class RoutingShared:
         self.budget_exhausted = Counter(
             "gateway_routing_retry_budget_exhausted", "Retries refused by the retry budget", ["model"], registry=r
         )
+        self._declare_precise_metrics(r)
+        #: precise_prefix: per model, its predictions against the truth (kept across reloads).
+        self.accuracy: dict[str, AccuracyTracker] = {}
+        #: precise_prefix: loaded tokenizers by (path, chat template), so a reload does not load them again.
+        self.tokenizers: dict[tuple[str, str | None], PromptTokenizer] = {}
+        r.register(_WorkerCollector(services.workers, self.gates))
+        services.metrics.private_labels[ADAPTERS_HELD] = frozenset({"adapter"})
+        self._queued_gauge = services.metrics.queued
+        self._services = services
+        self._loader: AdapterLoader | None = None
+        services.shared[ADMISSION_OF] = self.admission_of
+
+    def _declare_precise_metrics(self, r: CollectorRegistry) -> None:
+        """precise_prefix: how its predictions compare with the workers' and how requests were placed."""
         self.prediction_error = Histogram(
             "gateway_routing_prefix_prediction_error_tokens",
             "precise_prefix: |predicted - reported cached prompt tokens| per checked request",
@@ -119,16 +133,6 @@ class RoutingShared:
             ["model", "how"],
             registry=r,
         )
-        #: precise_prefix: per model, its predictions against the truth (kept across reloads).
-        self.accuracy: dict[str, AccuracyTracker] = {}
-        #: precise_prefix: loaded tokenizers by (path, chat template), so a reload does not load them again.
-        self.tokenizers: dict[tuple[str, str | None], PromptTokenizer] = {}
-        r.register(_WorkerCollector(services.workers, self.gates))
-        services.metrics.private_labels[ADAPTERS_HELD] = frozenset({"adapter"})
-        self._queued_gauge = services.metrics.queued
-        self._services = services
-        self._loader: AdapterLoader | None = None
-        services.shared[ADMISSION_OF] = self.admission_of
 
     def admission_of(self, model: str) -> ModelAdmission | None:
         """The model's admission now (the core's ``ADMISSION_OF``: the batch runner's idle check)."""

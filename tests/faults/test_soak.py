@@ -5,25 +5,18 @@ are correctness criteria on leaks, not speed targets; the 30-minute run is ``ben
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.scripts import load_script
 
 SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
 
 
 @pytest.mark.slow
 def test_two_minute_soak_holds_memory_fds_and_tasks_flat() -> None:
-    spec = importlib.util.spec_from_file_location("soak", SOAK)
-    assert spec is not None and spec.loader is not None
-    soak = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = soak  # its dataclasses resolve their annotations through sys.modules
-    try:
-        spec.loader.exec_module(soak)
-    finally:
-        sys.modules.pop("soak", None)
+    soak = load_script(SOAK)
     result = soak.run(soak.parse_args(["--minutes", "2", "--sample-s", "10", "--concurrency", "12"]))
     assert result["checks"] == {
         "rss_growth<=10%": True,

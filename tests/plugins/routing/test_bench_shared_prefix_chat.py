@@ -6,8 +6,6 @@ affinity's key, so the workload tests what it claims to (affinity gives a group 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
@@ -15,6 +13,7 @@ from types import ModuleType
 import pytest
 
 from plugins.routing.policies import prompt_prefix
+from tests.support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL_DIR = REPO / "models" / "smollm2"
@@ -24,15 +23,7 @@ pytestmark = pytest.mark.skipif(not MODEL_DIR.is_dir(), reason="the default mode
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_routing", REPO / "bench" / "bench_routing.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_routing"] = module  # its dataclasses resolve their annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop("bench_routing", None)
-    return module
+    return load_script(REPO / "bench" / "bench_routing.py")
 
 
 def args(**overrides: int) -> argparse.Namespace:
