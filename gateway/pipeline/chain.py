@@ -63,8 +63,8 @@ class Pipeline:
 
     def inspects_stream(self, ctx: RequestContext) -> bool:
         """Whether this request's stream must be parsed chunk by chunk (False: byte pass-through)."""
-        watchers = self._stream_watchers
-        return any(bound in watchers for bound in ctx.returning)
+        watchers, recorders = self._stream_watchers, ctx.recorders
+        return any(bound in watchers and bound.plugin not in recorders for bound in ctx.returning)
 
     def settles_from_usage(self, ctx: RequestContext) -> bool:
         """Whether a pass-through stream of this request must find its usage for an ``on_response``."""

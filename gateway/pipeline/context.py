@@ -62,9 +62,13 @@ class ModelResponse:
     from, in order, as their JSON payloads one per line (without ``[DONE]``): the core replays them as
     they are instead of synthesizing events from the object. ``replace_json`` drops them, since they no
     longer add up to the object.
+
+    ``recorded``: for a completed stream that a plugin asked to have recorded (``ctx.record_stream``) and
+    that passed through as bytes, its events as they went out, parsed, in order (the usage event
+    included, also when the client was not sent it); None otherwise.
     """
 
-    __slots__ = ("_body", "_json", "chunks", "headers", "status")
+    __slots__ = ("_body", "_json", "chunks", "headers", "recorded", "status")
 
     def __init__(
         self,
@@ -82,6 +86,7 @@ class ModelResponse:
         self.status = status
         self.headers = headers or {}
         self.chunks = chunks
+        self.recorded: list[dict[str, Any]] | None = None
 
     @property
     def json(self) -> dict[str, Any]:
@@ -197,6 +202,13 @@ class RequestContext:
     returning: list[Any] = field(default_factory=list)
     #: Plugins that called ``step_aside`` for this request (None: none did).
     stepped_aside: set[object] | None = None
+    #: Plugins that asked for a recording of the stream instead of its chunks (``record_stream``), and
+    #: the most SSE bytes the core keeps for them.
+    recorders: tuple[object, ...] = ()
+    record_max_bytes: int = 0
+    #: The gateway, not the client, asked the worker for the stream's usage event
+    #: (``stream_options.include_usage``): the client is not sent it.
+    usage_added: bool = False
     _finalizers: list[Callable[[], None]] = field(default_factory=list)
 
     def step_aside(self, plugin: object) -> None:
@@ -206,6 +218,17 @@ class RequestContext:
         if self.stepped_aside is None:
             self.stepped_aside = set()
         self.stepped_aside.add(plugin)
+
+    def record_stream(self, plugin: object, max_bytes: int) -> None:
+        """Called by an ``on_request`` whose plugin reads the stream's text only once it is complete and
+        changes no chunk (the cache, to store it): when no other plugin must read the stream chunk by
+        chunk, it passes through as bytes and this plugin's ``on_chunk`` is not called; the core keeps the
+        events (up to ``max_bytes`` of SSE: past that the recording is dropped) and, if the stream
+        completes, ``on_response`` gets the assembled answer with ``response.recorded``. When the stream
+        is parsed anyway, ``on_chunk`` runs as usual and ``response.recorded`` is None."""
+        if plugin not in self.recorders:
+            self.recorders = (*self.recorders, plugin)
+        self.record_max_bytes = max(self.record_max_bytes, max_bytes)
 
     def add_finalizer(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once when the request is over, whatever the outcome (answered, refused,

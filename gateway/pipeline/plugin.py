@@ -26,6 +26,11 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   other plugin reads it, and its ``on_response`` gets a response whose JSON is ``{"usage": ...}`` (the
   worker's usage event, which the core asks for and hides from a client that did not), called before
   ``[DONE]`` goes out; ``ctx.delivered`` then counts the tokens sent.
+- ``ctx.record_stream(self, max_bytes)``: an ``on_request`` whose plugin reads a stream's text only once
+  it is complete and changes no chunk (the cache, to store it) asks for a recording instead of chunks:
+  when no other plugin must read the stream chunk by chunk, it passes through as bytes, its ``on_chunk``
+  is not called, and its ``on_response`` gets the assembled answer with ``response.recorded`` (the events
+  as they went out, parsed once at the end; None past ``max_bytes``), before ``[DONE]`` goes out.
 - ``async on_chunk(ctx, chunk)``: streams only, reverse order; return the chunk, a changed chunk, or
   None to hold it back. When no enabled plugin overrides ``on_chunk`` or ``on_response``, the worker's
   SSE bytes pass through untouched, with no per-chunk parsing.

@@ -79,18 +79,21 @@ class Proxy:
 
     @staticmethod
     def _stream_tap(ctx: RequestContext) -> StreamTap | None:
-        """A pass-through stream whose usage a plugin needs (billing): the worker is asked for it (before
-        the trip), and a tap reads the bytes, keeping the request's completion limit too. A stream no plugin
-        bills passes through untapped: the limit is kept where someone pays for what passes it (the parsed
-        relay keeps it always)."""
-        if not ctx.snapshot.pipeline.settles_from_usage(ctx):
+        """A pass-through stream whose usage a plugin needs (billing) or that a plugin asked to have
+        recorded (the cache): the worker is asked for the usage (before the trip), and a tap reads the
+        bytes, keeping the request's completion limit too (and the recording). A stream no plugin bills
+        or records passes through untapped: the limit is kept where someone pays for what passes it (the
+        parsed relay keeps it always)."""
+        recording = ctx.record_max_bytes if ctx.recorders else 0
+        if not (recording or ctx.snapshot.pipeline.settles_from_usage(ctx)):
             return None
         strip = not ask_for_usage(ctx)
-        return StreamTap(strip=strip, limit=completion_limit(ctx), choices=requested_choices(ctx.body))
+        choices = requested_choices(ctx.body)
+        return StreamTap(strip=strip, limit=completion_limit(ctx), choices=choices, record=recording)
 
-    async def _settle_usage(self, ctx: RequestContext, usage: dict[str, Any] | None) -> None:
-        self._count_usage(ctx, usage)
-        await ctx.snapshot.pipeline.run_response(ctx, ModelResponse(json={"usage": usage} if usage else {}))
+    async def _settle_usage(self, ctx: RequestContext, settlement: ModelResponse) -> None:
+        self._count_usage(ctx, settlement.json.get("usage"))
+        await ctx.snapshot.pipeline.run_response(ctx, settlement)
 
     # -- the way back -----------------------------------------------------------------------------
 

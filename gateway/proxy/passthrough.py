@@ -19,17 +19,17 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 from gateway.infra.chunked_writer import ChunkedWriter
 from gateway.ops.metrics import Metrics
-from gateway.pipeline.context import Delivered, RequestContext
+from gateway.pipeline.context import Delivered, ModelResponse, RequestContext
 from gateway.proxy.answer import AnswerFailed, AnswerStream
 from gateway.proxy.stream_tap import StreamTap
 from gateway.wire.errors import GatewayError
 
-#: Runs the plugins that need a stream's usage (the worker's usage object, or None when it sent none).
-Settle = Callable[[dict[str, Any] | None], Awaitable[None]]
+#: Runs the plugins that need a stream's usage (or its recording) with what the tap found
+#: (``StreamTap.settlement``).
+Settle = Callable[[ModelResponse], Awaitable[None]]
 
 
 class PassThrough:
@@ -162,7 +162,7 @@ class PassThrough:
             return held + self._done
         self._ctx.delivered = Delivered(stream_tokens=tap.completion_tokens(), usage=tap.usage, complete=False)
         try:
-            await settle(tap.usage)
+            await settle(tap.settlement(completed=bool(self._done)))
         except GatewayError as refused:
             return held + refused.to_sse()
         return held + self._done

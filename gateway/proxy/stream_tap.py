@@ -12,6 +12,11 @@ tenancy, to bill), the stream keeps the pass-through and the core:
    JSON is ``{"usage": ...}``), so a completed stream is charged before the client has all of it, as on
    the parsed path.
 
+When a plugin asked for a recording of the stream (``ctx.record_stream``: the cache, to store the answer)
+the tap also keeps its whole events, usage event included, up to the byte budget asked for; once the
+stream completed, ``settlement`` parses them once into the assembled answer that those plugins'
+``on_response`` read, instead of parsing every event on its way out.
+
 It also counts the events that carry generated text (substring counts per read, the way vLLM serializes
 them) and, when the request has a completion limit (``gateway.proxy.token_limit``), ends the stream there
 with ``finish_reason: "length"`` should the worker run past it.
@@ -26,9 +31,10 @@ from typing import Any
 
 import orjson
 
-from gateway.pipeline.context import RequestContext
+from gateway.pipeline.context import ModelResponse, RequestContext
+from gateway.proxy.answer import is_error_event
 from gateway.proxy.token_limit import length_end
-from gateway.wire.streaming import wants_usage
+from gateway.wire.streaming import SSEParser, StreamAssembler, wants_usage
 
 _USAGE = b'"usage":{'
 _DONE = b"data: [DONE]"
@@ -49,7 +55,7 @@ def ask_for_usage(ctx: RequestContext) -> bool:
     itself (else the tap strips it)."""
     body = ctx.body
     if wants_usage(body):
-        return True
+        return not ctx.usage_added
     options = body.get("stream_options")
     absent = "stream_options" not in body
     body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
@@ -60,6 +66,7 @@ def ask_for_usage(ctx: RequestContext) -> bool:
         ctx.raw_body = b'{"stream_options":{"include_usage":true},' + raw[1:]
     else:
         ctx.mark_body_changed()
+    ctx.usage_added = True
     return False
 
 
@@ -67,11 +74,12 @@ class StreamTap:
     """See the module docstring. ``feed`` each piece of the stream in order; once ``limited``, the stream
     is over (the caller stops reading the worker)."""
 
-    __slots__ = ("_choices", "_held", "_strip", "limit", "limited", "tokens", "usage")
+    __slots__ = ("_choices", "_held", "_recording", "_strip", "limit", "limited", "tokens", "usage")
 
-    def __init__(self, *, strip: bool, limit: int | None = None, choices: int = 1) -> None:
+    def __init__(self, *, strip: bool, limit: int | None = None, choices: int = 1, record: int = 0) -> None:
         self._strip = strip  # the client did not ask for the usage event
         self._held = b""  # the start of an event that may be the usage event or the [DONE] mark
+        self._recording = _Recording(record) if record > 0 else None
         self._choices = choices
         self.limit = limit
         self.limited = False
@@ -95,6 +103,8 @@ class StreamTap:
         mark = piece.find(_DONE)
         if mark >= 0:
             piece, done = piece[:mark], piece[mark:]
+        if self._recording is not None:
+            self._recording.add(piece)
         if _USAGE in piece:
             piece = self._take_usage(piece)
         tokens = output_events(piece)
@@ -102,6 +112,17 @@ class StreamTap:
             return self._cut(piece), _DONE_EVENT
         self.tokens += tokens
         return piece, done
+
+    def settlement(self, *, completed: bool) -> ModelResponse:
+        """What the usage (and recording) plugins' ``on_response`` get once the worker's stream is over:
+        the assembled answer when a recording was asked for and the stream completed (with its events in
+        ``ModelResponse.recorded`` when they fitted the budget), else ``{"usage": ...}`` (``{}`` without)."""
+        recording, self._recording = self._recording, None
+        if recording is not None and completed and not self.limited:
+            answer = recording.answer()
+            if answer is not None:
+                return answer
+        return ModelResponse(json={"usage": self.usage} if self.usage else {})
 
     def _cut(self, piece: bytes) -> bytes:
         """The events of ``piece`` up to the limit, then the chunk that ends the answer there."""
@@ -166,3 +187,56 @@ def _json_of(event: bytes) -> dict[str, Any]:
     except orjson.JSONDecodeError:
         return {}
     return parsed if isinstance(parsed, dict) else {}
+
+
+class _Recording:
+    """The whole events of a stream a plugin asked to have recorded: kept as bytes up to ``budget``, parsed
+    once at the end; past the budget only added up as they come (an answer too long to keep with its
+    events is still kept as an answer, as on the parsed path)."""
+
+    __slots__ = ("_assembler", "_broken", "_pieces", "_room")
+
+    def __init__(self, budget: int) -> None:
+        self._pieces: list[bytes] | None = []
+        self._room = budget
+        self._assembler = StreamAssembler()
+        self._broken = False  # an event that is not JSON, or an error event: nothing to keep
+
+    def add(self, events: bytes) -> None:
+        if self._broken:
+            return
+        if self._pieces is not None:
+            self._room -= len(events)
+            if self._room >= 0:
+                self._pieces.append(events)
+                return
+            events, self._pieces = b"".join(self._pieces) + events, None
+        self._broken = not _add_up(self._assembler, events, None)
+
+    def answer(self) -> ModelResponse | None:
+        """The assembled answer, with ``recorded`` when its events were kept; None when broken."""
+        chunks: list[dict[str, Any]] | None = None
+        if self._pieces is not None:
+            chunks = []
+            self._broken = self._broken or not _add_up(self._assembler, b"".join(self._pieces), chunks)
+        if self._broken:
+            return None
+        response = ModelResponse(json=self._assembler.result())
+        response.recorded = chunks
+        return response
+
+
+def _add_up(assembler: StreamAssembler, events: bytes, chunks: list[dict[str, Any]] | None) -> bool:
+    """Add whole SSE ``events`` to ``assembler`` (and their parsed chunks to ``chunks``); False when one
+    is not JSON or is an error event."""
+    for payload in SSEParser().feed(events):
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return False
+        if not isinstance(chunk, dict) or is_error_event(chunk):
+            return False
+        assembler.add(chunk)
+        if chunks is not None:
+            chunks.append(chunk)
+    return True

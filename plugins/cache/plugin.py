@@ -41,6 +41,10 @@ from plugins.cache.store import CacheStore, Lookup, RedisUnavailable, decode_ent
 
 log = logging.getLogger("plugins.cache")
 _PURGE_BUDGET_S = 120.0
+#: The SSE bytes of a stream the core may keep for the cache, in entries' ``max_value_bytes``: the
+#: worker's events carry their id, model and framing, which a stored entry does not, so a stream whose
+#: events fit an entry fits this.
+_RECORD_BUDGET = 2
 
 
 @dataclass(slots=True)
@@ -134,6 +138,9 @@ class CachePlugin(Plugin):
             if ctx.stream:
                 self._ask_for_usage(ctx, pending)
                 pending.chunks = []
+                # A byte pass-through then, unless another plugin reads the chunks: on_response gets the
+                # recorded events instead of on_chunk calls.
+                ctx.record_stream(self, _RECORD_BUDGET * cfg.max_value_bytes)
         else:
             ctx.step_aside(self)
         return None
@@ -221,6 +228,7 @@ class CachePlugin(Plugin):
             return
         ctx.body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         ctx.mark_body_changed()
+        ctx.usage_added = True
         pending.strip_usage = True
 
     # -- the way back -----------------------------------------------------------------------------
@@ -229,6 +237,12 @@ class CachePlugin(Plugin):
         pending: _Pending | None = ctx.state.get(SHARED_KEY)
         if pending is None:
             return chunk
+        self._record(pending, chunk)
+        if pending.strip_usage and not chunk.get("choices") and chunk.get("usage"):
+            return None
+        return chunk
+
+    def _record(self, pending: _Pending, chunk: dict[str, Any]) -> None:
         if pending.chunks is not None:
             event = recorded_event(chunk)
             pending.chunk_bytes += len(event) + 1
@@ -236,9 +250,6 @@ class CachePlugin(Plugin):
                 pending.chunks = None  # too long to keep as events: a hit replays it synthesized
             else:
                 pending.chunks.append(event)
-        if pending.strip_usage and not chunk.get("choices") and chunk.get("usage"):
-            return None
-        return chunk
 
     async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
         pending: _Pending | None = ctx.state.get(SHARED_KEY)
@@ -253,6 +264,11 @@ class CachePlugin(Plugin):
         if model != pending.model:  # served by a fallback or canary: not the answer the key names
             self.metrics.not_stored.labels(pending.model, "rerouted").inc()
             return None
+        if ctx.stream and not pending.chunk_bytes:  # passed through as bytes: recorded by the core
+            if response.recorded is None:
+                pending.chunks = None  # too long to keep as events (or not recorded: not complete below)
+            for chunk in response.recorded or ():
+                self._record(pending, chunk)
         try:
             complete = is_complete(response.json)
         except orjson.JSONDecodeError:

@@ -8,11 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis
 
+from plugins.cache.store import decode_entry
 from plugins.tenancy.keys import hash_key
-from tests.support.cache import namespace, redis_client
+from tests.support.cache import entry_names, namespace, redis_client, wait_stored
 from tests.support.fakes import FakeUpstream
 from tests.support.gateways import GatewayFactory, base_config
 from tests.support.tenancy import PEPPER, prefix
@@ -44,6 +46,16 @@ def stream(server_url: str, **extra: Any) -> tuple[bytes, httpx.Headers]:
         return response.read(), response.headers
 
 
+def events(body: bytes) -> list[dict[str, Any]]:
+    """The JSON events of an SSE body (comments and ``[DONE]`` left out)."""
+    payloads = [line[len(b"data: ") :] for line in body.split(b"\n") if line.startswith(b"data: ")]
+    return [orjson.loads(p) for p in payloads if p != b"[DONE]"]
+
+
+def stream_content(body: bytes) -> str:
+    return "".join(c["delta"].get("content") or "" for e in events(body) for c in e.get("choices") or ())
+
+
 @pytest.fixture
 def worker(upstream: FakeUpstream) -> FakeUpstream:
     upstream.behavior.preamble = COMMENT
@@ -60,7 +72,31 @@ def test_a_sampled_stream_passes_through_the_default_plugin_set_as_bytes(
     assert b"Hello" in body
 
 
-def test_a_cacheable_stream_is_parsed_so_the_cache_can_store_it(
+def test_a_cacheable_stream_passes_through_and_is_stored_from_its_recording(
+    gateway_factory: GatewayFactory,
+    worker: FakeUpstream,
+    upstream_url: str,
+    namespace: str,
+    redis_client: redis.Redis,
+) -> None:
+    """The cache only reads a stream once it is complete: the stream keeps the byte relay (the worker's
+    comment arrives), the usage event the cache asked for is not sent to a client that did not ask, and
+    the answer is stored with its events, so the same request is then a hit with the same text."""
+    with gateway_factory(default_set(upstream_url, namespace)) as (_, server):
+        body, headers = stream(server.url, temperature=0)
+        wait_stored(redis_client, namespace)
+        again, again_headers = stream(server.url, temperature=0)
+    assert headers["x-cache"] == "miss"
+    assert body.startswith(COMMENT) and body.endswith(b"data: [DONE]\n\n")
+    assert b'"usage"' not in body
+    assert again_headers["x-cache"] == "hit"
+    assert stream_content(again) == stream_content(body) == worker.behavior.text
+    [name] = entry_names(redis_client, namespace)
+    entry = decode_entry(redis_client.get(name) or b"")
+    assert entry is not None and entry[2].count(b"\n") + 1 == len(events(body)) + 1  # and the usage event
+
+
+def test_a_cacheable_stream_keeps_the_usage_event_its_client_asked_for(
     gateway_factory: GatewayFactory,
     worker: FakeUpstream,
     upstream_url: str,
@@ -68,9 +104,28 @@ def test_a_cacheable_stream_is_parsed_so_the_cache_can_store_it(
     redis_client: redis.Redis,
 ) -> None:
     with gateway_factory(default_set(upstream_url, namespace)) as (_, server):
-        body, headers = stream(server.url, temperature=0)
-    assert headers["x-cache"] == "miss"
-    assert COMMENT not in body and body.endswith(b"data: [DONE]\n\n")
+        body, _ = stream(server.url, temperature=0, stream_options={"include_usage": True})
+        wait_stored(redis_client, namespace)
+    assert body.startswith(COMMENT)
+    usage = [e for e in events(body) if not e.get("choices")]
+    assert len(usage) == 1 and usage[0]["usage"]["completion_tokens"] > 0
+
+
+def test_a_cacheable_stream_that_is_parsed_anyway_is_stored_from_its_chunks(
+    gateway_factory: GatewayFactory,
+    worker: FakeUpstream,
+    upstream_url: str,
+    namespace: str,
+    redis_client: redis.Redis,
+) -> None:
+    """Output rules read every chunk: the stream is parsed, and the cache records it from ``on_chunk``."""
+    with gateway_factory(default_set(upstream_url, namespace, output_rules=True)) as (_, server):
+        body, _ = stream(server.url, temperature=0)
+        wait_stored(redis_client, namespace)
+        again, again_headers = stream(server.url, temperature=0)
+    assert COMMENT not in body and b'"usage"' not in body
+    assert again_headers["x-cache"] == "hit"
+    assert stream_content(again) == stream_content(body) == worker.behavior.text
 
 
 def test_a_constrained_stream_is_parsed_so_its_answer_can_be_validated(

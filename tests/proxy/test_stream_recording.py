@@ -1,0 +1,125 @@
+"""A pass-through stream recorded for a plugin (``ctx.record_stream``: the cache): ``StreamTap`` keeps its
+whole events within a byte budget and parses them once, at the end, into the answer the plugin stores."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.proxy.stream_tap import StreamTap
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+def event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m1", "choices": [choice]}
+
+
+def worker_stream(words: list[str]) -> list[dict[str, Any]]:
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    chunks += [chunk({"content": w}) for w in words]
+    chunks.append(chunk({}, "stop"))
+    chunks.append(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 7,
+            "model": "m1",
+            "choices": [],
+            "usage": USAGE,
+        }
+    )
+    return chunks
+
+
+def feed_torn(tap: StreamTap, raw: bytes, size: int) -> tuple[bytes, bytes]:
+    """Feed ``raw`` in reads of ``size`` bytes (events torn across reads); (what went out, the held [DONE])."""
+    out, done = b"", b""
+    for at in range(0, len(raw), size):
+        sent, held = tap.feed(raw[at : at + size])
+        out += sent
+        done = done or held
+    return out + tap.flush(), done
+
+
+@pytest.mark.parametrize("read_size", [7, 64, 100_000])
+def test_the_recording_is_the_events_as_sent_and_adds_up_to_the_answer(read_size: int) -> None:
+    chunks = worker_stream(["Hel", "lo", " there"])
+    raw = b"".join(event(c) for c in chunks) + b"data: [DONE]\n\n"
+    tap = StreamTap(strip=True, record=1 << 20)
+    out, done = feed_torn(tap, raw, read_size)
+    assert done == b"data: [DONE]\n\n"
+    assert b'"usage"' not in out  # the client did not ask for it
+    answer = tap.settlement(completed=True)
+    assert answer.recorded == chunks  # the usage event kept for the recorder
+    assert answer.json["choices"][0]["message"] == {"role": "assistant", "content": "Hello there"}
+    assert answer.json["choices"][0]["finish_reason"] == "stop"
+    assert answer.json["usage"] == USAGE and answer.json["object"] == "chat.completion"
+
+
+def test_past_its_budget_the_answer_is_still_assembled_without_its_events() -> None:
+    words = [f"w{i} " for i in range(200)]
+    raw = b"".join(event(c) for c in worker_stream(words)) + b"data: [DONE]\n\n"
+    tap = StreamTap(strip=True, record=2_000)  # a tenth of the stream
+    feed_torn(tap, raw, 512)
+    answer = tap.settlement(completed=True)
+    assert answer.recorded is None
+    assert answer.json["choices"][0]["message"]["content"] == "".join(words)
+    assert answer.json["usage"] == USAGE
+
+
+def test_a_stream_that_did_not_complete_settles_with_its_usage_only() -> None:
+    raw = b"".join(event(c) for c in worker_stream(["a", "b"]))  # no [DONE]: cut
+    tap = StreamTap(strip=True, record=1 << 20)
+    feed_torn(tap, raw, 64)
+    answer = tap.settlement(completed=False)
+    assert answer.recorded is None and answer.json == {"usage": USAGE}
+
+
+def test_an_error_event_leaves_nothing_to_keep() -> None:
+    chunks = worker_stream(["a"])[:2]
+    raw = b"".join(event(c) for c in chunks) + event({"error": {"message": "boom", "code": 500}})
+    tap = StreamTap(strip=False, record=1 << 20)
+    feed_torn(tap, raw + b"data: [DONE]\n\n", 64)
+    answer = tap.settlement(completed=True)
+    assert answer.recorded is None and answer.json == {}
+
+
+def test_an_error_event_past_the_budget_leaves_nothing_to_keep_either() -> None:
+    chunks = worker_stream([f"w{i}" for i in range(50)])[:-2]
+    raw = b"".join(event(c) for c in chunks) + event({"error": {"message": "boom", "code": 500}})
+    tap = StreamTap(strip=False, record=300)
+    feed_torn(tap, raw + b"data: [DONE]\n\n", 64)
+    assert tap.settlement(completed=True).json == {}
+
+
+def test_a_worker_that_ran_past_the_limit_is_not_recorded() -> None:
+    """The client got a stream the gateway ended at max_tokens: not the worker's answer to keep."""
+    raw = b"".join(event(c) for c in worker_stream(["a", "b", "c", "d"])) + b"data: [DONE]\n\n"
+    tap = StreamTap(strip=True, limit=2, record=1 << 20)
+    out, _ = feed_torn(tap, raw, 100_000)
+    assert tap.limited and b'"finish_reason":"length"' in out
+    assert tap.settlement(completed=True).recorded is None
+
+
+def test_a_tap_without_a_recording_keeps_nothing() -> None:
+    raw = b"".join(event(c) for c in worker_stream(["a"])) + b"data: [DONE]\n\n"
+    tap = StreamTap(strip=False)
+    out, _ = feed_torn(tap, raw, 64)
+    assert b'"usage"' in out  # the client asked for it
+    assert tap.settlement(completed=True).json == {"usage": USAGE}
+
+
+def test_a_settlement_is_taken_once() -> None:
+    raw = b"".join(event(c) for c in worker_stream(["a"])) + b"data: [DONE]\n\n"
+    tap = StreamTap(strip=True, record=1 << 20)
+    feed_torn(tap, raw, 64)
+    assert tap.settlement(completed=True).recorded is not None
+    assert tap.settlement(completed=True).recorded is None  # the events were handed over and let go
