@@ -147,8 +147,8 @@ class Delivered:
       held back counts once a later piece went out), ``usage`` is the worker's
       usage when the stream carried it (``stream_options.include_usage``), ``complete`` whether it
       ended with ``[DONE]``. A byte pass-through stream is counted only when a plugin needs its usage
-      (``Plugin.reads_stream_text = False``): its usage event, else its events less the role event;
-      otherwise ``stream_tokens`` is None.
+      (``Plugin.reads_stream_text = False``) or a recording of it (``record_stream``): its usage event,
+      else its events less the role event; otherwise ``stream_tokens`` is None.
     """
 
     status: int = 200

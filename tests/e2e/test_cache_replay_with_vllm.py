@@ -67,3 +67,31 @@ def test_hits_of_a_real_answer_streamed_and_not(
     assert answer.id.startswith("chatcmpl-") and answer.id not in ids
     assert answer.system_fingerprint == original[0].system_fingerprint
     assert answer.usage == original[-1].usage
+
+
+def test_a_real_stream_is_stored_for_a_client_that_did_not_ask_for_its_usage(
+    gateway_factory: GatewayFactory, real_worker: Any, namespace: str, redis_client: redis.Redis
+) -> None:
+    """The stream passes through as vLLM's bytes while the cache records it: the usage event the cache
+    asked vLLM for reaches neither this client nor a replay for it, yet the stored answer carries it."""
+    ask = [{"role": "user", "content": "Name two animals."}]
+    params: dict[str, Any] = {"model": "smollm2", "messages": ask, "max_tokens": 16, "temperature": 0}
+    with gateway_factory(_config(real_worker.url, namespace), plugins={"cache": CachePlugin}) as (_, server):
+        client = sdk(server.url).with_options(timeout=300)
+        raw = client.chat.completions.with_raw_response.create(stream=True, **params)
+        assert raw.headers["x-cache"] == "miss"
+        original = list(raw.parse())
+        wait_stored(redis_client, namespace)
+        raw = client.chat.completions.with_raw_response.create(stream=True, **params)
+        assert raw.headers["x-cache"] == "hit"
+        replayed = list(raw.parse())
+        hit = client.chat.completions.with_raw_response.create(**params)
+        assert hit.headers["x-cache"] == "hit"
+        answer = hit.parse()
+    text = "".join(c.choices[0].delta.content or "" for c in original if c.choices)
+    assert text and all(c.choices and c.usage is None for c in original + replayed)
+    assert "".join(c.choices[0].delta.content or "" for c in replayed) == text
+    assert answer.choices[0].message.content == text
+    usage = answer.usage
+    assert usage is not None and usage.prompt_tokens > 0 and usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens

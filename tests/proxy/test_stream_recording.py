@@ -7,8 +7,10 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gateway.proxy.stream_tap import StreamTap
+from gateway.proxy.stream_tap import StreamTap, output_events
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 
@@ -123,3 +125,30 @@ def test_a_settlement_is_taken_once() -> None:
     feed_torn(tap, raw, 64)
     assert tap.settlement(completed=True).recorded is not None
     assert tap.settlement(completed=True).recorded is None  # the events were handed over and let go
+
+
+_MEMBERS = ("content", "reasoning_content", "tool_calls")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    deltas=st.lists(
+        st.dictionaries(
+            st.sampled_from(_MEMBERS),
+            st.one_of(
+                st.text(max_size=6), st.lists(st.just({"index": 0, "function": {"arguments": "{}"}}), max_size=2)
+            ),
+            max_size=2,
+        ),
+        max_size=5,
+    ),
+    legacy=st.lists(st.text(max_size=6), max_size=3),
+)
+def test_output_events_counts_the_members_that_carry_output(deltas: list[dict[str, Any]], legacy: list[str]) -> None:
+    """Whatever the text holds (quotes, escapes, member names), a piece's count is the number of
+    content, text, reasoning and tool-call members with something in them."""
+    chat = [chunk({k: v if (k == "tool_calls") == isinstance(v, list) else [] for k, v in d.items()}) for d in deltas]
+    completions = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in legacy]
+    piece = b"".join(event(c) for c in chat + completions)
+    expected = sum(1 for c in chat for v in c["choices"][0]["delta"].values() if v) + sum(1 for t in legacy if t)
+    assert output_events(piece) == expected
