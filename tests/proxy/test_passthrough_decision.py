@@ -46,6 +46,16 @@ def stream(server_url: str, **extra: Any) -> tuple[bytes, httpx.Headers]:
         return response.read(), response.headers
 
 
+def miss_then_hit(
+    gateway_factory: GatewayFactory, config: dict[str, Any], redis_client: redis.Redis, namespace: str
+) -> tuple[tuple[bytes, httpx.Headers], tuple[bytes, httpx.Headers]]:
+    """The same deterministic stream twice, the second once the first was stored."""
+    with gateway_factory(config) as (_, server):
+        first = stream(server.url, temperature=0)
+        wait_stored(redis_client, namespace)
+        return first, stream(server.url, temperature=0)
+
+
 def events(body: bytes) -> list[dict[str, Any]]:
     """The JSON events of an SSE body (comments and ``[DONE]`` left out)."""
     payloads = [line[len(b"data: ") :] for line in body.split(b"\n") if line.startswith(b"data: ")]
@@ -82,10 +92,9 @@ def test_a_cacheable_stream_passes_through_and_is_stored_from_its_recording(
     """The cache only reads a stream once it is complete: the stream keeps the byte relay (the worker's
     comment arrives), the usage event the cache asked for is not sent to a client that did not ask, and
     the answer is stored with its events, so the same request is then a hit with the same text."""
-    with gateway_factory(default_set(upstream_url, namespace)) as (_, server):
-        body, headers = stream(server.url, temperature=0)
-        wait_stored(redis_client, namespace)
-        again, again_headers = stream(server.url, temperature=0)
+    (body, headers), (again, again_headers) = miss_then_hit(
+        gateway_factory, default_set(upstream_url, namespace), redis_client, namespace
+    )
     assert headers["x-cache"] == "miss"
     assert body.startswith(COMMENT) and body.endswith(b"data: [DONE]\n\n")
     assert b'"usage"' not in body
@@ -119,10 +128,8 @@ def test_a_cacheable_stream_that_is_parsed_anyway_is_stored_from_its_chunks(
     redis_client: redis.Redis,
 ) -> None:
     """Output rules read every chunk: the stream is parsed, and the cache records it from ``on_chunk``."""
-    with gateway_factory(default_set(upstream_url, namespace, output_rules=True)) as (_, server):
-        body, _ = stream(server.url, temperature=0)
-        wait_stored(redis_client, namespace)
-        again, again_headers = stream(server.url, temperature=0)
+    config = default_set(upstream_url, namespace, output_rules=True)
+    (body, _), (again, again_headers) = miss_then_hit(gateway_factory, config, redis_client, namespace)
     assert COMMENT not in body and b'"usage"' not in body
     assert again_headers["x-cache"] == "hit"
     assert stream_content(again) == stream_content(body) == worker.behavior.text
