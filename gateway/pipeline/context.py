@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from gateway.wire.streaming import wants_usage
+
 log = logging.getLogger("gateway.context")
 
 if TYPE_CHECKING:
@@ -229,6 +231,27 @@ class RequestContext:
         if plugin not in self.recorders:
             self.recorders = (*self.recorders, plugin)
         self.record_max_bytes = max(self.record_max_bytes, max_bytes)
+
+    def ask_for_usage(self) -> bool:
+        """Make the worker end this request's stream with a usage event (``stream_options.include_usage``),
+        for a plugin or the core that needs it (billing, a stored answer). Returns whether the client asked
+        for it itself; when not, ``usage_added`` is set and the event is kept from the client. The body
+        is changed as bytes when the client sent no ``stream_options`` (one member in front of the
+        client's JSON, no re-serializing)."""
+        body = self.body
+        if wants_usage(body):
+            return not self.usage_added
+        options = body.get("stream_options")
+        absent = "stream_options" not in body
+        body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        raw = self.raw_body.lstrip()
+        if absent and not self.body_changed and raw[:1] == b"{":
+            # The body has a "model" member, so a comma always follows the one put in front.
+            self.raw_body = b'{"stream_options":{"include_usage":true},' + raw[1:]
+        else:
+            self.mark_body_changed()
+        self.usage_added = True
+        return False
 
     def add_finalizer(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once when the request is over, whatever the outcome (answered, refused,

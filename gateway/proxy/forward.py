@@ -21,7 +21,7 @@ from gateway.pipeline.services import Services
 from gateway.proxy.answer import AnswerStream
 from gateway.proxy.inspected import InspectedRelay
 from gateway.proxy.passthrough import PassThrough
-from gateway.proxy.stream_tap import StreamTap, ask_for_usage
+from gateway.proxy.stream_tap import StreamTap
 from gateway.proxy.token_limit import cap_answer, completion_limit
 from gateway.proxy.trip import Trip
 from gateway.upstream.client import UpstreamFailure, UpstreamResponse
@@ -84,10 +84,10 @@ class Proxy:
         bytes, keeping the request's completion limit too (and the recording). A stream no plugin bills
         or records passes through untapped: the limit is kept where someone pays for what passes it (the
         parsed relay keeps it always)."""
-        recording = ctx.record_max_bytes if ctx.recorders else 0
+        recording = ctx.record_max_bytes
         if not (recording or ctx.snapshot.pipeline.settles_from_usage(ctx)):
             return None
-        strip = not ask_for_usage(ctx)
+        strip = not ctx.ask_for_usage()
         choices = requested_choices(ctx.body)
         return StreamTap(strip=strip, limit=completion_limit(ctx), choices=choices, record=recording)
 

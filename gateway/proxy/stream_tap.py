@@ -4,8 +4,8 @@ limit kept: ``StreamTap``.
 When the only plugins that look at a stream need just its usage (``Plugin.reads_stream_text = False``:
 tenancy, to bill), the stream keeps the pass-through and the core:
 
-1. asks the worker for the usage event (``stream_options.include_usage``; ``ask_for_usage`` adds it to
-   the request, as bytes when the client sent no ``stream_options``, so the body is not re-serialized);
+1. asks the worker for the usage event (``stream_options.include_usage``; ``ctx.ask_for_usage`` adds it
+   to the request, as bytes when the client sent no ``stream_options``, so the body is not re-serialized);
 2. finds that event in the bytes (a substring test per read), keeps its usage and, when the client did not
    ask for it, takes it out of what the client gets;
 3. holds ``data: [DONE]`` back until those plugins' ``on_response`` ran with the usage (a response whose
@@ -31,10 +31,10 @@ from typing import Any
 
 import orjson
 
-from gateway.pipeline.context import ModelResponse, RequestContext
+from gateway.pipeline.context import ModelResponse
 from gateway.proxy.answer import is_error_event
 from gateway.proxy.token_limit import length_end
-from gateway.wire.streaming import SSEParser, StreamAssembler, wants_usage
+from gateway.wire.streaming import SSEParser, StreamAssembler
 
 _USAGE = b'"usage":{'
 _DONE = b"data: [DONE]"
@@ -48,26 +48,6 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 def output_events(piece: bytes) -> int:
     """How many choice deltas in ``piece`` carry generated output (vLLM sends one per token)."""
     return sum(piece.count(mark) for mark in _OUTPUT) - sum(piece.count(mark) for mark in _EMPTY)
-
-
-def ask_for_usage(ctx: RequestContext) -> bool:
-    """Make the worker end ``ctx``'s stream with a usage event. Returns whether the client asked for it
-    itself (else the tap strips it)."""
-    body = ctx.body
-    if wants_usage(body):
-        return not ctx.usage_added
-    options = body.get("stream_options")
-    absent = "stream_options" not in body
-    body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-    raw = ctx.raw_body.lstrip()
-    if absent and not ctx.body_changed and raw[:1] == b"{":
-        # The client's bytes with one member in front: the changed body, without re-serializing it (the
-        # body has a "model" member, so a comma always follows).
-        ctx.raw_body = b'{"stream_options":{"include_usage":true},' + raw[1:]
-    else:
-        ctx.mark_body_changed()
-    ctx.usage_added = True
-    return False
 
 
 class StreamTap:

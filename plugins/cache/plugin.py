@@ -136,7 +136,8 @@ class CachePlugin(Plugin):
         if decision.store:
             ctx.state[SHARED_KEY] = pending
             if ctx.stream:
-                self._ask_for_usage(ctx, pending)
+                # A stored answer carries its usage even when this client did not ask for it.
+                pending.strip_usage = not ctx.ask_for_usage()
                 pending.chunks = []
                 # A byte pass-through then, unless another plugin reads the chunks: on_response gets the
                 # recorded events instead of on_chunk calls.
@@ -218,18 +219,6 @@ class CachePlugin(Plugin):
         if not store:
             ctx.step_aside(self)
         return None
-
-    @staticmethod
-    def _ask_for_usage(ctx: RequestContext, pending: _Pending) -> None:
-        """A stored answer must carry its usage even when this client did not ask for it: request the
-        usage chunk upstream and hold it back from the client (``on_chunk``)."""
-        options = ctx.body.get("stream_options")
-        if isinstance(options, dict) and options.get("include_usage"):
-            return
-        ctx.body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-        ctx.mark_body_changed()
-        ctx.usage_added = True
-        pending.strip_usage = True
 
     # -- the way back -----------------------------------------------------------------------------
 
