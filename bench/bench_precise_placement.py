@@ -1,5 +1,7 @@
 """What precise_prefix adds per request, in-process: tokenizing the prompt with the model's tokenizer and
-chat template, hashing its full blocks as vLLM does, and scoring the candidates against the KV index.
+chat template, hashing its full blocks as vLLM does, and scoring the candidates against the KV index;
+side by side, the scoring with what cold placement adds (each worker's blocks on their way and its
+recent working set) and the recording of the placement (its demand and pending blocks).
 
     PYTHONPATH=$PWD .venv/bin/python bench/bench_precise_placement.py [--model-dir models/smollm2]
 
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from gateway.upstream.kv_index import BYTES_PER_ENTRY, BlockIndex
 from plugins.routing.blockhash import BlockHasher
+from plugins.routing.pending import PendingBlocks
 from plugins.routing.prompt_tokens import PromptTokenizer
 from plugins.routing.scorers import Candidate, Weights, rank
 
@@ -58,11 +61,16 @@ def main() -> None:
         index.store(workers[i % 2], [rng.getrandbits(64)])
     print(f"index: {len(index)} entries, bound {args.entries * BYTES_PER_ENTRY / 2**20:.0f} MiB "
           f"({BYTES_PER_ENTRY} bytes/entry)")  # fmt: skip
+    demand = BlockIndex(2 * 4096)  # two workers' caches of 4,096 blocks: full, as in steady state
+    for i in range(demand.max_entries):
+        demand.store(workers[i % 2], [rng.getrandbits(64)])
+    pending = PendingBlocks(60.0, args.entries)
     print(f"{'prompt chars':>12} {'tokens':>7} {'blocks':>6} | {'tokenize p50/p99 us':>20} | "
-          f"{'hash p50/p99 us':>16} | {'score p50/p99 us':>16} | {'total p50 us':>12}")  # fmt: skip
+          f"{'hash p50/p99 us':>16} | {'score p50/p99 us':>16} | {'+cold p50/p99 us':>16} | "
+          f"{'record p50/p99 us':>17} | {'total p50 us':>12}")  # fmt: skip
     for chars in (200, 2_000, 8_000, 32_000):
         bodies = [body(chars, rng) for _ in range(args.reps)]
-        tok_t, hash_t, score_t = [], [], []
+        tok_t, hash_t, score_t, cold_t, record_t = [], [], [], [], []
         n_tokens = n_blocks = 0
         for b in bodies:
             t0 = time.perf_counter()
@@ -74,15 +82,30 @@ def main() -> None:
             candidates = [Candidate(w, index.prefix_blocks(w, hashes), 1, 2.0, 0.0, 0.3) for w in workers]
             rank(candidates, len(hashes), Weights())
             t3 = time.perf_counter()
+            candidates = [
+                Candidate(
+                    w, pending.extend(w, hashes, index.prefix_blocks(w, hashes)), 1, 2.0, 0.0, 0.3, demand.blocks(w)
+                )
+                for w in workers
+            ]
+            best = rank(candidates, len(hashes), Weights())[0][1]
+            t4 = time.perf_counter()
+            demand.store(best.key, hashes)
+            pending.add(best.key, hashes[best.prefix_blocks :])
+            t5 = time.perf_counter()
             tok_t.append((t1 - t0) * 1e6)
             hash_t.append((t2 - t1) * 1e6)
             score_t.append((t3 - t2) * 1e6)
+            cold_t.append((t4 - t3) * 1e6)
+            record_t.append((t5 - t4) * 1e6)
             n_tokens, n_blocks = len(tokens), len(hashes)
-        total = [a + b + c for a, b, c in zip(tok_t, hash_t, score_t, strict=True)]
+        total = [sum(t) for t in zip(tok_t, hash_t, cold_t, record_t, strict=True)]
         print(
             f"{chars:>12} {n_tokens:>7} {n_blocks:>6} | {statistics.median(tok_t):>9.0f} /{pct(tok_t, 0.99):>9.0f} | "
             f"{statistics.median(hash_t):>7.0f} /{pct(hash_t, 0.99):>7.0f} | "
-            f"{statistics.median(score_t):>7.0f} /{pct(score_t, 0.99):>7.0f} | {statistics.median(total):>12.0f}"
+            f"{statistics.median(score_t):>7.0f} /{pct(score_t, 0.99):>7.0f} | "
+            f"{statistics.median(cold_t):>7.0f} /{pct(cold_t, 0.99):>7.0f} | "
+            f"{statistics.median(record_t):>8.0f} /{pct(record_t, 0.99):>7.0f} | {statistics.median(total):>12.0f}"
         )
 
 

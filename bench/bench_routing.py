@@ -813,6 +813,9 @@ async def main() -> None:
     )
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--nonce", help="an earlier run's nonce (printed at its end): the same prompts, so the same hash split"
+    )
     parser.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor for affinity")
     parser.add_argument(
         "--load-slack", type=int, default=4, help="bounded loads: requests over the mean before a worker is over"
@@ -841,7 +844,7 @@ async def main() -> None:
     model_dir = Path(await asyncio.to_thread(prepare_model, MODEL, models_dir))
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     args.prompt_tokenizer = await PromptTokenizer.load(str(model_dir))  # as precise_prefix tokenizes
-    nonce = uuid.uuid4().hex[:8]
+    nonce = args.nonce or uuid.uuid4().hex[:8]
     base_seed = int(nonce, 16) % 1_000_000
     makers: dict[str, Callable[[int], list[Conversation]]] = {
         "prefix_repetition": lambda i: prefix_repetition(model_dir, base_seed + i, args),

@@ -21,6 +21,7 @@ log = logging.getLogger("gateway.worker_load")
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_CACHE_INFO = "vllm:cache_config_info"
 Fetch = Callable[[str, float], Awaitable[tuple[int, bytes]]]
 
 
@@ -30,16 +31,24 @@ class LoadSample:
     waiting: float
     kv_usage: float  # 0..1
     at: float
+    cache_blocks: int = 0  # the KV cache's size in blocks (vllm:cache_config_info's num_gpu_blocks); 0: unknown
+    block_size: int = 0  # tokens per KV block (vllm:cache_config_info's block_size); 0: unknown
 
 
 def parse_vllm_load(text: str, at: float = 0.0) -> LoadSample:
-    """Running and waiting requests summed over the engines of one /metrics page, and the highest KV
-    cache use among them."""
+    """Running and waiting requests summed over the engines of one /metrics page, the highest KV cache
+    use among them, their KV cache blocks together and their block size."""
     running = waiting = kv = 0.0
+    blocks = block_size = 0
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
         name, brace, rest = line.partition("{")
+        if name == _CACHE_INFO:  # an info metric: the values are labels
+            labels = rest.rpartition("}")[0]
+            blocks += _label_int(labels, "num_gpu_blocks")
+            block_size = _label_int(labels, "block_size") or block_size
+            continue
         if brace:
             fields = rest.rpartition("}")[2].split()
         else:
@@ -54,7 +63,18 @@ def parse_vllm_load(text: str, at: float = 0.0) -> LoadSample:
             waiting += value
         elif name in _KV_USAGE:
             kv = max(kv, value)
-    return LoadSample(running, waiting, kv, at)
+    return LoadSample(running, waiting, kv, at, blocks, block_size)
+
+
+def _label_int(labels: str, name: str) -> int:
+    """The whole-number value of label ``name`` in a sample's labels (inside its braces), else 0 ("None" before vLLM has
+    sized its cache)."""
+    for label in labels.split(","):
+        key, _, value = label.partition("=")
+        if key.strip() == name:
+            value = value.strip().strip('"')
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 class LoadPoller:

@@ -6,6 +6,15 @@ core's synchronous path): each available worker's longest held prefix (the KV in
 keeps from its events) and its load go through the weighted scorers (``scorers.rank``). Per response
 (``check``): the worker's ``cached_tokens`` against the prediction for that worker.
 
+Each placement also records the prompt's blocks as recent demand on the chosen worker (``demand``: a
+``BlockIndex`` per model, kept across reloads, bounded by the pool's KV cache blocks together, since
+older demand is gone from any cache by then, or by the KV index's bound when the workers' sizes are not
+known). A cold prompt, one that no worker holds more of than the
+others, goes to the worker whose recent working set is smallest (``scorers.rank``): new prefixes are
+spread by what each cache is already asked to hold, not by load alone. And a placement's new blocks are
+pending on that worker until its events arrive (``pending.PendingBlocks``), so that a repeat of the
+prompt sent meanwhile follows it instead of looking cold; predictions still go by the index alone.
+
 Approximate affinity (``prefix_affinity``) places the request instead when precise placement cannot be
 trusted: a worker of the model whose events are not followed or went silent, a block size not learned
 yet, or a model degraded by its checks. The prediction is still made and checked, so a degraded model
@@ -22,10 +31,12 @@ from typing import Any
 
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.upstream.kv_feed import WorkerKv
+from gateway.upstream.kv_index import BlockIndex
 from gateway.upstream.workers import Worker, WorkerTable
 from plugins.routing.accuracy import AccuracyTracker, reported_cached_tokens
 from plugins.routing.blockhash import BlockHasher, predicted_cached_tokens
 from plugins.routing.config import ModelRouting
+from plugins.routing.pending import PendingBlocks
 from plugins.routing.policies import WorkerPool
 from plugins.routing.prompt_tokens import PromptTokenizer, TokenizerBusy
 from plugins.routing.scorers import Candidate, Weights, rank
@@ -51,12 +62,16 @@ class PreciseRequest:
         return self.placement.choose(self, pool, tried, now)
 
     def note(self, worker: Worker, held_blocks: int | None = None) -> None:
-        """``worker`` was chosen (by whichever policy): remember what it should report as cached."""
-        index = self.placement.workers.kv.index
+        """``worker`` was chosen (by whichever policy): remember what it should report as cached, and
+        count the prompt's blocks as demand on it."""
+        placement = self.placement
+        index = placement.workers.kv.index
         held = index.prefix_blocks(worker.url, self.hashes) if held_blocks is None else held_blocks
         self.predicted[worker.url] = predicted_cached_tokens(held, self.prompt_tokens, self.block_size)
         if held < len(self.hashes):  # it will store new blocks: an event must follow
-            self.placement.workers.kv.expect(worker.url)
+            placement.workers.kv.expect(worker.url)
+            placement.pending.add(worker.url, self.hashes[held:])
+        placement.demand.store(worker.url, self.hashes)
 
 
 class PrecisePlacement:
@@ -88,6 +103,15 @@ class PrecisePlacement:
                 threshold=config.accuracy_threshold,
             )  # fmt: skip
         self.tracker = tracker
+        demand = shared.demand.get(model)
+        if demand is None:
+            demand = shared.demand[model] = BlockIndex(workers.kv.index.max_entries)
+        self.demand = demand
+        pending = shared.pending.get(model)
+        if pending is None:
+            pending = shared.pending[model] = PendingBlocks(workers.kv.settings.expire_s, workers.kv.index.max_entries)
+        pending.lifetime_s = workers.kv.settings.expire_s
+        self.pending = pending
 
     def hasher(self, block_size: int) -> BlockHasher:
         hasher = self._hashers.get(block_size)
@@ -96,11 +120,15 @@ class PrecisePlacement:
         return hasher
 
     def block_size(self, pool: WorkerPool) -> int | None:
-        """The configured block size, else the one the pool's workers publish (checked: they must agree)."""
+        """The configured block size, else the one the pool's workers publish in their events, else in
+        their metrics (before their first event reaches this replica; checked: they must agree)."""
         feed = self.workers.kv
         states = [s for w in pool.workers if (s := feed.workers.get(w.url)) is not None]
         self._verify(states)
         learned = {s.block_size for s in states if s.block_size}
+        if not learned:
+            samples = (self.workers.load.sample(w.url) for w in pool.workers)
+            learned = {s.block_size for s in samples if s is not None and s.block_size}
         if self.config.block_size is not None:
             if learned - {self.config.block_size}:
                 self.tracker.mark(f"workers publish block size {sorted(learned)}, configured {self.config.block_size}")
@@ -169,24 +197,43 @@ class PrecisePlacement:
             counter.labels(self.model, "fallback_untrusted").inc()
             return None
         start = self._rr = (self._rr + 1) % len(live)
+        self._size_demand(pool)
         candidates = []
+        indexed: dict[str, int] = {}  # what the prediction goes by: the index, the worker's own word
         for worker in live[start:] + live[:start]:
             sample = load.sample(worker.url)
-            held = feed.index.prefix_blocks(worker.url, request.hashes)
-            candidates.append(
-                Candidate(worker.url, held, worker.in_flight, *(
-                    (sample.running, sample.waiting, sample.kv_usage) if sample is not None else (None, None, None)
-                ))
-            )  # fmt: skip
+            held = indexed[worker.url] = feed.index.prefix_blocks(worker.url, request.hashes)
+            held = self.pending.extend(worker.url, request.hashes, held)  # a repeat follows its first request
+            demand = self.demand.blocks(worker.url)
+            if sample is None:
+                candidates.append(Candidate(worker.url, held, worker.in_flight, working_set=demand))
+            else:
+                candidates.append(Candidate(
+                    worker.url, held, worker.in_flight, sample.running, sample.waiting, sample.kv_usage, demand
+                ))  # fmt: skip
         ranked = rank(
             candidates, len(request.hashes), self.weights,
             load_factor=self.routing.load_factor, load_slack=self.routing.load_slack,
         )  # fmt: skip
         best = ranked[0][1]
         worker = next(w for w in live if w.url == best.key)
-        request.note(worker, best.prefix_blocks)
+        request.note(worker, indexed[worker.url])
         counter.labels(self.model, "precise").inc()
         return worker
+
+    def _size_demand(self, pool: WorkerPool) -> None:
+        """Recent demand spans what the pool's caches hold together (each worker's ``num_gpu_blocks``,
+        from its metrics): older demand is gone from any cache. When a worker's size is not known, it
+        spans everything placed since the start, up to the KV index's own bound."""
+        bound = self.workers.kv.index.max_entries
+        window = 0
+        for worker in pool.workers:
+            sample = self.workers.load.sample(worker.url)
+            if sample is None or not sample.cache_blocks:
+                window = bound
+                break
+            window += sample.cache_blocks
+        self.demand.max_entries = max(1, min(window, bound))
 
     def check(self, ctx: RequestContext, response: ModelResponse) -> None:
         """Compare the worker's reported cached tokens with the prediction for that worker."""
@@ -226,6 +273,7 @@ def placement_view(
                 {
                     "url": worker.url,
                     "blocks": feed.index.blocks(worker.url),
+                    "working_set": placement.demand.blocks(worker.url),
                     "hit_rate": None if state is None else state.hit_rate,
                     "events": None if state is None else {
                         "following": state.source is not None, "trusted": feed.trusted(worker.url),

@@ -15,6 +15,15 @@ composes its scorers):
 A worker over the bounded-load cap (the policy's ``load_factor`` x the mean load, or the mean plus
 ``load_slack``, whichever is higher) ranks after every worker under it, whatever its prefix: a hot
 prefix spills to another worker instead of queueing, as in approximate affinity.
+
+A cold prompt (every candidate holds the same prefix of it, usually none) gives the prefix scorer
+nothing to go by. Placed by load alone, new prefixes can pile up on one worker until its cache holds
+fewer of them than it is asked for, and its LRU evicts each before it comes back while the other
+worker's cache has room. So among the workers under the cap, a cold prompt goes to the one with the
+smallest recent working set (``Candidate.working_set``: the distinct blocks recently placed there, see
+``precise.PrecisePlacement``), as SGLang's cache-aware router sends a low-match request to the worker
+with the smallest tree; working sets within one prompt's blocks of the smallest count as equal, and
+the weighted score decides between them.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ class Candidate:
     running: float | None = None
     waiting: float | None = None
     kv_usage: float | None = None
+    working_set: int = 0  # distinct blocks recently placed on the worker (cold prompts go to the smallest)
 
     @property
     def load(self) -> float:
@@ -73,6 +83,9 @@ def rank(
         return []
     mean = (sum(c.load for c in candidates) + 1) / len(candidates)
     cap = max(math.ceil(load_factor * mean), math.ceil(mean + load_slack))
+    cold = total_blocks > 0 and len({c.prefix_blocks for c in candidates}) == 1  # no full block: load decides
+    smallest = min(c.working_set for c in candidates)
+    step = total_blocks
     scored = []
     for i, c in enumerate(candidates):
         score = (
@@ -80,6 +93,7 @@ def rank(
             + weights.queue * queue_score(c, cap)
             + weights.kv * kv_score(c)
         )
-        scored.append((c.load >= cap, -score, i, c))
-    scored.sort(key=lambda t: (t[0], t[1], t[2]))
-    return [(-neg, c) for _, neg, _, c in scored]
+        room = (c.working_set - smallest) // step if cold else 0  # 0: as good as the smallest
+        scored.append((c.load >= cap, room, -score, i, c))
+    scored.sort(key=lambda t: t[:4])
+    return [(-t[2], t[4]) for t in scored]

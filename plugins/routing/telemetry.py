@@ -15,11 +15,13 @@ from prometheus_client.registry import Collector
 from gateway.ops.metrics import LATENCY_BUCKETS
 from gateway.pipeline.capacity import ADMISSION_OF, ModelAdmission
 from gateway.pipeline.services import Services
+from gateway.upstream.kv_index import BlockIndex
 from gateway.upstream.workers import WorkerTable
 from plugins.routing.accuracy import AccuracyTracker
 from plugins.routing.adapter_loader import AdapterLoader
 from plugins.routing.admission import ModelGate
 from plugins.routing.config import AdmissionConfig, RetryBudgetConfig
+from plugins.routing.pending import PendingBlocks
 from plugins.routing.plan import RetryBudget
 from plugins.routing.prompt_tokens import PromptTokenizer
 
@@ -97,6 +99,10 @@ class RoutingShared:
         self._declare_precise_metrics(r)
         #: precise_prefix: per model, its predictions against the truth (kept across reloads).
         self.accuracy: dict[str, AccuracyTracker] = {}
+        #: precise_prefix: per model, the blocks recently placed on each worker (its demand on the cache).
+        self.demand: dict[str, BlockIndex] = {}
+        #: precise_prefix: per model, the blocks placed on each worker whose KV events have not come yet.
+        self.pending: dict[str, PendingBlocks] = {}
         #: precise_prefix: loaded tokenizers by (path, chat template), so a reload does not load them again.
         self.tokenizers: dict[tuple[str, str | None], PromptTokenizer] = {}
         r.register(_WorkerCollector(services.workers, self.gates))

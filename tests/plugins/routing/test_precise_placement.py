@@ -137,6 +137,23 @@ def test_a_prompt_goes_to_the_worker_holding_its_prefix_and_the_prediction_is_ch
         assert 'gateway_routing_placements_total{how="precise",model="m1"} 4.0' in metrics
 
 
+def test_a_repeat_follows_its_first_request_before_any_event_and_a_new_prompt_goes_where_less_is_placed(
+    gateway_factory: GatewayFactory, hashes_of: Callable[[dict[str, Any]], tuple[list[int], list[int]]]
+) -> None:
+    with fleet(gateway_factory) as (fakes, _pubs, _app, gw):
+        first = chat("Which carriers do you use?", system="Returns desk of a bookshop: answer briefly.")
+        post(gw, first)
+        home = next(i for i, fake in enumerate(fakes) if chats(fake))
+        post(gw, first)  # no worker has published its blocks: they are on their way to the first one's worker
+        assert [chats(f) for f in fakes] == [2 if i == home else 0 for i in range(2)]
+        other = chat("How long do refunds take?", system="Billing for a gym chain: answer briefly.")
+        post(gw, other)  # cold (no block in common with the first): the other worker has nothing placed on it
+        post(gw, other)
+        assert [chats(f) for f in fakes] == [2, 2]
+        working_sets = [w["working_set"] for w in placement(gw)["workers"]]  # each prompt's blocks, once
+        assert working_sets[home] == len(hashes_of(first)[1]) and working_sets[1 - home] == len(hashes_of(other)[1])
+
+
 def gw_url(fakes: list[FakeUpstream], i: int, app: GatewayApp) -> str:
     """The URL of fake ``i`` as the gateway's table knows it (in config order)."""
     return app.state.holder.current.models.worker_urls["m1"][i]
