@@ -87,6 +87,8 @@ blocks each worker reports are printed, so the regime is visible).
         --workloads prefix_repetition,multi_turn,common_head --same-prompts     # identical prompts per run
     flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers --skip-decision-cost \
         --workloads shared_prefix_chat --same-prompts                          # inference-perf's chat set
+    flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers --skip-decision-cost \
+        --workloads prefix_repetition --same-prompts --cache-share 0.5 --nonce 7ebb4990  # an earlier run's prompts
     .venv/bin/python bench/bench_routing.py --workers http://127.0.0.1:8301,http://127.0.0.1:8302
 """
 
