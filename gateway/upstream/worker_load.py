@@ -67,8 +67,8 @@ def parse_vllm_load(text: str, at: float = 0.0) -> LoadSample:
 
 
 def _label_int(labels: str, name: str) -> int:
-    """The whole-number value of label ``name`` in a sample's labels (inside its braces), else 0 ("None" before vLLM has
-    sized its cache)."""
+    """The whole-number value of label ``name`` in a sample's labels (inside its braces), else 0
+    ("None" before vLLM has sized its cache)."""
     for label in labels.split(","):
         key, _, value = label.partition("=")
         if key.strip() == name:

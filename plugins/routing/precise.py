@@ -103,15 +103,11 @@ class PrecisePlacement:
                 threshold=config.accuracy_threshold,
             )  # fmt: skip
         self.tracker = tracker
-        demand = shared.demand.get(model)
-        if demand is None:
-            demand = shared.demand[model] = BlockIndex(workers.kv.index.max_entries)
-        self.demand = demand
-        pending = shared.pending.get(model)
-        if pending is None:
-            pending = shared.pending[model] = PendingBlocks(workers.kv.settings.expire_s, workers.kv.index.max_entries)
-        pending.lifetime_s = workers.kv.settings.expire_s
-        self.pending = pending
+        # sized from the feed's settings at each placement (``_size_memory``): they change after this
+        self.demand = shared.demand.setdefault(model, BlockIndex(workers.kv.index.max_entries))
+        self.pending = shared.pending.setdefault(
+            model, PendingBlocks(workers.kv.settings.expire_s, workers.kv.index.max_entries)
+        )
 
     def hasher(self, block_size: int) -> BlockHasher:
         hasher = self._hashers.get(block_size)
@@ -197,20 +193,17 @@ class PrecisePlacement:
             counter.labels(self.model, "fallback_untrusted").inc()
             return None
         start = self._rr = (self._rr + 1) % len(live)
-        self._size_demand(pool)
+        self._size_memory(pool)
         candidates = []
         indexed: dict[str, int] = {}  # what the prediction goes by: the index, the worker's own word
         for worker in live[start:] + live[:start]:
             sample = load.sample(worker.url)
             held = indexed[worker.url] = feed.index.prefix_blocks(worker.url, request.hashes)
             held = self.pending.extend(worker.url, request.hashes, held)  # a repeat follows its first request
-            demand = self.demand.blocks(worker.url)
-            if sample is None:
-                candidates.append(Candidate(worker.url, held, worker.in_flight, working_set=demand))
-            else:
-                candidates.append(Candidate(
-                    worker.url, held, worker.in_flight, sample.running, sample.waiting, sample.kv_usage, demand
-                ))  # fmt: skip
+            running, waiting, kv = (sample.running, sample.waiting, sample.kv_usage) if sample else (None, None, None)
+            candidates.append(
+                Candidate(worker.url, held, worker.in_flight, running, waiting, kv, self.demand.blocks(worker.url))
+            )
         ranked = rank(
             candidates, len(request.hashes), self.weights,
             load_factor=self.routing.load_factor, load_slack=self.routing.load_slack,
@@ -221,11 +214,14 @@ class PrecisePlacement:
         counter.labels(self.model, "precise").inc()
         return worker
 
-    def _size_demand(self, pool: WorkerPool) -> None:
+    def _size_memory(self, pool: WorkerPool) -> None:
         """Recent demand spans what the pool's caches hold together (each worker's ``num_gpu_blocks``,
         from its metrics): older demand is gone from any cache. When a worker's size is not known, it
-        spans everything placed since the start, up to the KV index's own bound."""
-        bound = self.workers.kv.index.max_entries
+        spans everything placed since the start, up to the KV index's own bound. Pending blocks live as
+        long as the feed waits for a worker's events, within the same bound."""
+        feed = self.workers.kv
+        bound = feed.index.max_entries
+        self.pending.lifetime_s, self.pending.max_entries = feed.settings.expire_s, bound
         window = 0
         for worker in pool.workers:
             sample = self.workers.load.sample(worker.url)
