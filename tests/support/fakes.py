@@ -37,7 +37,14 @@ class ServerThread:
         proxy: dict[str, Any] | None = None,
     ) -> None:
         self.start_timeout_s = start_timeout_s
-        self.port = port or free_port()
+        # Without a given port the socket is bound here and handed to uvicorn, so nothing else on the machine
+        # (a vLLM worker's own ports, another test's server) can take the port between choosing and binding it.
+        self._socket: socket.socket | None = None
+        if port is None:
+            self._socket = socket.socket()
+            self._socket.bind(("127.0.0.1", 0))
+            port = int(self._socket.getsockname()[1])
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
             app,
@@ -52,7 +59,8 @@ class ServerThread:
             **(proxy or {}),  # a gateway's: Settings.proxy_options, as `gateway serve` passes them
         )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        sockets = None if self._socket is None else [self._socket]
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": sockets}, daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def __enter__(self) -> ServerThread:
@@ -69,6 +77,8 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)
+        if self._socket is not None:
+            self._socket.close()
 
 
 @dataclass
