@@ -41,7 +41,9 @@ class ServerThread:
         # (a vLLM worker's own ports, another test's server) can take the port between choosing and binding it.
         self._socket: socket.socket | None = None
         if port is None:
-            self._socket = socket.socket()
+            # IPPROTO_TCP named, as asyncio's own sockets have it: asyncio sets TCP_NODELAY only on those, and
+            # without it small answers wait out the peer's delayed ACK (about 40 ms each)
+            self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
             self._socket.bind(("127.0.0.1", 0))
             port = int(self._socket.getsockname()[1])
         self.port = port
