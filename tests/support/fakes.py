@@ -17,9 +17,18 @@ import orjson
 import uvicorn
 
 
+def loopback_socket() -> socket.socket:
+    """A TCP socket bound to a free loopback port. IPPROTO_TCP is named, as asyncio's own sockets have it:
+    asyncio sets TCP_NODELAY only on those, and without it small answers wait out the peer's delayed ACK
+    (about 40 ms each)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    """A port free now, for a server started later (another process): it may be taken in between."""
+    with loopback_socket() as s:
         return int(s.getsockname()[1])
 
 
@@ -41,10 +50,7 @@ class ServerThread:
         # (a vLLM worker's own ports, another test's server) can take the port between choosing and binding it.
         self._socket: socket.socket | None = None
         if port is None:
-            # IPPROTO_TCP named, as asyncio's own sockets have it: asyncio sets TCP_NODELAY only on those, and
-            # without it small answers wait out the peer's delayed ACK (about 40 ms each)
-            self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-            self._socket.bind(("127.0.0.1", 0))
+            self._socket = loopback_socket()
             port = int(self._socket.getsockname()[1])
         self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
