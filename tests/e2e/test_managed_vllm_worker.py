@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from gateway.engine.model_prep import is_complete
 from gateway.engine.procgroup import group_members
 from gateway.engine.spec import ManagedWorkerSpec
 from gateway.engine.supervisor import EngineManager, RestartPolicy
+from tests.support.gateways import REPO
 
 pytestmark = pytest.mark.engine
 
@@ -28,9 +30,13 @@ def free_port() -> int:
 
 
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """GATEWAY_TEST_MODELS_DIR reuses a prepared smollm2 across runs; otherwise prepare one for this run."""
+    """GATEWAY_TEST_MODELS_DIR, else the repo's models/ when `make model` prepared smollm2 there (as `make
+    test` does), else a directory this run prepares it in. The conversion itself is tested once, in
+    tests/engine/test_model_prep.py: doing it again here cost about 20 s of the suite."""
     shared = os.environ.get("GATEWAY_TEST_MODELS_DIR")
-    return Path(shared) if shared else tmp_path_factory.mktemp("models")
+    if shared:
+        return Path(shared)
+    return REPO / "models" if is_complete(REPO / "models" / "smollm2") else tmp_path_factory.mktemp("models")
 
 
 async def chat(base_url: str) -> str:

@@ -5,7 +5,8 @@ real vLLM CPU worker, with stored responses in the real Redis.
 - a tool round trip (a ``function_call`` item, a ``function_call_output`` turn, an answer), plain and
   streamed (``tool_choice`` "required" or a named function makes the 135M model call reliably);
 - a three-turn ``previous_response_id`` chain whose turns two gateways answer with two different vLLM
-  workers (each gateway manages its own): the conversation lives in Redis, not in a worker;
+  workers (one manages its own, the other fronts one of the package's two): the conversation lives in
+  Redis, not in a worker;
 - an agent (``openai-agents``) with one function tool, pointed at the gateway, runs to completion.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,8 +26,9 @@ from gateway.ops.settings import Settings
 from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.registry import PluginRegistry
 from gateway.server.app import create_app
-from tests.support.fakes import ServerThread, free_port
-from tests.support.gateways import REPO, RealEngine, engine_config
+from tests.e2e.conftest import TwoWorkers
+from tests.support.fakes import ServerThread
+from tests.support.gateways import ENGINE_MODEL, RealEngine
 from tests.support.responses_schema import check_event, check_response
 
 pytestmark = pytest.mark.engine
@@ -132,20 +133,16 @@ def test_tool_round_trip_in_the_responses_api(real_engine: RealEngine) -> None:
 
 
 @pytest.fixture(scope="module")
-def second_gateway(real_engine: RealEngine) -> Iterator[tuple[str, str]]:
-    """Another gateway replica with its own managed vLLM worker: (gateway url, worker url)."""
-    if not (REPO / "models" / "smollm2").is_dir():
-        pytest.skip("the default model is not prepared (models/smollm2)")
-    port = free_port()
-    config = engine_config(port)
-    spec = config["engine"]["workers"][0]
-    config["engine"]["workers"] = [{**spec, "name": "cpu-b", "omp_threads_bind": str(1 % (os.cpu_count() or 1))}]
-    config["models"][0]["workers"] = ["cpu-b"]
-    app = create_app(
-        Settings(model_dir=REPO / "models"), registry=PluginRegistry(), config=GatewayConfig.model_validate(config)
-    )
-    with ServerThread(app, start_timeout_s=900) as server:
-        yield server.url, f"http://127.0.0.1:{port}"
+def second_gateway(two_workers: TwoWorkers) -> Iterator[tuple[str, str]]:
+    """Another gateway replica, in front of another vLLM worker than ``real_engine``'s: (gateway url,
+    worker url). The worker is one of the package's two (already running for the routing tests), so this
+    module starts no worker of its own."""
+    worker = two_workers[0]
+    model = {"name": ENGINE_MODEL, "aliases": ["default"], "workers": [worker], "max_model_len": 2048}
+    config = {"models": [model], "plugins": [{"name": "routing"}], "upstream": {"first_byte_timeout_s": 300}}
+    app = create_app(Settings(), registry=PluginRegistry(), config=GatewayConfig.model_validate(config))
+    with ServerThread(app) as server:
+        yield server.url, worker
 
 
 def test_three_turn_chain_answered_by_two_workers(real_engine: RealEngine, second_gateway: tuple[str, str]) -> None:
