@@ -142,9 +142,14 @@ _PATHS = {  # not under /v1, as on vLLM
     "v2/rerank": "/v2/rerank",
 }  # fmt: skip
 
+#: OpenAI's routing hint on chat and Responses (requests with the same key share their cache lineage; the
+#: routing plugin places by it), accepted on completions too: multi-turn clients of vLLM's completions API
+#: have conversations as well. vLLM ignores it.
+_ROUTING_HINTS = frozenset({"prompt_cache_key"})
+
 ALLOWED: dict[str, frozenset[str]] = {
     "chat/completions": _OPENAI_SAMPLING | _OPENAI_CHAT | _VLLM_SAMPLING | _VLLM_CHAT | _GUIDED_LEGACY,
-    "completions": _OPENAI_SAMPLING | _OPENAI_COMPLETIONS | _VLLM_SAMPLING | _GUIDED_LEGACY,
+    "completions": _OPENAI_SAMPLING | _OPENAI_COMPLETIONS | _VLLM_SAMPLING | _GUIDED_LEGACY | _ROUTING_HINTS,
     "embeddings": _OPENAI_EMBEDDINGS | _VLLM_EMBEDDINGS,
     "tokenize": _VLLM_TOKENIZE,
     "detokenize": _VLLM_DETOKENIZE,

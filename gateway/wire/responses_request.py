@@ -152,8 +152,9 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
         value = body.get(name)
         if value is not None and not isinstance(value, str):
             raise bad(f"'{name}' must be a string.", name)
-    if isinstance(body.get("user"), str):
-        sampling["user"] = body["user"]
+    for name in ("user", "prompt_cache_key"):  # the cache key: routing places a lineage by it
+        if isinstance(body.get(name), str):
+            sampling[name] = body[name]
     return sampling
 
 

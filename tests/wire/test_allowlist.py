@@ -138,6 +138,18 @@ def test_documented_fields_pass_through_untouched(gateway: Any, upstream: FakeUp
     assert seen.body["metadata"] == {"a": "b"}
 
 
+def test_prompt_cache_key_is_accepted_on_chat_and_completions(gateway: Any, upstream: FakeUpstream) -> None:
+    """OpenAI's routing hint (chat and Responses) is accepted on completions too, for multi-turn clients of
+    vLLM's completions API; the worker gets it as sent (vLLM ignores it)."""
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        reply = httpx.post(gateway.url + path, json={**body, "prompt_cache_key": "conversation-7"})
+        assert reply.status_code == 200, reply.text
+        assert upstream.requests[-1].body["prompt_cache_key"] == "conversation-7"
+    _error(
+        httpx.post(gateway.url + "/v1/embeddings", json={**EMBEDDING, "prompt_cache_key": "k"}), 400, "prompt_cache_key"
+    )
+
+
 def test_n_is_bounded_like_openai(gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str) -> None:
     with gateway_factory(base_config([upstream_url], limits={"max_n": 4})) as (_, server):
         _error(httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "n": 5}), 400, "n")

@@ -62,6 +62,15 @@ def test_items_become_messages_in_order() -> None:
     ]
 
 
+def test_the_cache_key_goes_with_the_chat_request_for_routing() -> None:
+    req = parse_request({"model": "m", "input": "hi", "prompt_cache_key": "user-7", "user": "u"})
+    chat = chat_request(req, "served", [])
+    assert chat["prompt_cache_key"] == "user-7" and chat["user"] == "u"
+    assert "prompt_cache_key" not in chat_request(parse_request({"model": "m", "input": "hi"}), "served", [])
+    with pytest.raises(InvalidRequest):
+        parse_request({"model": "m", "input": "hi", "prompt_cache_key": 7})
+
+
 @pytest.mark.parametrize(
     "body",
     [
