@@ -455,6 +455,8 @@ def shared_prefix_chat(model_dir: Path, groups: int, seed: int, args: argparse.N
         for _ in range(args.sessions // groups):
             prompt = hf.decode(prefix_ids + question(), skip_special_tokens=True)
             turn = {"model": MODEL, "prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True, **STREAM}
+            if args.cache_key:
+                turn["prompt_cache_key"] = f"session-{seed}-{len(sessions)}"
             sessions.append(Session("completions", [turn] * args.rounds, context=prefix))
     return [sessions[i] for i in rng.permutation(len(sessions))]
 
@@ -504,11 +506,12 @@ def multi_turn(tokenizer: Tokenizer, nonce: str, seed: int, args: argparse.Names
                     "max_tokens": args.max_tokens,
                     "ignore_eos": True,
                     **STREAM,
+                    **({"prompt_cache_key": f"conversation-{seed}-{c}"} if args.cache_key else {}),
                 }
                 for t in range(args.turns)
             ],
         )
-        for system in systems
+        for c, system in enumerate(systems)
     ]
 
 
@@ -810,6 +813,12 @@ async def main() -> None:
     parser.add_argument("--sessions", type=int, default=8, help="shared_prefix_chat: sessions, split over the groups")
     parser.add_argument("--rounds", type=int, default=3, help="shared_prefix_chat: requests per session")
     parser.add_argument("--question-tokens", type=int, default=64, help="shared_prefix_chat: tokens per question")
+    parser.add_argument(
+        "--cache-key",
+        action="store_true",
+        help="shared_prefix_chat, multi_turn: each session sends its own prompt_cache_key (as OpenAI's"
+        " prompt-caching guide asks of clients whose requests share a long prefix)",
+    )
     parser.add_argument(
         "--cache-share", type=float, default=0.625, help="managed workers: share of the prefixes one worker caches"
     )

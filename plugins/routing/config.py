@@ -47,6 +47,16 @@ class PreciseConfig(_Strict):
     prefix_weight: float = Field(3.0, ge=0, description="weight of the share of the prompt's blocks held")
     queue_weight: float = Field(2.0, ge=0, description="weight of the worker's load (1 - load / the bounded-load cap)")
     kv_weight: float = Field(1.0, ge=0, description="weight of the worker's free KV cache")
+    home_weight: float = Field(
+        2.5,
+        ge=0,
+        description="weight of the worker the request's prompt_cache_key last went to (above the queue's, so a"
+        " lineage stays home when the held blocks tie; below the prefix's, so a worker holding the whole prompt"
+        " wins over a home that lost it)",
+    )
+    cache_key_entries: int = Field(
+        65_536, ge=1, le=10_000_000, description="prompt_cache_key lineages remembered per model (LRU)"
+    )
     thread_above_chars: int = Field(
         4096, ge=0, description="prompts longer than this are tokenized in a thread, off the event loop"
     )

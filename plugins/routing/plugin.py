@@ -32,6 +32,7 @@ from gateway.wire.errors import ServiceUnavailable
 from plugins.routing.adapter_admin import ACTIONS as ADAPTER_ACTIONS
 from plugins.routing.adapter_admin import AdapterAdmin
 from plugins.routing.adapter_route import AdapterPlan, AdapterRoute
+from plugins.routing.cache_keys import affinity_text
 from plugins.routing.canary import WeightedTargets, fallback_chain, retarget, unknown_references
 from plugins.routing.config import ModelRouting, RoutingConfig
 from plugins.routing.discovery import DnsDiscovery, Resolver, system_resolver
@@ -99,7 +100,7 @@ class ModelRoute:
             if self._routing.policy == "session_affinity":
                 text = ctx.headers.get(self._routing.session_header, "")
             else:
-                text = prompt_prefix(ctx.endpoint, ctx.body, self._routing.prefix_chars)
+                text = affinity_text(prompt_prefix(ctx.endpoint, ctx.body, self._routing.prefix_chars), ctx.body)
             self._key = stable_hash(text.encode("utf-8", "surrogatepass")) if text else None
         return self._key
 

@@ -35,6 +35,7 @@ from gateway.upstream.kv_index import BlockIndex
 from gateway.upstream.workers import Worker, WorkerTable
 from plugins.routing.accuracy import AccuracyTracker, reported_cached_tokens
 from plugins.routing.blockhash import BlockHasher, predicted_cached_tokens
+from plugins.routing.cache_keys import KeyHomes, lineage
 from plugins.routing.config import ModelRouting
 from plugins.routing.pending import PendingBlocks
 from plugins.routing.policies import WorkerPool
@@ -55,6 +56,7 @@ class PreciseRequest:
     prompt_tokens: int
     hashes: list[int]
     block_size: int
+    lineage: int | None = None  # the tenant's prompt_cache_key, hashed (``cache_keys``)
     predicted: dict[str, int] = field(default_factory=dict)
 
     def choose(self, pool: WorkerPool, tried: list[Worker], now: float) -> Worker | None:
@@ -72,6 +74,8 @@ class PreciseRequest:
             placement.workers.kv.expect(worker.url)
             placement.pending.add(worker.url, self.hashes[held:])
         placement.demand.store(worker.url, self.hashes)
+        if self.lineage is not None:
+            placement.homes.remember(self.lineage, worker.url)
 
 
 class PrecisePlacement:
@@ -86,11 +90,11 @@ class PrecisePlacement:
         self.tokenizer = tokenizer
         self.workers = workers
         self.shared = shared
-        self.weights = Weights(self.config.prefix_weight, self.config.queue_weight, self.config.kv_weight)
+        config = self.config
+        self.weights = Weights(config.prefix_weight, config.queue_weight, config.kv_weight, config.home_weight)
         self._hashers: dict[int, BlockHasher] = {}
         self._verified: set[int] = set()  # ids of the first BlockStored events already checked
         self._rr = 0
-        config = self.config
         tracker = shared.accuracy.get(model)
         if tracker is None:
             tracker = shared.accuracy[model] = AccuracyTracker(
@@ -108,6 +112,11 @@ class PrecisePlacement:
         self.pending = shared.pending.setdefault(
             model, PendingBlocks(workers.kv.settings.expire_s, workers.kv.index.max_entries)
         )
+        homes = shared.homes.get(model)
+        if homes is None:
+            homes = shared.homes[model] = KeyHomes(config.cache_key_entries)
+        homes.max_entries = config.cache_key_entries  # a reload may change it; the next remember applies it
+        self.homes = homes
 
     def hasher(self, block_size: int) -> BlockHasher:
         hasher = self._hashers.get(block_size)
@@ -178,7 +187,7 @@ class PrecisePlacement:
             return None
         if result is None:
             return None
-        return PreciseRequest(self, result[0], result[1], block_size)
+        return PreciseRequest(self, result[0], result[1], block_size, lineage(ctx.tenant, ctx.body))
 
     def choose(self, request: PreciseRequest, pool: WorkerPool, tried: list[Worker], now: float) -> Worker | None:
         counter = self.shared.placements
@@ -194,6 +203,7 @@ class PrecisePlacement:
             return None
         start = self._rr = (self._rr + 1) % len(live)
         self._size_memory(pool)
+        home = self.homes.home(request.lineage) if request.lineage is not None else None
         candidates = []
         indexed: dict[str, int] = {}  # what the prediction goes by: the index, the worker's own word
         for worker in live[start:] + live[:start]:
@@ -201,12 +211,13 @@ class PrecisePlacement:
             held = indexed[worker.url] = feed.index.prefix_blocks(worker.url, request.hashes)
             held = self.pending.extend(worker.url, request.hashes, held)  # a repeat follows its first request
             running, waiting, kv = (sample.running, sample.waiting, sample.kv_usage) if sample else (None, None, None)
-            candidates.append(
-                Candidate(worker.url, held, worker.in_flight, running, waiting, kv, self.demand.blocks(worker.url))
-            )
+            working_set = self.demand.blocks(worker.url)
+            at_home = worker.url == home
+            candidates.append(Candidate(worker.url, held, worker.in_flight, running, waiting, kv, working_set, at_home))
         ranked = rank(
             candidates, len(request.hashes), self.weights,
             load_factor=self.routing.load_factor, load_slack=self.routing.load_slack,
+            fresh=request.lineage is not None and home is None,
         )  # fmt: skip
         best = ranked[0][1]
         worker = next(w for w in live if w.url == best.key)

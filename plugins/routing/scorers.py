@@ -10,7 +10,9 @@ composes its scorers):
   workers and a few requests each, min-max makes one request's difference worth the whole weight, so a
   worker holding most of the prompt lost to one running a single request less, and the same prefix
   ended up cached (and evicted) on both;
-- ``kv``: 1 - the worker's KV cache use (a full cache evicts to admit anything new).
+- ``kv``: 1 - the worker's KV cache use (a full cache evicts to admit anything new);
+- ``home``: the worker the request's ``prompt_cache_key`` last went to (``cache_keys``): the key's
+  history is there even where it is not in full blocks yet.
 
 A worker over the bounded-load cap (the policy's ``load_factor`` x the mean load, or the mean plus
 ``load_slack``, whichever is higher) ranks after every worker under it, whatever its prefix: a hot
@@ -23,7 +25,10 @@ worker's cache has room. So among the workers under the cap, a cold prompt goes 
 smallest recent working set (``Candidate.working_set``: the distinct blocks recently placed there, see
 ``precise.PrecisePlacement``), as SGLang's cache-aware router sends a low-match request to the worker
 with the smallest tree; working sets within one prompt's blocks of the smallest count as equal, and
-the weighted score decides between them.
+the weighted score decides between them. The first request of a new ``prompt_cache_key`` (``fresh``)
+is placed the same way whatever it holds: the client says it starts a lineage of its own. A request
+whose key has a home among the candidates is never placed as cold: the home scorer keeps it there
+unless the held prefix or the load says otherwise.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Candidate:
     waiting: float | None = None
     kv_usage: float | None = None
     working_set: int = 0  # distinct blocks recently placed on the worker (cold prompts go to the smallest)
+    home: bool = False  # the request's prompt_cache_key last went here
 
     @property
     def load(self) -> float:
@@ -56,6 +62,7 @@ class Weights:
     prefix: float = 3.0
     queue: float = 2.0
     kv: float = 1.0
+    home: float = 2.5
 
 
 def prefix_score(c: Candidate, total_blocks: int) -> float:
@@ -77,13 +84,18 @@ def rank(
     *,
     load_factor: float = 1.25,
     load_slack: float = 4.0,
+    fresh: bool = False,
 ) -> list[tuple[float, Candidate]]:
-    """Candidates best first, each with its score; ties keep the given order (callers rotate it)."""
+    """Candidates best first, each with its score; ties keep the given order (callers rotate it).
+    ``fresh``: the request starts a new ``prompt_cache_key`` lineage, placed as a cold prompt."""
     if not candidates:
         return []
     mean = (sum(c.load for c in candidates) + 1) / len(candidates)
     cap = max(math.ceil(load_factor * mean), math.ceil(mean + load_slack))
-    cold = total_blocks > 0 and len({c.prefix_blocks for c in candidates}) == 1  # no full block: load decides
+    # cold: nothing says where the prompt belongs (no worker holds more of it, or a new lineage), so the
+    # working sets decide; a request whose lineage has a home among the candidates is never cold
+    cold = total_blocks > 0 and not any(c.home for c in candidates)
+    cold = cold and (fresh or len({c.prefix_blocks for c in candidates}) == 1)
     smallest = min(c.working_set for c in candidates)
     step = total_blocks
     scored = []
@@ -92,6 +104,7 @@ def rank(
             weights.prefix * prefix_score(c, total_blocks)
             + weights.queue * queue_score(c, cap)
             + weights.kv * kv_score(c)
+            + (weights.home if c.home else 0.0)
         )
         room = (c.working_set - smallest) // step if cold else 0  # 0: as good as the smallest
         scored.append((c.load >= cap, room, -score, i, c))

@@ -20,6 +20,7 @@ from gateway.upstream.workers import WorkerTable
 from plugins.routing.accuracy import AccuracyTracker
 from plugins.routing.adapter_loader import AdapterLoader
 from plugins.routing.admission import ModelGate
+from plugins.routing.cache_keys import KeyHomes
 from plugins.routing.config import AdmissionConfig, RetryBudgetConfig
 from plugins.routing.pending import PendingBlocks
 from plugins.routing.plan import RetryBudget
@@ -103,6 +104,8 @@ class RoutingShared:
         self.demand: dict[str, BlockIndex] = {}
         #: precise_prefix: per model, the blocks placed on each worker whose KV events have not come yet.
         self.pending: dict[str, PendingBlocks] = {}
+        #: precise_prefix: per model, where each prompt_cache_key lineage went last.
+        self.homes: dict[str, KeyHomes] = {}
         #: precise_prefix: loaded tokenizers by (path, chat template), so a reload does not load them again.
         self.tokenizers: dict[tuple[str, str | None], PromptTokenizer] = {}
         r.register(_WorkerCollector(services.workers, self.gates))

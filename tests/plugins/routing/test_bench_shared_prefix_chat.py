@@ -26,8 +26,9 @@ def bench() -> ModuleType:
     return load_script(REPO / "bench" / "bench_routing.py")
 
 
-def args(**overrides: int) -> argparse.Namespace:
+def args(**overrides: int | bool) -> argparse.Namespace:
     values = {"system_blocks": 2, "sessions": 6, "rounds": 3, "question_tokens": 24, "max_tokens": 4}
+    values["cache_key"] = False
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -71,3 +72,15 @@ def test_the_same_seed_gives_the_same_prompts(bench: ModuleType) -> None:
     two = [s.next_body()["prompt"] for s in bench.shared_prefix_chat(MODEL_DIR, 2, 5, args())]
     other = [s.next_body()["prompt"] for s in bench.shared_prefix_chat(MODEL_DIR, 2, 6, args())]
     assert one == two != other
+
+
+def test_with_cache_keys_each_session_sends_its_own_key_every_round(bench: ModuleType) -> None:
+    assert all("prompt_cache_key" not in s.next_body() for s in bench.shared_prefix_chat(MODEL_DIR, 1, 5, args()))
+    sessions = bench.shared_prefix_chat(MODEL_DIR, 1, 5, args(cache_key=True))
+    keys = []
+    for session in sessions:
+        body = session.next_body()
+        session.answered(body, "an answer")
+        assert session.next_body()["prompt_cache_key"] == body["prompt_cache_key"]
+        keys.append(body["prompt_cache_key"])
+    assert len(set(keys)) == len(sessions) == 6

@@ -154,6 +154,40 @@ def test_a_repeat_follows_its_first_request_before_any_event_and_a_new_prompt_go
         assert working_sets[home] == len(hashes_of(first)[1]) and working_sets[1 - home] == len(hashes_of(other)[1])
 
 
+def test_conversations_with_cache_keys_spread_from_their_first_turn_and_stay_home(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """Four conversations after one system prompt. Without keys their first turns follow the first one's
+    blocks (on their way to its worker) and all four share a worker; with a key each, a new key goes by
+    the working sets, so they split 2/2, and each conversation's later turns go back to its worker."""
+    system = "Support desk of a shipping company: follow the policy and answer in one short sentence."
+
+    def turn(i: int, n: int, key: bool) -> dict[str, Any]:
+        history = [{"role": "user", "content": f"Conversation {i}, turn {t}."} for t in range(n)]
+        body = {"model": "m1", "max_tokens": 4, "messages": [{"role": "system", "content": system}, *history]}
+        return {**body, "prompt_cache_key": f"conversation-{i}"} if key else body
+
+    with fleet(gateway_factory) as (fakes, _pubs, _app, gw):
+        for i in range(4):
+            post(gw, turn(i, 1, key=False))
+        assert sorted(chats(f) for f in fakes) == [0, 4]
+    with fleet(gateway_factory) as (fakes, _pubs, _app, gw):
+        where: dict[int, int] = {}
+        for i in range(4):
+            before = [chats(f) for f in fakes]
+            post(gw, turn(i, 1, key=True))
+            where[i] = next(w for w in range(2) if chats(fakes[w]) > before[w])
+        assert sorted(where.values()) == [0, 0, 1, 1]
+        for n in (2, 3):
+            for i in range(4):
+                before = [chats(f) for f in fakes]
+                post(gw, turn(i, n, key=True))
+                assert chats(fakes[where[i]]) == before[where[i]] + 1, (i, n)
+        assert all(w["working_set"] > 0 for w in placement(gw)["workers"])
+        metrics = httpx.get(gw.url + "/metrics", headers=ADMIN).text
+        assert 'gateway_routing_placements_total{how="precise",model="m1"} 12.0' in metrics  # not the fallback
+
+
 def gw_url(fakes: list[FakeUpstream], i: int, app: GatewayApp) -> str:
     """The URL of fake ``i`` as the gateway's table knows it (in config order)."""
     return app.state.holder.current.models.worker_urls["m1"][i]

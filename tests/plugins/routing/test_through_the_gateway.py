@@ -326,6 +326,33 @@ def test_prefix_affinity_keeps_each_prefix_on_one_worker(gateway_factory: Gatewa
     assert len({w for ws in homes.values() for w in ws}) >= 2  # different prefixes use different workers
 
 
+def test_prefix_affinity_spreads_conversations_by_their_cache_keys(
+    gateway_factory: GatewayFactory, three: Fleet
+) -> None:
+    """One system prompt for every conversation: its hash alone sends them all to one worker; with each
+    conversation's prompt_cache_key hashed in, they spread and each stays on one worker."""
+    urls = [s.url for _, s in three]
+    system = "You are the support assistant of a shipping company. Follow the policy below. " * 20
+    cfg = base_config(urls, plugins=routing({"default": {"policy": "prefix_affinity"}}))
+    with gateway_factory(cfg) as (_, gw), httpx.Client(base_url=gw.url, timeout=10) as http:
+        for round_ in range(3):
+            for i in range(16):  # 16 keys on one of three workers: about 3 * (1/3)^16
+                body = {**system_chat(system, f"turn {round_} of conversation {i}"), "prompt_cache_key": f"conv-{i}"}
+                assert http.post("/v1/chat/completions", json=body).status_code == 200
+        before = counts(three)
+        for i in range(4):
+            assert http.post("/v1/chat/completions", json=system_chat(system, f"no key {i}")).status_code == 200
+    homes: dict[str, set[str]] = collections.defaultdict(set)
+    for fake, _ in three:
+        for seen in fake.requests:
+            if "prompt_cache_key" in seen.body:
+                homes[seen.body["prompt_cache_key"]].add(fake.name)
+    assert len(homes) == 16 and all(len(workers) == 1 for workers in homes.values())
+    assert len({w for ws in homes.values() for w in ws}) >= 2
+    unkeyed = [after - b for after, b in zip(counts(three), before, strict=True)]
+    assert sorted(unkeyed) == [0, 0, 4]  # without a key, the prompt's start alone: one worker
+
+
 def post_at_once(gw: ServerThread, payload: dict[str, Any], workers: Fleet, n: int) -> list[int]:
     """``n`` identical chat requests sent together; their statuses. The workers hold every request until
     all ``n`` have arrived, so each routing decision sees the earlier ones in flight (on a loaded machine
