@@ -100,8 +100,11 @@ class Lifecycle:
         if initial.batches.enabled:  # a restart resumes every replica's unfinished batches from Redis
             batch_service = state.extras[files.SERVICE_KEY] = BatchService(state.holder, services, initial.batches)
             batch_service.runner.start()
+        upstream = state.holder.current.config.upstream
         services.workers.start_health_checks(
-            lambda url: _probe(services, url), state.holder.current.config.upstream.health_interval_s
+            lambda url: _probe(services, url),
+            upstream.health_interval_s,
+            timeouts_before_unhealthy=upstream.health_timeouts_before_unhealthy,
         )
         state.reloader.start(watch=self.config is None)  # watch the file only when the config came from it
         state.live_series.start()
@@ -135,11 +138,12 @@ class Lifecycle:
 
 
 async def _probe(services: Services, url: str) -> str | None:
-    """None when the worker answers /health with 200, else a short reason."""
+    """None when the worker answers /health with 200, else a short reason; TimeoutError when it does not
+    answer within 2 s (the health loop counts those before it believes them)."""
     try:
         status, _ = await services.upstream.get(url + "/health", timeout_s=2.0)
     except TimeoutError:
-        return "health check timed out"
+        raise
     except Exception as exc:
         return type(exc).__name__
     return None if status == 200 else f"/health answered {status}"

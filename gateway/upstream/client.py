@@ -53,6 +53,13 @@ class UpstreamConfig(BaseModel):
         30.0, gt=0, description="an idle connection to a worker is closed after this (keep it below the worker's own)"
     )
     health_interval_s: float = Field(5.0, gt=0, description="how often each worker's /health is checked")
+    health_timeouts_before_unhealthy: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="consecutive /health checks that time out (2 s) before a worker counts as unhealthy: a"
+        " worker busy with a long prefill can answer late; a refused connection or another status counts at once",
+    )
     stream_resumptions: int = Field(
         1,
         ge=0,

@@ -38,6 +38,7 @@ class Worker:
     healthy: bool = True  # optimistic until the first check says otherwise
     in_flight: int = 0
     consecutive_failures: int = 0
+    health_timeouts: int = 0  # consecutive /health checks that timed out
     ejected_until: float = 0.0
     ejections: int = 0
     last_error: str | None = None
@@ -214,21 +215,38 @@ class WorkerTable:
         for callback in self.on_change:
             callback(worker)
 
-    def start_health_checks(self, probe: Callable[[str], Awaitable[str | None]], interval_s: float) -> None:
-        """Run ``probe(url) -> None (healthy) | reason`` for every worker each ``interval_s``."""
+    def start_health_checks(
+        self, probe: Callable[[str], Awaitable[str | None]], interval_s: float, *, timeouts_before_unhealthy: int = 1
+    ) -> None:
+        """Run ``probe(url) -> None (healthy) | reason`` for every worker each ``interval_s``.
+
+        A probe that raises ``TimeoutError`` marks its worker unhealthy only at the
+        ``timeouts_before_unhealthy``-th in a row, and leaves its health as it was before that: a worker
+        whose server is busy (one core running a long prefill, a burst of streams) answers /health late
+        while it still serves, and calling it unhealthy would turn every request away from it and drop
+        its KV index and adapters. A dead process refuses the connection, which counts at once."""
 
         async def loop() -> None:
             while True:
                 workers = self.all()
                 results = await asyncio.gather(*(probe(w.url) for w in workers), return_exceptions=True)
                 for worker, result in zip(workers, results, strict=True):
-                    if isinstance(result, BaseException):
-                        self.set_health(worker, False, f"{type(result).__name__}")
-                    else:
-                        self.set_health(worker, result is None, result)
+                    self._health_result(worker, result, timeouts_before_unhealthy)
                 await asyncio.sleep(interval_s)
 
         self._task = asyncio.create_task(loop(), name="worker-health")
+
+    def _health_result(self, worker: Worker, result: str | BaseException | None, timeouts_allowed: int) -> None:
+        if isinstance(result, TimeoutError):
+            worker.health_timeouts += 1
+            if worker.health_timeouts >= timeouts_allowed:
+                self.set_health(worker, False, "health check timed out")
+            return
+        worker.health_timeouts = 0
+        if isinstance(result, BaseException):
+            self.set_health(worker, False, f"{type(result).__name__}")
+        else:
+            self.set_health(worker, result is None, result)
 
     async def aclose(self) -> None:
         await cancel_and_wait(self._task)

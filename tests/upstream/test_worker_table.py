@@ -81,6 +81,37 @@ async def test_a_probe_that_raises_marks_the_worker_unhealthy_with_the_exception
     assert ok.healthy and ok.checked_at > 0
 
 
+async def test_health_timeouts_count_only_in_a_row_and_a_refusal_counts_at_once() -> None:
+    """A busy worker answers /health late while it serves: only the third timeout in a row makes it
+    unhealthy; an answer in between starts the count again. A refused connection (the process is gone)
+    makes a worker unhealthy at the first check."""
+    table = WorkerTable()
+    table.sync(["http://busy:1", "http://gone:1"])
+    script = {"http://busy:1": ["late", "late", "ok", "late", "late", "late", "ok"], "http://gone:1": ["refused"]}
+    seen: dict[str, list[bool]] = {url: [] for url in script}
+    done = asyncio.Event()
+
+    async def probe(url: str) -> str | None:
+        steps = script[url]
+        seen[url].append(table.get(url).healthy)  # its health before this check
+        step = steps.pop(0) if len(steps) > 1 else steps[0]
+        if not script["http://busy:1"][1:]:
+            done.set()
+        if step == "late":
+            raise TimeoutError
+        return "ConnectionRefusedError" if step == "refused" else None
+
+    table.start_health_checks(probe, 0.001, timeouts_before_unhealthy=3)
+    await asyncio.wait_for(done.wait(), 5)
+    await asyncio.sleep(0.05)  # a round or two past the end of the script
+    await table.aclose()
+    busy, gone = table.get("http://busy:1"), table.get("http://gone:1")
+    # before each check: healthy through two timeouts, an answer, two more; unhealthy after the third; back
+    assert seen["http://busy:1"][:7] == [True, True, True, True, True, True, False]
+    assert busy.healthy and busy.health_timeouts == 0
+    assert seen["http://gone:1"][1] is False and (gone.healthy, gone.last_error) == (False, "ConnectionRefusedError")
+
+
 def test_discovered_workers_join_and_leave_with_their_ref() -> None:
     table = WorkerTable()
     table.sync(["http://static:1"])
