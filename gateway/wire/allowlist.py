@@ -190,6 +190,13 @@ class ParamAllowList:
             raise InvalidRequest(
                 f"'n' must be at most {self.max_n} (got {n}).", param="n", code="integer_above_max_value"
             )
+        key = body.get("prompt_cache_key")
+        if key is not None and not isinstance(key, str):  # routing reads only strings; OpenAI refuses the rest
+            raise InvalidRequest(
+                f"Invalid type for 'prompt_cache_key': expected a string, but got {type(key).__name__} instead.",
+                param="prompt_cache_key",
+                code="invalid_type",
+            )
         kwargs = body.get("chat_template_kwargs")
         if isinstance(kwargs, dict) and "chat_template" in kwargs and "chat_template" not in allowed:
             raise InvalidRequest(

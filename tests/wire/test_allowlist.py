@@ -148,6 +148,12 @@ def test_prompt_cache_key_is_accepted_on_chat_and_completions(gateway: Any, upst
     _error(
         httpx.post(gateway.url + "/v1/embeddings", json={**EMBEDDING, "prompt_cache_key": "k"}), 400, "prompt_cache_key"
     )
+    sent = len(upstream.requests)
+    for value in (7, ["a"], {"k": 1}):  # not a string: refused as OpenAI does, before any worker sees it
+        bad = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "prompt_cache_key": value})
+        assert _error(bad, 400, "prompt_cache_key")["code"] == "invalid_type"
+    assert httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "prompt_cache_key": None}).status_code == 200
+    assert len(upstream.requests) == sent + 1
 
 
 def test_n_is_bounded_like_openai(gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str) -> None:
