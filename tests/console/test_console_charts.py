@@ -151,11 +151,13 @@ def shown_totals(page: Any) -> dict[str, int]:
 
 
 def show(page: Any, scope: str, period: str) -> None:
+    """Ask for ``scope`` per ``period`` and wait for its answer: not for any rows (an earlier refresh's
+    answer may still be on its way), but for the table that says it holds this scope and period."""
     page.select_option("#usage-scope", scope)
     page.select_option("#usage-period", period)
     page.evaluate("document.getElementById('usage-table').tBodies[0].replaceChildren()")
     page.click("#usage-refresh")
-    page.wait_for_selector("#usage-table tbody tr", timeout=WAIT_MS)
+    page.wait_for_selector(f"#usage-table[data-shown='{scope}/{period}'] tbody tr", timeout=WAIT_MS)
 
 
 def test_usage_view_shows_the_tenancy_counters_and_its_csv_is_the_json(

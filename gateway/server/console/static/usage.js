@@ -8,6 +8,7 @@
   const { drawChart } = window.GatewayCharts;
   const FIELDS = ["requests", "refusals", "prompt_tokens", "completion_tokens"];
   let shown = null; // the last answer, what the CSV is made of
+  let latest = 0; // the newest refresh: an older one whose answer comes later is dropped, not shown
 
   // Tenants declared in the running config, with or without keys, and every key.
   async function scopes() {
@@ -64,20 +65,28 @@
   }
 
   async function refreshUsage() {
+    const generation = ++latest;
     $("usage-status").textContent = "";
     window.GatewayCharts.chartsAvailable();
     try {
       await fillScopes();
     } catch (error) {
+      if (generation !== latest) return;
       $("usage-status").textContent = error.status === 404
         ? "The tenancy plugin is not enabled in the running config." : error.message;
       return;
     }
+    if (generation !== latest) return;
     if (!$("usage-scope").value) {
       $("usage-status").textContent = "No tenant or key yet.";
       return;
     }
-    shown = (await tenancy("usage_history", query())).result;
+    const asked = query();
+    const label = `${$("usage-scope").value}/${asked.period}`;
+    const answer = (await tenancy("usage_history", asked)).result;
+    if (generation !== latest) return; // the operator asked for something else meanwhile
+    shown = answer;
+    $("usage-table").dataset.shown = label; // what the table holds (a tenant or key, and the period)
     showTotals(shown.rows);
     showRows(shown.rows);
     showCharts(shown.rows);
