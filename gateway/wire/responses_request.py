@@ -152,9 +152,8 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
         value = body.get(name)
         if value is not None and not isinstance(value, str):
             raise bad(f"'{name}' must be a string.", name)
-    for name in ("user", "prompt_cache_key"):  # the cache key: routing places a lineage by it
-        if isinstance(body.get(name), str):
-            sampling[name] = body[name]
+        if value is not None and name != "safety_identifier":  # the cache key: routing places a lineage by it
+            sampling[name] = value
     return sampling
 
 

@@ -112,11 +112,8 @@ class PrecisePlacement:
         self.pending = shared.pending.setdefault(
             model, PendingBlocks(workers.kv.settings.expire_s, workers.kv.index.max_entries)
         )
-        homes = shared.homes.get(model)
-        if homes is None:
-            homes = shared.homes[model] = KeyHomes(config.cache_key_entries)
-        homes.max_entries = config.cache_key_entries  # a reload may change it; the next remember applies it
-        self.homes = homes
+        self.homes = shared.homes.setdefault(model, KeyHomes(config.cache_key_entries))
+        self.homes.max_entries = config.cache_key_entries  # a reload may change it; the next remember applies it
 
     def hasher(self, block_size: int) -> BlockHasher:
         hasher = self._hashers.get(block_size)
