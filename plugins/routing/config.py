@@ -54,6 +54,13 @@ class PreciseConfig(_Strict):
         " lineage stays home when the held blocks tie; below the prefix's, so a worker holding the whole prompt"
         " wins over a home that lost it)",
     )
+    min_match: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="a prompt no worker holds this share of (in blocks) is placed by cache room, as a cold one:"
+        " it brings more than it would reuse (0: only prompts every worker holds equally)",
+    )
     cache_key_entries: int = Field(
         65_536, ge=1, le=10_000_000, description="prompt_cache_key lineages remembered per model (LRU)"
     )

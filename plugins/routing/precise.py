@@ -214,7 +214,7 @@ class PrecisePlacement:
         ranked = rank(
             candidates, len(request.hashes), self.weights,
             load_factor=self.routing.load_factor, load_slack=self.routing.load_slack,
-            fresh=request.lineage is not None and home is None,
+            fresh=request.lineage is not None and home is None, min_match=self.config.min_match,
         )  # fmt: skip
         best = ranked[0][1]
         worker = next(w for w in live if w.url == best.key)

@@ -29,6 +29,13 @@ the weighted score decides between them. The first request of a new ``prompt_cac
 is placed the same way whatever it holds: the client says it starts a lineage of its own. A request
 whose key has a home among the candidates is never placed as cold: the home scorer keeps it there
 unless the held prefix or the load says otherwise.
+
+A prompt held for less than ``min_match`` of its blocks (half, by default) is placed as cold too: what
+it would reuse is smaller than what it brings, so its new blocks go where the cache has room, as
+SGLang's cache-aware router sends a request whose match rate is at most its ``cache_threshold`` (0.3)
+to the worker with the smallest tree. Without it, a head every prompt shares (a long system prompt, a
+benchmark's common prefix) pulls each new conversation to the worker that cached the head first, since
+the other holds nothing; there the conversations outgrow one cache while the other stays empty.
 """
 
 from __future__ import annotations
@@ -85,9 +92,11 @@ def rank(
     load_factor: float = 1.25,
     load_slack: float = 4.0,
     fresh: bool = False,
+    min_match: float = 0.5,
 ) -> list[tuple[float, Candidate]]:
     """Candidates best first, each with its score; ties keep the given order (callers rotate it).
-    ``fresh``: the request starts a new ``prompt_cache_key`` lineage, placed as a cold prompt."""
+    ``fresh``: the request starts a new ``prompt_cache_key`` lineage, placed as a cold prompt.
+    ``min_match``: a prompt whose best-held share of blocks is under it is placed as a cold prompt."""
     if not candidates:
         return []
     mean = (sum(c.load for c in candidates) + 1) / len(candidates)
@@ -95,7 +104,9 @@ def rank(
     # cold: nothing says where the prompt belongs (no worker holds more of it, or a new lineage), so the
     # working sets decide; a request whose lineage has a home among the candidates is never cold
     cold = total_blocks > 0 and not any(c.home for c in candidates)
-    cold = cold and (fresh or len({c.prefix_blocks for c in candidates}) == 1)
+    best_held = max(c.prefix_blocks for c in candidates)
+    weak = best_held < min_match * total_blocks  # it brings more than it would reuse
+    cold = cold and (fresh or weak or len({c.prefix_blocks for c in candidates}) == 1)
     smallest = min(c.working_set for c in candidates)
     step = total_blocks
     scored = []

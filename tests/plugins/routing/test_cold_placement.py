@@ -38,6 +38,20 @@ def test_the_working_set_never_outweighs_a_held_prefix_the_load_cap_or_a_prompt_
     assert best([Candidate("a", 0, 2, working_set=0), Candidate("b", 0, 0, working_set=90)], total_blocks=0) == "b"
 
 
+def test_a_prompt_held_for_less_than_half_its_blocks_goes_where_the_cache_has_room() -> None:
+    # a holds only the 4-block head every conversation starts with, of a 12-block first prompt; b holds
+    # nothing and has room: the conversation's 8 new blocks go to b
+    a, b = Candidate("a", 4, 1, working_set=40), Candidate("b", 0, 0, working_set=0)
+    assert best([a, b], total_blocks=12) == "b"
+    # held for half its blocks or more, it follows them (a prefix_repetition repeat at vLLM's default lengths)
+    assert best([Candidate("a", 2, 1, working_set=40), b], total_blocks=4) == "a"
+    # min_match 0: only a prompt every worker holds equally is cold
+    assert rank([a, b], 12, Weights(), min_match=0)[0][1].key == "a"
+    # the load cap comes first, and a prompt_cache_key's home is never placed as cold
+    assert best([Candidate("a", 4, 0, working_set=40), Candidate("b", 0, 12, working_set=0)], total_blocks=12) == "a"
+    assert best([Candidate("a", 4, 1, working_set=40, home=True), b], total_blocks=12) == "a"
+
+
 class LruWorker:
     """A worker's prefix cache as vLLM's: full blocks, least recently used evicted first. ``published``
     is what its KV events have told the gateway so far: a request's blocks once it is answered."""
@@ -148,3 +162,45 @@ def test_pending_blocks_count_only_in_order_from_what_is_held_and_only_while_fre
     pending.add("a", [7, 8, 9, 10, 11, 12])
     assert len(pending) == 5  # the expired two dropped, then the oldest past the bound
     assert pending.extend("a", [7, 8], held=0) == 0 and pending.extend("a", [8, 9], held=0) == 2
+
+
+def conversations_sharing_a_head(min_match: float, conversations: int = 8, turns: int = 4) -> tuple[float, list[int]]:
+    """vLLM's multi-turn benchmark's shape: every conversation starts with the same 4-block head, then 8
+    blocks of its own, and grows a block a turn; interleaved, one request at a time. The hit rate in
+    blocks, and how many conversations each worker was home to."""
+    head = [9000 + k for k in range(4)]
+    capacity = 4 + conversations * (8 + turns) // 2 + 2  # the pool holds every conversation, one worker half
+    workers = [LruWorker("a", capacity), LruWorker("b", capacity)]
+    demand = BlockIndex(2 * capacity)
+    homes: dict[int, str] = {}
+    hits = total = 0
+    for turn in range(turns):
+        for c in range(conversations):
+            hashes = head + [c * 1000 + k for k in range(8 + turn)]
+            r = (turn * conversations + c) % 2  # precise_prefix rotates its candidates
+            order = workers[r:] + workers[:r]
+            candidates = [
+                Candidate(w.name, held(w.published, hashes), w.in_flight, working_set=demand.blocks(w.name))
+                for w in order
+            ]
+            name = rank(candidates, len(hashes), Weights(), min_match=min_match)[0][1].key
+            worker = next(w for w in workers if w.name == name)
+            homes.setdefault(c, name)
+            worker.in_flight += 1
+            hits += worker.prefill(hashes)
+            total += len(hashes)
+            worker.answered(hashes)
+            demand.store(name, hashes)
+    return hits / total, [list(homes.values()).count(w.name) for w in workers]
+
+
+def test_conversations_that_share_only_a_head_are_spread_so_their_histories_stay_cached() -> None:
+    spread, split = conversations_sharing_a_head(min_match=0.5)
+    piled, piled_split = conversations_sharing_a_head(min_match=0)
+    assert split == [4, 4]
+    # every later turn finds its whole history; the first turns find the head, but on the first worker
+    assert spread == pytest.approx((6 * 4 + sum(8 + t - 1 + 4 for t in range(1, 4)) * 8) / (8 * (12 + 13 + 14 + 15)))
+    # held 4 of 12 blocks, each new conversation follows the head to one worker, whose cache holds half of
+    # them: each history is evicted before its next turn
+    assert piled_split == [8, 0]
+    assert piled < spread - 0.4
