@@ -32,6 +32,13 @@ The workloads:
   carrying the whole history with the worker's own replies. A conversation goes back to the end of the
   queue after each turn, so all of them are in flight, interleaved. The last turns hold about 9 blocks
   per conversation, about 75 for all 8: more than one worker's cache (45), less than the pool's (90).
+- ``vllm_multi_turn``: vLLM's synthetic multi-turn conversations (``benchmarks/multi_turn`` in vLLM's
+  repository, rebuilt from its generator with its example's lengths): ``--conversations`` (8) chats
+  whose first message starts with the same 500-token prefix, then about 1,000 tokens of each
+  conversation's own, then ``--user-turns`` (4) requests of 120-160 tokens, each carrying the
+  history; interleaved as ``multi_turn``. About 100 KV blocks in all (102 for nonce ``d3e63618``): with
+  ``--cache-share 0.875`` (61 blocks a worker) one worker holds 60% of them, the pair all. The shared start
+  is longer than affinity's key, so every conversation has the same home there.
 - ``common_head``: this file's retrieval-shaped set: one set of instructions (about 1.7 blocks, longer
   than prefix_affinity's 1,024-character key) starts every system prompt, then one of ``--prompts``
   documents of ``--prefix-blocks`` blocks, then a short question; ``--repeats`` per document, shuffled.
@@ -87,6 +94,8 @@ blocks each worker reports are printed, so the regime is visible).
         --workloads prefix_repetition,multi_turn,common_head --same-prompts     # identical prompts per run
     flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers --skip-decision-cost \
         --workloads shared_prefix_chat --same-prompts                          # inference-perf's chat set
+    flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers --skip-decision-cost \
+        --workloads vllm_multi_turn --same-prompts --cache-share 0.875        # vLLM's multi-turn set
     flock /tmp/heavy.lock .venv/bin/python bench/bench_routing.py --managed-workers --skip-decision-cost \
         --workloads prefix_repetition --same-prompts --cache-share 0.5 --nonce 7ebb4990  # an earlier run's prompts
     .venv/bin/python bench/bench_routing.py --workers http://127.0.0.1:8301,http://127.0.0.1:8302
@@ -515,6 +524,70 @@ def multi_turn(tokenizer: Tokenizer, nonce: str, seed: int, args: argparse.Names
     ]
 
 
+def lognormal_lengths(rng: Any, average: int, count: int, cap: int) -> list[int]:
+    """vLLM's multi-turn ``lognormal`` lengths given an ``average``: the median 0.85x the average
+    (sigma from that ratio), the samples scaled so their mean is the average, then capped and rounded."""
+    import numpy as np
+
+    median = 0.85 * average
+    samples = rng.lognormal(mean=math.log(median), sigma=math.sqrt(2 * math.log(average / median)), size=count)
+    samples *= average / samples.mean()
+    return [int(n) for n in np.round(np.minimum(samples, cap))]
+
+
+def vllm_multi_turn(model_dir: Path, seed: int, args: argparse.Namespace) -> list[Conversation]:
+    """vLLM's synthetic multi-turn conversations (``benchmarks/multi_turn`` in vLLM's repository: the
+    generator in ``bench_dataset.py`` with ``generate_multi_turn.json``), rebuilt here, scaled to these
+    workers. Every conversation's first user message is a common prefix of ``--common-prefix-tokens``
+    (500, vLLM's) taken from the start of one text, then ``"<id> is a nice number... <id>, "`` and a
+    prefix of its own (lognormal, average ``--conversation-prefix-tokens``, 1,000 as vLLM's, capped at
+    2x where vLLM caps at 5x) from further on in the text, then vLLM's ``"Please rewrite the following
+    text and add more content: "``. Each later user message is ``"<id> is a nice number... "``, that request and 120-160
+    tokens of the text in all. Chats with no system message, as vLLM sends them, each request carrying
+    the worker's own replies of ``--max-tokens`` (vLLM asks for 80-120); ``--user-turns`` (4) user turns
+    (vLLM's 6-9). The text is random tokens of the model's vocabulary (vLLM's example reads a book, which
+    needs a download). The shared start is longer than prefix affinity's 1,024-character key, so that key
+    is the same for every conversation."""
+    import numpy as np
+
+    hf = hf_tokenizer(model_dir)
+    rng = np.random.default_rng(seed)
+    valid, _ = sampling_vocabulary(model_dir)
+    count, turns = args.conversations, args.user_turns
+    own = lognormal_lengths(rng, args.conversation_prefix_tokens, count, 2 * args.conversation_prefix_tokens)
+    asked = rng.integers(120, 161, size=(count, turns))
+    text = rng.choice(valid, size=args.common_prefix_tokens + sum(own) + count * (2 * turns + 2) * 160).tolist()
+    ask = "Please rewrite the following text and add more content: "
+    common = hf.decode(text[: args.common_prefix_tokens - 2], skip_special_tokens=True) + "."
+    offset = args.common_prefix_tokens
+    conversations = []
+    for c in range(count):
+        messages = []
+        for t in range(turns):
+            content = f"{common}{c} is a nice number... " if t == 0 else f"{c} is a nice number... "
+            left = int(asked[c, t]) - len(hf.encode(content, add_special_tokens=False))
+            if t == 0:
+                content += f"{c}, " + hf.decode(text[offset : offset + own[c]], skip_special_tokens=True)
+                offset += own[c]
+            content += ask
+            left -= len(hf.encode(ask, add_special_tokens=False))
+            if left > 0:  # as vLLM: the text after this conversation's prefix, one stretch per message
+                start = offset + 2 * t * int(asked[c].max())
+                content += hf.decode(text[start : start + left], skip_special_tokens=True)
+            messages.append(
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": content}],
+                    "max_tokens": args.max_tokens,
+                    "ignore_eos": True,
+                    **STREAM,
+                }
+            )
+        offset += 2 * turns
+        conversations.append(Conversation("chat/completions", messages))
+    return conversations
+
+
 # -- 4. measuring one policy --------------------------------------------------------------------------
 
 
@@ -582,6 +655,8 @@ def gateway_app(policy: str, urls: list[str], model_dir: Path, args: argparse.Na
     routing: dict[str, Any] = {"policy": policy, "load_factor": args.load_factor, "load_slack": args.load_slack}
     if policy == "precise_prefix":  # the workers are not this gateway's managed ones: name the tokenizer
         routing["precise"] = {"tokenizer": str(model_dir)}
+        if args.min_match is not None:
+            routing["precise"]["min_match"] = args.min_match
     config = {
         "models": [{"name": MODEL, "workers": urls}],
         "plugins": [{"name": "routing", "config": {"default": routing}}],
@@ -790,7 +865,7 @@ async def main() -> None:
         "--workloads",
         default="shared_prefix",
         help="comma-separated: shared_prefix (this file's, two regimes), prefix_repetition (vLLM's), "
-        "multi_turn, common_head, shared_prefix_chat (inference-perf's, once per --groups)",
+        "multi_turn, vllm_multi_turn (vLLM's), common_head, shared_prefix_chat (inference-perf's, once per --groups)",
     )
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, each with one gateway")
     parser.add_argument(
@@ -805,6 +880,13 @@ async def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="prefix_repetition, multi_turn: output tokens")
     parser.add_argument("--conversations", type=int, default=8, help="multi_turn: conversations")
     parser.add_argument("--turns", type=int, default=6, help="multi_turn: turns per conversation")
+    parser.add_argument("--user-turns", type=int, default=4, help="vllm_multi_turn: user turns per conversation")
+    parser.add_argument(
+        "--common-prefix-tokens", type=int, default=500, help="vllm_multi_turn: tokens every conversation starts with"
+    )
+    parser.add_argument(
+        "--conversation-prefix-tokens", type=int, default=1000, help="vllm_multi_turn: average prefix of its own"
+    )
     parser.add_argument("--system-blocks", type=int, default=2, help="multi_turn: KV blocks of each system prompt")
     parser.add_argument("--turn-words", type=int, default=96, help="multi_turn: words per user turn")
     parser.add_argument(
@@ -830,6 +912,9 @@ async def main() -> None:
     parser.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor for affinity")
     parser.add_argument(
         "--load-slack", type=int, default=4, help="bounded loads: requests over the mean before a worker is over"
+    )
+    parser.add_argument(
+        "--min-match", type=float, help="precise_prefix's min_match (default: the config's; 0: the rule off)"
     )
     parser.add_argument("--skip-decision-cost", action="store_true")
     parser.add_argument(
@@ -861,6 +946,7 @@ async def main() -> None:
         "prefix_repetition": lambda i: prefix_repetition(model_dir, base_seed + i, args),
         "multi_turn": lambda i: multi_turn(tokenizer, f"{nonce}-{i}", args.seed + i, args),
         "common_head": lambda i: common_head(tokenizer, f"{nonce}-{i}", args.seed + i, args),
+        "vllm_multi_turn": lambda i: vllm_multi_turn(model_dir, base_seed + i, args),
     }
     for groups in args.groups:  # inference-perf's shared-prefix chat, once per group count
         makers[f"shared_prefix_chat {groups}x{args.sessions // groups}"] = functools.partial(
@@ -876,7 +962,9 @@ async def main() -> None:
                 f"x {geometry.block_bytes:,} bytes ({geometry.block_tokens} tokens x {geometry.token_bytes:,}) "
                 f"= {kv_bytes:,} bytes; {args.prompts} prefixes need {args.prompts * args.prefix_blocks} blocks"
             )
-            urls, restart_cold = await stack.enter_async_context(managed_workers(kv_bytes, MAX_MODEL_LEN, models_dir))
+            # vLLM's multi-turn conversations grow to about 3,000 tokens
+            max_model_len = 4096 if "vllm_multi_turn" in workloads else MAX_MODEL_LEN
+            urls, restart_cold = await stack.enter_async_context(managed_workers(kv_bytes, max_model_len, models_dir))
 
             async def restart() -> None:  # then warmed up like the first time: no run pays a cold worker
                 await restart_cold()
