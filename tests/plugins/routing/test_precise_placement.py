@@ -1,5 +1,6 @@
 """precise_prefix through the real gateway: two fake workers on loopback sockets, each with a KV event
-publisher on real ZMQ sockets. A prompt goes where its blocks are; the workers' reported cached tokens are
+publisher on real ZMQ sockets. A prompt goes where its blocks are, unless it holds less than
+``min_match`` of them (then where the cache has room); the workers' reported cached tokens are
 checked against the prediction; a model whose predictions disagree falls back to approximate affinity and
 comes back; a worker whose events are not followed makes the model fall back; one tenant's salted prompt
 never matches another's blocks."""
@@ -152,6 +153,32 @@ def test_a_repeat_follows_its_first_request_before_any_event_and_a_new_prompt_go
         assert [chats(f) for f in fakes] == [2, 2]
         working_sets = [w["working_set"] for w in placement(gw)["workers"]]  # each prompt's blocks, once
         assert working_sets[home] == len(hashes_of(first)[1]) and working_sets[1 - home] == len(hashes_of(other)[1])
+
+
+@pytest.mark.parametrize("precise", [{}, {"min_match": 0}], ids=["default", "min_match_0"])
+def test_a_prompt_held_for_less_than_half_its_blocks_goes_where_the_cache_has_room(
+    gateway_factory: GatewayFactory,
+    hashes_of: Callable[[dict[str, Any]], tuple[list[int], list[int]]],
+    precise: dict[str, Any],
+) -> None:
+    with fleet(gateway_factory, **precise) as (fakes, pubs, app, gw):
+        first = chat("Which carriers do you use?", system="Returns desk of a bookshop: answer briefly. " * 3)
+        post(gw, first)  # cold: it makes its worker's recent working set the larger one
+        busy = next(i for i, fake in enumerate(fakes) if chats(fake))
+        body = chat("Where is my parcel?")
+        tokens, hashes = hashes_of(body)
+        assert len(hashes_of(first)[1]) >= len(hashes)
+        head = hashes[: len(hashes) // 4]  # a shared head: a quarter of the prompt's blocks, on the busy worker
+        pubs[busy].publish([stored(head, tokens[: len(head) * BLOCK], block_size=BLOCK)])
+        index = app.state.services.workers.kv.index
+        wait_for(lambda: index.blocks(gw_url(fakes, busy, app)) == len(set(head)), 5, "the head indexed")
+        post(gw, body)
+        # by default the prompt brings more than it would reuse and goes where the cache has room; with
+        # min_match 0 it follows the held head
+        expected = [0, 0]
+        expected[busy] += 1
+        expected[busy if precise else 1 - busy] += 1
+        assert [chats(f) for f in fakes] == expected
 
 
 def test_conversations_with_cache_keys_spread_from_their_first_turn_and_stay_home(
