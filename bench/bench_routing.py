@@ -542,12 +542,12 @@ def vllm_multi_turn(model_dir: Path, seed: int, args: argparse.Namespace) -> lis
     (500, vLLM's) taken from the start of one text, then ``"<id> is a nice number... <id>, "`` and a
     prefix of its own (lognormal, average ``--conversation-prefix-tokens``, 1,000 as vLLM's, capped at
     2x where vLLM caps at 5x) from further on in the text, then vLLM's ``"Please rewrite the following
-    text and add more content: "``. Each later user message is ``"<id> is a nice number... "``, that request and 120-160
-    tokens of the text in all. Chats with no system message, as vLLM sends them, each request carrying
-    the worker's own replies of ``--max-tokens`` (vLLM asks for 80-120); ``--user-turns`` (4) user turns
-    (vLLM's 6-9). The text is random tokens of the model's vocabulary (vLLM's example reads a book, which
-    needs a download). The shared start is longer than prefix affinity's 1,024-character key, so that key
-    is the same for every conversation."""
+    text and add more content: "``. Each later user message is ``"<id> is a nice number... "``, that
+    request and 120-160 tokens of the text in all. Chats with no system message, as vLLM sends them,
+    each request carrying the worker's own replies of ``--max-tokens`` (vLLM asks for 80-120);
+    ``--user-turns`` (4) user turns (vLLM's 6-9). The text is random tokens of the model's vocabulary
+    (vLLM's example reads a book, which needs a download). The shared start is longer than prefix
+    affinity's 1,024-character key, so that key is the same for every conversation."""
     import numpy as np
 
     hf = hf_tokenizer(model_dir)
@@ -558,6 +558,7 @@ def vllm_multi_turn(model_dir: Path, seed: int, args: argparse.Namespace) -> lis
     asked = rng.integers(120, 161, size=(count, turns))
     text = rng.choice(valid, size=args.common_prefix_tokens + sum(own) + count * (2 * turns + 2) * 160).tolist()
     ask = "Please rewrite the following text and add more content: "
+    ask_tokens = len(hf.encode(ask, add_special_tokens=False))
     common = hf.decode(text[: args.common_prefix_tokens - 2], skip_special_tokens=True) + "."
     offset = args.common_prefix_tokens
     conversations = []
@@ -570,7 +571,7 @@ def vllm_multi_turn(model_dir: Path, seed: int, args: argparse.Namespace) -> lis
                 content += f"{c}, " + hf.decode(text[offset : offset + own[c]], skip_special_tokens=True)
                 offset += own[c]
             content += ask
-            left -= len(hf.encode(ask, add_special_tokens=False))
+            left -= ask_tokens
             if left > 0:  # as vLLM: the text after this conversation's prefix, one stretch per message
                 start = offset + 2 * t * int(asked[c].max())
                 content += hf.decode(text[start : start + left], skip_special_tokens=True)
