@@ -1,0 +1,364 @@
+"""The gateway's own CPU per request on the request path, without client or worker sockets: a steadier
+measure of the plugins' and the core's Python than ``bench/run.py``'s, whose CPU per request moves by up
+to 10% between repetitions (wrk, the mock and Redis share the other core).
+
+Each peer runs in a process of its own, pinned to one core, as ``gateway serve`` runs it (the app built
+by ``create_app``, its lifespan, uvloop, the front door ``GatewayHttpProtocol``), with these changes:
+  - clients are in-process: ``--concurrency`` keep-alive connections, each writing the bytes of a
+    request (as ``bench/wrk_post.lua`` sends them, a new prompt each time) into the protocol and the
+    next one once the answer is complete; what the gateway writes back is dropped;
+  - the worker is in-process: the HTTP client to workers answers every POST with the mock's answer
+    (``bench/mock_upstream.py``'s bytes), after one turn of the event loop;
+  - Redis is the real one (``GATEWAY_REDIS_URL``, default 127.0.0.1:6379): the production set's scripts
+    are part of its cost. Keys are written under the bench's prefix and deleted after.
+The CPU is the process's (every thread: the access log, Redis), over ``--requests`` requests after a
+warm-up, per request; repetitions interleave the peers, medians are printed. On a shared VM that CPU
+time still moves by 5-25% from run to run; ``--instructions`` counts the instructions per request under
+valgrind instead: within 1% from run to run for routing only, 3% for the production set (how many Redis
+commands share a write depends on timing). About 3 minutes a peer.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py [--baseline-src DIR] [--reps 5]
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py --instructions [--baseline-src DIR]
+
+Peers: ``routing`` (the ``gateway`` peer of bench/run.py) and ``production`` (``gateway-production``:
+tenancy with a key, safety, the cache on a miss, guided JSON, routing). ``--baseline-src`` adds each
+peer again running the ``gateway``/``plugins`` packages of DIR (a copy taken before a change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+PEERS = ("routing", "production")
+ANSWER_WAIT_S = 600  # a run fails rather than hang when an answer never completes (valgrind is slow)
+ANSWER = json.dumps(
+    {
+        "id": "chatcmpl-mock",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "mock",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "Hello from the mock."}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 9, "total_tokens": 21},
+    },
+    separators=(",", ":"),
+).encode()
+
+
+class _Answer:
+    """The worker's answer to one POST (``gateway.infra.http_api.HttpResponse``)."""
+
+    status = 200
+
+    def __init__(self) -> None:
+        self._left = True
+
+    def header(self, name: str) -> str | None:
+        return "application/json" if name == "content-type" else None
+
+    async def read(self, idle_s: float | None) -> bytes:
+        return ANSWER
+
+    async def chunk(self, idle_s: float | None) -> bytes:
+        if self._left:
+            self._left = False
+            return ANSWER
+        return b""
+
+    async def relay(
+        self, sink: Callable[[bytes], bool], drained: Callable[[], Awaitable[None]], idle_s: float | None
+    ) -> None:
+        if not sink(await self.chunk(idle_s)):
+            await drained()
+
+    def close(self) -> None:
+        return None
+
+
+class InProcessWorker:
+    """``gateway.infra.http_api.HttpClient`` answering every POST at once, after one loop turn (a read)."""
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str] | None, *, connect_timeout_s: float
+    ) -> _Answer:
+        await asyncio.sleep(0)
+        return _Answer()
+
+    def set_limits(self, *, limit: int, limit_per_host: int, keepalive_s: float) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+class ClientTransport(asyncio.Transport):
+    """The client's side of one connection: counts the answers' status codes, drops the rest."""
+
+    def __init__(self, statuses: dict[bytes, int]) -> None:
+        super().__init__()
+        self.closing = False
+        self.statuses = statuses
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def write(self, data: Any) -> None:
+        if data[:9] == b"HTTP/1.1 ":
+            status = bytes(data[9:12])
+            self.statuses[status] = self.statuses.get(status, 0) + 1
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def pause_reading(self) -> None:
+        return None
+
+    def resume_reading(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.closing = True
+
+
+def request_bytes(model: str, tag: str, n: int, token: str) -> bytes:
+    """What ``bench/wrk_post.lua`` sends in ``unique`` mode (a new prompt: a cache miss)."""
+    content = f"Say hello to request {tag}-{n}."
+    body = (
+        f'{{"model":"{model}","messages":[{{"role":"user","content":"{content}"}}],"max_tokens":16,"temperature":0}}'
+    ).encode()
+    auth = b"Authorization: Bearer %s\r\n" % token.encode() if token else b""
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Type: application/json\r\n"
+        + auth
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
+
+
+def plugins_for(peer: str) -> tuple[list[dict[str, Any]], str]:
+    """The plugin entries and bearer token of a bench/run.py peer."""
+    sys.path.insert(0, str(BENCH))
+    import run
+
+    if peer == "routing":
+        return [{"name": "routing"}], ""
+    full, skipped = run.resolve_plugins(run.DEFAULT_PLUGINS, {})
+    if skipped:
+        raise SystemExit("plugins skipped: " + "; ".join(skipped))
+    os.environ["GATEWAY_TENANCY_PEPPER"] = run.PRODUCTION_PEPPER
+    return run.production_plugins(full), run.PRODUCTION_KEY
+
+
+async def drive(
+    peer: str, health_url: str, requests: int, warmup: int, concurrency: int, profile: str | None = None
+) -> dict[str, float]:
+    """One peer's CPU per request and requests per second (``profile``: a cProfile of the measured
+    requests is written there)."""
+    import uvicorn
+
+    from gateway.ops.logs import configure_logging
+    from gateway.ops.settings import Settings
+    from gateway.pipeline.config import GatewayConfig
+    from gateway.server import app as app_module
+    from gateway.server.front_door import FrontDoorLimits, GatewayHttpProtocol
+
+    sys.path.insert(0, str(BENCH))
+    import peers
+
+    plugins, token = plugins_for(peer)
+    # Health checks once an hour: under valgrind a probe could run past its bound and eject the worker.
+    config = GatewayConfig.model_validate(peers.gateway_config(health_url, plugins, {"health_interval_s": 3600}))
+    configure_logging("INFO", access_log=True)
+    app_module.make_http_client = lambda kind, upstream: InProcessWorker()  # the worker, in-process
+    settings = Settings()
+    app = app_module.create_app(settings, config=config, engine_factory=None)
+    # As ``gateway serve`` configures uvicorn (gateway/cli.py), less what only a socket needs.
+    options = settings.proxy_options()
+    # The keep-alive bound is an hour: under valgrind a connection's next request may come seconds later.
+    server_config = uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="on", timeout_keep_alive=3600, **options
+    )
+    server_config.load()
+    lifespan = server_config.lifespan_class(server_config)
+    await lifespan.startup()
+    if lifespan.should_exit:
+        raise SystemExit("the app did not start")
+    server_state = uvicorn.server.ServerState()
+    statuses: dict[bytes, int] = {}
+    tag = os.urandom(6).hex()
+    counter = iter(range(10**9))
+
+    async def connection(count: int) -> None:
+        done = asyncio.Event()
+        proto = GatewayHttpProtocol(
+            limits=FrontDoorLimits(), config=server_config, server_state=server_state, app_state={}
+        )
+        complete = proto.on_response_complete
+
+        def on_complete() -> None:
+            complete()
+            done.set()
+
+        proto.on_response_complete = on_complete  # type: ignore[method-assign]
+        transport = ClientTransport(statuses)
+        proto.connection_made(transport)
+        for _ in range(count):
+            if transport.closing:
+                raise SystemExit(f"{peer}: the gateway closed a keep-alive connection")
+            done.clear()
+            proto.data_received(request_bytes(peers.GATEWAY_MODEL, tag, next(counter), token))
+            await asyncio.wait_for(done.wait(), ANSWER_WAIT_S)
+        proto.connection_lost(None)
+
+    async def load(total: int) -> None:
+        await asyncio.gather(*(connection(total // concurrency) for _ in range(concurrency)))
+
+    await load(warmup)
+    profiler = cProfile.Profile() if profile else None
+    started_cpu, started = time.process_time(), time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    await load(requests)
+    cpu, wall = time.process_time() - started_cpu, time.perf_counter() - started
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
+    await lifespan.shutdown()
+    done = requests // concurrency * concurrency
+    if set(statuses) != {b"200"}:
+        raise SystemExit(f"{peer}: answers other than 200: {statuses}")
+    return {"cpu_us_per_req": cpu / done * 1e6, "req_per_s": done / wall}
+
+
+def child(args: argparse.Namespace) -> None:
+    import uvloop
+
+    with open(os.devnull, "w") as null:  # the access log goes nowhere, as to a file nobody reads
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+    result = uvloop.run(drive(args.child, args.health_url, args.requests, args.warmup, args.concurrency, args.profile))
+    Path(args.out).write_text(json.dumps(result))
+
+
+def child_command(peer: str, out: str, requests: int, args: argparse.Namespace, health_url: str) -> list[str]:
+    cmd = [sys.executable, __file__, "--child", peer, "--out", out, "--health-url", health_url]
+    return [*cmd, "--requests", str(requests), "--warmup", str(args.warmup), "--concurrency", str(args.concurrency)]
+
+
+def run_child(peer: str, source: Path | None, args: argparse.Namespace, health_url: str) -> dict[str, float]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        env = {**os.environ, "PYTHONPATH": str((source or ROOT).resolve())}
+        cmd = ["taskset", "-c", "0", *child_command(peer, out.name, args.requests, args, health_url)]
+        if args.profile:
+            cmd += ["--profile", f"{args.profile}.{peer}{'@base' if source else ''}.pstats"]
+        subprocess.run(cmd, env=env, check=True, cwd=ROOT, timeout=600)
+        result: dict[str, float] = json.loads(Path(out.name).read_text())
+        return result
+
+
+def count_instructions(peer: str, source: Path | None, args: argparse.Namespace, health_url: str) -> dict[str, float]:
+    """Instructions per request, counted by valgrind (callgrind): the same peer run for ``--requests``
+    and for twice as many, both under valgrind at once; the difference over the extra requests leaves
+    out start-up. User space only: the kernel's share of socket calls (Redis's, here) is not counted."""
+    env = {**os.environ, "PYTHONPATH": str((source or ROOT).resolve())}
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = []
+        for requests in (args.requests, 2 * args.requests):
+            log = f"{tmp}/valgrind-{requests}.log"
+            valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", f"--log-file={log}"]
+            cmd = valgrind + child_command(peer, f"{tmp}/{requests}.json", requests, args, health_url)
+            runs.append((log, subprocess.Popen(cmd, env=env, cwd=ROOT)))
+        counts = []
+        for log, proc in runs:
+            if proc.wait(timeout=3600) != 0:
+                raise SystemExit(f"{peer}: the run under valgrind failed; see {log}")
+            match = re.search(r"Collected : (\d+)", Path(log).read_text())
+            assert match is not None, f"no instruction count in {log}"
+            counts.append(int(match.group(1)))
+    return {"instructions_per_req": (counts[1] - counts[0]) / args.requests}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, help="measured requests per run (20,000; 1,000 with --instructions)")
+    parser.add_argument("--warmup", type=int, default=2_000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--reps", type=int, help="interleaved repetitions (5; 1 with --instructions)")
+    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--baseline-src", type=Path, help="a copy of gateway/ and plugins/ taken before a change")
+    parser.add_argument("--instructions", action="store_true", help="count instructions under valgrind instead")
+    parser.add_argument("--profile", help="write a cProfile of each peer's measured requests to PREFIX.<peer>.pstats")
+    parser.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--health-url", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.requests is None:
+        args.requests = 1_000 if args.instructions else 20_000
+    if args.reps is None:
+        args.reps = 1 if args.instructions else 5
+    if args.instructions:
+        args.warmup = min(args.warmup, 200)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        child(args)
+        return
+    sys.path.insert(0, str(BENCH))
+    import peers
+    import run
+
+    measure, metric, unit = (
+        (count_instructions, "instructions_per_req", "instructions/req")
+        if args.instructions
+        else (run_child, "cpu_us_per_req", "CPU µs/req")
+    )
+    runs: list[tuple[str, str, Path | None]] = []
+    for peer in args.peers.split(","):
+        runs.append((peer, peer, None))
+        if args.baseline_src is not None:
+            runs.append((f"{peer}@base", peer, args.baseline_src))
+    results: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in runs}
+    redis_url = os.environ.get("GATEWAY_REDIS_URL", "redis://127.0.0.1:6379")
+    with tempfile.TemporaryDirectory() as tmp:
+        mock = peers.start_mock(Path(tmp), 0.0, 16)  # answers the gateway's health checks only
+        try:
+            for rep in range(args.reps):  # interleaved
+                for name, peer, source in runs:
+                    result = measure(peer, source, args, mock.url)
+                    run.delete_cache_entries(redis_url)  # each run starts from the same Redis
+                    results[name].append(result)
+                    print(f"rep {rep + 1} {name:16s} {result[metric]:12,.1f} {unit}", flush=True)
+        finally:
+            mock.stop()
+            run.delete_cache_entries(redis_url)
+    base = statistics.median(r[metric] for r in results.get("routing", [{metric: 0.0}]))
+    print(f"\n| peer | {unit} (median of {args.reps}) | each repetition | x routing |")
+    print("|---|--:|---|--:|")
+    for name, rows in results.items():
+        values = [r[metric] for r in rows]
+        ratio = f"{statistics.median(values) / base:.2f}" if base else "-"
+        each = ", ".join(f"{v:,.1f}" for v in values)
+        print(f"| {name} | {statistics.median(values):,.1f} | {each} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""bench/bench_request_path.py drives the real app (its lifespan, the front door, the plugins, real Redis)
+with in-process clients and an in-process worker: each peer's run answers every request with a 200 (the
+run fails otherwise) and measures something, and it leaves no key behind in Redis."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.support.fakes import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "bench_request_path.py"
+
+
+@pytest.fixture(scope="module")
+def health_url() -> Iterator[str]:
+    """The mock worker, for the gateway's health checks only."""
+    port = free_port()
+    mock = subprocess.Popen(
+        [sys.executable, str(REPO / "bench" / "mock_upstream.py"), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        yield url
+    finally:
+        mock.terminate()
+        mock.wait(timeout=10)
+
+
+@pytest.mark.parametrize("peer", ["routing", "production"])
+def test_each_peer_answers_every_request_and_cleans_up(peer: str, health_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, str(SCRIPT), "--child", peer, "--out", str(out), "--health-url", health_url]
+    cmd += ["--requests", "64", "--warmup", "16", "--concurrency", "4"]
+    child = subprocess.Popen(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    pattern = f"gwbench:*run{child.pid}:*"  # the run's cache namespace and tenancy prefix
+    try:
+        assert child.wait(timeout=240) == 0, "a run with an answer other than 200 exits non-zero"
+        result = json.loads(out.read_text())
+        assert result["cpu_us_per_req"] > 0 and result["req_per_s"] > 0
+        if peer == "production":
+            assert list(client.scan_iter(match=pattern)), "the production set stored cache entries and counters"
+    finally:
+        child.kill()
+        keys = list(client.scan_iter(match=pattern))
+        if keys:
+            client.delete(*keys)
+        client.close()
