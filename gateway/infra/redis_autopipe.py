@@ -89,7 +89,7 @@ class AutoPipeline:
         """Run a registered ``redis.commands.core.AsyncScript`` by its SHA in the next batch; if Redis
         does not know the script (restarted, flushed), load it and run it once outside the batch."""
         try:
-            return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
+            return await self.submit("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await script(keys=keys, args=args)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,7 +48,10 @@ class CachedLabels:
     """A labelled metric whose ``labels(*values)`` looks each child up once: prometheus_client's
     ``labels()`` validates the values, builds a key and takes a lock on every call, which adds up on
     the request path. Use only where label values come from a small set (model names, reasons,
-    outcomes). Everything else is the wrapped metric's."""
+    outcomes). Everything else is the wrapped metric's.
+
+    The children it hands out are ``fast_child``'s: their ``inc`` / ``observe`` go straight to the
+    child's value objects."""
 
     __slots__ = ("_children", "metric")
 
@@ -58,11 +62,84 @@ class CachedLabels:
     def labels(self, *values: str) -> Any:
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self.metric.labels(*values)
+            child = self._children[values] = fast_child(self.metric.labels(*values))
         return child
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.metric, name)
+
+
+class _FastChild:
+    """A child's hot operations without prometheus_client's per-call checks, which cannot fail for a
+    child obtained from ``labels()`` (it is observable; exemplars are not used here). Every other
+    attribute is the child's. ``tests/ops/test_fast_metrics.py`` checks that the exposition matches
+    prometheus_client's own operations, so a change of its internals fails there."""
+
+    __slots__ = ("child",)
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.child, name)
+
+
+class _FastValue(_FastChild):
+    """A counter's or gauge's child: one value."""
+
+    __slots__ = ("_inc",)
+
+    def __init__(self, child: Any) -> None:
+        super().__init__(child)
+        self._inc = child._value.inc
+
+
+class _FastCounter(_FastValue):
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self._inc(amount)
+
+
+class _FastGauge(_FastValue):
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        self._inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        self._inc(-amount)
+
+
+class _FastHistogram(_FastChild):
+    __slots__ = ("_bounds", "_buckets", "_sum")
+
+    def __init__(self, child: Any) -> None:
+        super().__init__(child)
+        self._sum = child._sum.inc
+        self._bounds = list(child._upper_bounds)  # ascending, the last +Inf
+        self._buckets = [bucket.inc for bucket in child._buckets]
+
+    def observe(self, amount: float) -> None:
+        self._sum(amount)
+        bounds = self._bounds
+        index = bisect_left(bounds, amount)  # the first bound >= amount, as prometheus_client's loop finds
+        if index < len(bounds) and amount <= bounds[index]:  # False for NaN: no bucket, as there
+            self._buckets[index](1)
+
+
+def fast_child(child: Any) -> Any:
+    """``child`` (from a Counter's, Gauge's or Histogram's ``labels()``) with fast ``inc`` / ``dec`` /
+    ``observe``; other metric types, and gauges in the multiprocess ``mostrecent`` mode, as they are."""
+    if isinstance(child, Counter):
+        return _FastCounter(child)
+    if isinstance(child, Histogram):
+        return _FastHistogram(child)
+    if isinstance(child, Gauge) and not child._is_most_recent:
+        return _FastGauge(child)
+    return child
 
 
 class Metrics:

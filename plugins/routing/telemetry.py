@@ -162,7 +162,7 @@ class RoutingShared:
         if gate is None:
             queued = self._queued_gauge
             gate = self.gates[model] = ModelGate(model, limits, lambda m, n: queued.labels(m).set(n))
-        elif gate.limits != limits:
+        elif gate.limits is not limits and gate.limits != limits:  # pydantic's == walks every field
             gate.limits = limits
         return gate
 
@@ -177,6 +177,6 @@ class RoutingShared:
         budget = self.budgets.get(model)
         if budget is None:
             budget = self.budgets[model] = RetryBudget(config)
-        elif budget.config != config:
+        elif budget.config is not config and budget.config != config:
             budget.config = config
         return budget

@@ -33,7 +33,7 @@ HISTORY_FIELDS = ("requests", "refusals", "prompt_tokens", "completion_tokens")
 _TWO_DIGITS = tuple(f"{i:02d}" for i in range(100))  # format specs cost more than a lookup, twice a request
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # identity equality, as limits.Bucket
 class Budget:
     """One usage counter for one scope and period; ``limit`` None means counted but unlimited."""
 

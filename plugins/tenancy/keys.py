@@ -12,7 +12,7 @@ from __future__ import annotations
 import hmac
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -42,8 +42,19 @@ class KeyInfo:
     models: tuple[str, ...]
     limits: Limits
     source: str  # "config" | "redis"
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.id, self.tenant, self.models, self.limits, self.source)))
+
+    def __hash__(self) -> int:
+        # Computed once: the plan cache looks a key's plan up by it on every request, and hashing the
+        # fields each time hashes ``limits``, a pydantic model.
+        return self._hash
 
     def allows(self, *names: str) -> bool:
+        if "*" in self.models:  # the default: every model (what fnmatch would say, without a match per call)
+            return True
         return any(fnmatchcase(name, pattern) for pattern in self.models for name in names)
 
     def record(self) -> bytes:

@@ -1,0 +1,124 @@
+"""``gateway.ops.metrics.fast_child``: the hot ``inc`` / ``dec`` / ``observe`` that reach into
+prometheus_client's children (their ``_value``, ``_sum``, ``_buckets``, ``_upper_bounds``). Each case runs
+the same operations through prometheus_client's own methods on one registry and through the fast children
+on another, and compares the whole exposition: when prometheus_client changes those internals, this fails
+here instead of counting wrong in production. Also in multiprocess mode, whose value class differs."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gateway.ops.metrics import LATENCY_BUCKETS, CachedLabels, fast_child
+
+OBSERVED = [0.0, 0.0004, 0.001, 0.0010001, 0.0025, 0.3, 1, 2.5, 7, 300, 301, math.inf, 1e9]
+
+
+def _metrics(registry: CollectorRegistry) -> tuple[Counter, Gauge, Histogram]:
+    counter = Counter("c", "c", ["a"], registry=registry)
+    gauge = Gauge("g", "g", ["a"], registry=registry)
+    histogram = Histogram("h", "h", ["a"], buckets=LATENCY_BUCKETS, registry=registry)
+    return counter, gauge, histogram
+
+
+def _drive(counter: object, gauge: object, histogram: object, wrap: object) -> None:
+    c, g, h = (wrap(m.labels("x")) for m in (counter, gauge, histogram))  # type: ignore[attr-defined, operator]
+    c.inc()
+    c.inc(2.5)
+    c.inc(0)
+    g.inc()
+    g.inc(3)
+    g.dec()
+    g.dec(0.5)
+    for amount in OBSERVED:
+        h.observe(amount)
+
+
+def _exposition(wrap: object) -> bytes:
+    registry = CollectorRegistry()
+    _drive(*_metrics(registry), wrap=wrap)
+    return b"\n".join(line for line in generate_latest(registry).splitlines() if b"_created" not in line)
+
+
+def test_fast_children_count_what_prometheus_client_counts() -> None:
+    assert _exposition(fast_child) == _exposition(lambda child: child)
+
+
+def test_a_negative_counter_increment_is_refused_as_by_prometheus_client() -> None:
+    counter = Counter("c", "c", ["a"], registry=CollectorRegistry())
+    with pytest.raises(ValueError, match="non-negative"):
+        fast_child(counter.labels("x")).inc(-1)
+    assert counter.labels("x")._value.get() == 0
+
+
+def test_nan_lands_in_no_bucket_as_with_prometheus_client() -> None:
+    def buckets(wrap: object) -> list[bytes]:
+        registry = CollectorRegistry()
+        histogram = Histogram("h", "h", ["a"], buckets=(1, 2), registry=registry)
+        wrap(histogram.labels("x")).observe(math.nan)  # type: ignore[operator]
+        return [line for line in generate_latest(registry).splitlines() if b"_bucket" in line]
+
+    assert buckets(fast_child) == buckets(lambda child: child)
+
+
+def test_cached_labels_hand_out_fast_children_and_the_rest_of_the_child() -> None:
+    counter = CachedLabels(Counter("c", "c", ["a"], registry=CollectorRegistry()))
+    child = counter.labels("x")
+    assert child is counter.labels("x")
+    child.inc(4)
+    assert child._value.get() == 4  # other attributes are the child's
+    assert counter.labels("x").child is counter.metric.labels("x")
+
+
+def test_gauges_in_the_mostrecent_mode_keep_prometheus_clients_methods(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        """
+        from prometheus_client import CollectorRegistry, Gauge
+        from gateway.ops.metrics import fast_child
+        gauge = Gauge("g", "g", ["a"], registry=CollectorRegistry(), multiprocess_mode="mostrecent")
+        child = gauge.labels("x")
+        assert fast_child(child) is child
+        print("ok")
+        """
+    )
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PATH": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def test_multiprocess_values_count_the_same(tmp_path: Path) -> None:
+    """With ``PROMETHEUS_MULTIPROC_DIR`` set, children hold memory-mapped values: the files the fast
+    children write add up (``MultiProcessCollector``) to what prometheus_client's methods write."""
+    code = textwrap.dedent(
+        """
+        import sys
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+        sys.path.insert(0, {tests!r})
+        from test_fast_metrics import _drive, _metrics
+        from gateway.ops.metrics import fast_child
+        wrap = fast_child if sys.argv[1] == "fast" else (lambda child: child)
+        _drive(*_metrics(CollectorRegistry()), wrap=wrap)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        sys.stdout.write(generate_latest(registry).decode())
+        """
+    ).format(tests=str(Path(__file__).parent))
+    outputs = []
+    for mode in ("fast", "plain"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        env = {"PROMETHEUS_MULTIPROC_DIR": str(folder), "PATH": ""}
+        out = subprocess.run([sys.executable, "-c", code, mode], env=env, capture_output=True, text=True, check=True)
+        # each run is another process; the collector's order of families is not fixed
+        outputs.append(sorted(re.sub(r'pid="\d+"', 'pid="-"', out.stdout).splitlines()))
+    assert outputs[0] == outputs[1]
+    assert 'h_bucket{a="x",le="+Inf"} 13.0' in outputs[0]
+    assert 'c_total{a="x"} 3.5' in outputs[0]
