@@ -42,23 +42,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from bench_front_door import Transport
+from mock_upstream import CHAT_ANSWER
+
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "bench"
 PEERS = ("routing", "production")
 RUN_LIMIT_S = 3600  # a run fails rather than hang when an answer never completes (valgrind is slow)
-ANSWER = json.dumps(
-    {
-        "id": "chatcmpl-mock",
-        "object": "chat.completion",
-        "created": 1,
-        "model": "mock",
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "Hello from the mock."}, "finish_reason": "stop"}
-        ],
-        "usage": {"prompt_tokens": 12, "completion_tokens": 9, "total_tokens": 21},
-    },
-    separators=(",", ":"),
-).encode()
 
 
 class _Answer:
@@ -73,12 +62,12 @@ class _Answer:
         return "application/json" if name == "content-type" else None
 
     async def read(self, idle_s: float | None) -> bytes:
-        return ANSWER
+        return CHAT_ANSWER
 
     async def chunk(self, idle_s: float | None) -> bytes:
         if self._left:
             self._left = False
-            return ANSWER
+            return CHAT_ANSWER
         return b""
 
     async def relay(
@@ -107,33 +96,18 @@ class InProcessWorker:
         return None
 
 
-class ClientTransport(asyncio.Transport):
-    """The client's side of one connection: counts the answers' status codes, drops the rest."""
+class ClientTransport(Transport):
+    """The client's side of one connection (bench/bench_front_door.py's), counting the answers' status
+    codes."""
 
     def __init__(self, statuses: dict[bytes, int]) -> None:
         super().__init__()
-        self.closing = False
         self.statuses = statuses
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
 
     def write(self, data: Any) -> None:
         if data[:9] == b"HTTP/1.1 ":
             status = bytes(data[9:12])
             self.statuses[status] = self.statuses.get(status, 0) + 1
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def pause_reading(self) -> None:
-        return None
-
-    def resume_reading(self) -> None:
-        return None
-
-    def close(self) -> None:
-        self.closing = True
 
 
 def request_bytes(model: str, tag: str, n: int, token: str) -> bytes:
@@ -153,7 +127,6 @@ def request_bytes(model: str, tag: str, n: int, token: str) -> bytes:
 
 def plugins_for(peer: str) -> tuple[list[dict[str, Any]], str]:
     """The plugin entries and bearer token of a bench/run.py peer."""
-    sys.path.insert(0, str(BENCH))
     import run
 
     if peer == "routing":
@@ -170,6 +143,7 @@ async def drive(
 ) -> dict[str, float]:
     """One peer's CPU per request and requests per second (``profile``: a cProfile of the measured
     requests is written there)."""
+    import peers
     import uvicorn
 
     from gateway.ops.logs import configure_logging
@@ -178,14 +152,12 @@ async def drive(
     from gateway.server import app as app_module
     from gateway.server.front_door import FrontDoorLimits, GatewayHttpProtocol
 
-    sys.path.insert(0, str(BENCH))
-    import peers
-
     plugins, token = plugins_for(peer)
     # Health checks once an hour: under valgrind a probe could run past its bound and eject the worker.
     config = GatewayConfig.model_validate(peers.gateway_config(health_url, plugins, {"health_interval_s": 3600}))
     configure_logging("INFO", access_log=True)
-    app_module.make_http_client = lambda kind, upstream: InProcessWorker()  # the worker, in-process
+    # The worker, in-process. Patched here, not passed in: a --baseline-src tree builds its app this way too.
+    app_module.make_http_client = lambda kind, upstream: InProcessWorker()
     settings = Settings()
     app = app_module.create_app(settings, config=config, engine_factory=None)
     # As ``gateway serve`` configures uvicorn (gateway/cli.py), less what only a socket needs.
@@ -324,7 +296,6 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    sys.path.insert(0, str(BENCH))
     import peers
     import run
 

@@ -24,7 +24,7 @@ import httptools
 import orjson
 import uvloop
 
-_CHAT = orjson.dumps(
+CHAT_ANSWER = orjson.dumps(  # also the in-process worker's answer in bench/bench_request_path.py
     {
         "id": "chatcmpl-bench",
         "object": "chat.completion",
@@ -165,7 +165,7 @@ class MockProtocol(asyncio.Protocol):
             transport.write(_json_response(b"400 Bad Request", b'{"error":"bad json"}', keep_alive))
             return
         if not request.get("stream"):
-            transport.write(_json_response(b"200 OK", _CHAT if chat else _TEXT, keep_alive))
+            transport.write(_json_response(b"200 OK", CHAT_ANSWER if chat else _TEXT, keep_alive))
             if not keep_alive:
                 transport.close()
             return

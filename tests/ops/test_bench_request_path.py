@@ -7,44 +7,27 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from tests.support.fakes import free_port
+from tests.support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "bench_request_path.py"
 
 
 @pytest.fixture(scope="module")
-def health_url() -> Iterator[str]:
-    """The mock worker, for the gateway's health checks only."""
-    port = free_port()
-    mock = subprocess.Popen(
-        [sys.executable, str(REPO / "bench" / "mock_upstream.py"), "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+def health_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The mock worker (bench/peers.py starts it and waits for it), for the gateway's health checks only."""
+    peers = load_script(REPO / "bench" / "peers.py")
+    mock = peers.start_mock(tmp_path_factory.mktemp("mock"), 0.0, 16)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        yield url
+        yield mock.url
     finally:
-        mock.terminate()
-        mock.wait(timeout=10)
+        mock.stop()
 
 
 @pytest.mark.parametrize("peer", ["routing", "production"])
