@@ -8,7 +8,9 @@ by ``create_app``, its lifespan, uvloop, the front door ``GatewayHttpProtocol``)
     request (as ``bench/wrk_post.lua`` sends them, a new prompt each time) into the protocol and the
     next one once the answer is complete; what the gateway writes back is dropped;
   - the worker is in-process: the HTTP client to workers answers every POST with the mock's answer
-    (``bench/mock_upstream.py``'s bytes), after one turn of the event loop;
+    (``bench/mock_upstream.py``'s bytes), after one turn of the event loop; with ``--stream`` every
+    request streams (32 tokens and the usage event, as ``bench/run.py --streams`` asks) and the worker
+    sends the mock's events one read each, a loop turn apart (unpaced: the CPU per stream is the measure);
   - Redis is the real one (``GATEWAY_REDIS_URL``, default 127.0.0.1:6379): the production set's scripts
     are part of its cost. Keys are written under the bench's prefix and deleted after.
 The CPU is the process's (every thread: the access log, Redis), over ``--requests`` requests after a
@@ -19,6 +21,7 @@ commands share a write depends on timing). About 3 minutes a peer.
 
     PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py [--baseline-src DIR] [--reps 5]
     PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py --instructions [--baseline-src DIR]
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py --stream [--instructions] [--baseline-src DIR]
 
 Peers: ``routing`` (the ``gateway`` peer of bench/run.py) and ``production`` (``gateway-production``:
 tenancy with a key, safety, the cache on a miss, guided JSON, routing). ``--baseline-src`` adds each
@@ -43,51 +46,60 @@ from pathlib import Path
 from typing import Any
 
 from bench_front_door import Transport
-from mock_upstream import CHAT_ANSWER
+from mock_upstream import CHAT_ANSWER, stream_events
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("routing", "production")
+STREAM_TOKENS = 32  # bench/run.py's --tokens default
 RUN_LIMIT_S = 3600  # a run fails rather than hang when an answer never completes (valgrind is slow)
 
 
 class _Answer:
-    """The worker's answer to one POST (``gateway.infra.http_api.HttpResponse``)."""
+    """The worker's answer to one POST (``gateway.infra.http_api.HttpResponse``): the mock's JSON answer,
+    or its stream's events, each in a read of its own (a loop turn before each)."""
 
     status = 200
 
-    def __init__(self) -> None:
-        self._left = True
+    def __init__(self, pieces: list[bytes], content_type: str) -> None:
+        self._pieces = iter(pieces)
+        self._content_type = content_type
 
     def header(self, name: str) -> str | None:
-        return "application/json" if name == "content-type" else None
+        return self._content_type if name == "content-type" else None
 
     async def read(self, idle_s: float | None) -> bytes:
-        return CHAT_ANSWER
+        return b"".join(self._pieces)
 
     async def chunk(self, idle_s: float | None) -> bytes:
-        if self._left:
-            self._left = False
-            return CHAT_ANSWER
-        return b""
+        await asyncio.sleep(0)
+        return next(self._pieces, b"")
 
     async def relay(
         self, sink: Callable[[bytes], bool], drained: Callable[[], Awaitable[None]], idle_s: float | None
     ) -> None:
-        if not sink(await self.chunk(idle_s)):
-            await drained()
+        while piece := await self.chunk(idle_s):
+            if not sink(piece):
+                await drained()
 
     def close(self) -> None:
         return None
 
 
 class InProcessWorker:
-    """``gateway.infra.http_api.HttpClient`` answering every POST at once, after one loop turn (a read)."""
+    """``gateway.infra.http_api.HttpClient`` answering every POST after one loop turn (a read): with the
+    mock's answer, or for a streaming request its ``tokens`` content events (plus the usage event when
+    asked for it), one read each."""
+
+    def __init__(self, tokens: int) -> None:
+        self._streams = {usage: stream_events(True, tokens, usage) for usage in (False, True)}
 
     async def post(
         self, url: str, body: bytes, headers: Mapping[str, str] | None, *, connect_timeout_s: float
     ) -> _Answer:
         await asyncio.sleep(0)
-        return _Answer()
+        if b'"stream":true' not in body:
+            return _Answer([CHAT_ANSWER], "application/json")
+        return _Answer(self._streams[b'"include_usage":true' in body], "text/event-stream")
 
     def set_limits(self, *, limit: int, limit_per_host: int, keepalive_s: float) -> None:
         return None
@@ -98,7 +110,7 @@ class InProcessWorker:
 
 class ClientTransport(Transport):
     """The client's side of one connection (bench/bench_front_door.py's), counting the answers' status
-    codes."""
+    codes, and the streams that ended with ``[DONE]`` (under ``b"[DONE]"``)."""
 
     def __init__(self, statuses: dict[bytes, int]) -> None:
         super().__init__()
@@ -108,13 +120,19 @@ class ClientTransport(Transport):
         if data[:9] == b"HTTP/1.1 ":
             status = bytes(data[9:12])
             self.statuses[status] = self.statuses.get(status, 0) + 1
+        if b"data: [DONE]" in data:
+            self.statuses[b"[DONE]"] = self.statuses.get(b"[DONE]", 0) + 1
 
 
-def request_bytes(model: str, tag: str, n: int, token: str) -> bytes:
-    """What ``bench/wrk_post.lua`` sends in ``unique`` mode (a new prompt: a cache miss)."""
+def request_bytes(model: str, tag: str, n: int, token: str, stream: bool = False) -> bytes:
+    """What ``bench/wrk_post.lua`` sends in ``unique`` mode (a new prompt: a cache miss); ``stream``: a
+    streaming request for ``STREAM_TOKENS`` tokens with their usage, as bench/load.py's stream client
+    asks (``bench/run.py --streams``)."""
     content = f"Say hello to request {tag}-{n}."
+    streamed = ',"stream":true,"stream_options":{"include_usage":true}' if stream else ""
     body = (
-        f'{{"model":"{model}","messages":[{{"role":"user","content":"{content}"}}],"max_tokens":16,"temperature":0}}'
+        f'{{"model":"{model}","messages":[{{"role":"user","content":"{content}"}}],'
+        f'"max_tokens":{STREAM_TOKENS if stream else 16},"temperature":0{streamed}}}'
     ).encode()
     auth = b"Authorization: Bearer %s\r\n" % token.encode() if token else b""
     return (
@@ -139,10 +157,16 @@ def plugins_for(peer: str) -> tuple[list[dict[str, Any]], str]:
 
 
 async def drive(
-    peer: str, health_url: str, requests: int, warmup: int, concurrency: int, profile: str | None = None
+    peer: str,
+    health_url: str,
+    requests: int,
+    warmup: int,
+    concurrency: int,
+    profile: str | None = None,
+    stream: bool = False,
 ) -> dict[str, float]:
     """One peer's CPU per request and requests per second (``profile``: a cProfile of the measured
-    requests is written there)."""
+    requests is written there; ``stream``: every request streams its answer)."""
     import peers
     import uvicorn
 
@@ -157,7 +181,7 @@ async def drive(
     config = GatewayConfig.model_validate(peers.gateway_config(health_url, plugins, {"health_interval_s": 3600}))
     configure_logging("INFO", access_log=True)
     # The worker, in-process. Patched here, not passed in: a --baseline-src tree builds its app this way too.
-    app_module.make_http_client = lambda kind, upstream: InProcessWorker()
+    app_module.make_http_client = lambda kind, upstream: InProcessWorker(STREAM_TOKENS)
     settings = Settings()
     app = app_module.create_app(settings, config=config, engine_factory=None)
     # As ``gateway serve`` configures uvicorn (gateway/cli.py), less what only a socket needs.
@@ -194,7 +218,7 @@ async def drive(
             if transport.closing:
                 raise SystemExit(f"{peer}: the gateway closed a keep-alive connection")
             done.clear()
-            proto.data_received(request_bytes(peers.GATEWAY_MODEL, tag, next(counter), token))
+            proto.data_received(request_bytes(peers.GATEWAY_MODEL, tag, next(counter), token, stream))
             await done.wait()
         proto.connection_lost(None)
 
@@ -215,8 +239,11 @@ async def drive(
         profiler.dump_stats(profile)
     await lifespan.shutdown()
     done = requests // concurrency * concurrency
+    ended = statuses.pop(b"[DONE]", 0)
     if set(statuses) != {b"200"}:
         raise SystemExit(f"{peer}: answers other than 200: {statuses}")
+    if stream and ended != statuses[b"200"]:
+        raise SystemExit(f"{peer}: {statuses[b'200'] - ended} of {statuses[b'200']} streams did not end with [DONE]")
     return {"cpu_us_per_req": cpu / done * 1e6, "req_per_s": done / wall}
 
 
@@ -226,13 +253,15 @@ def child(args: argparse.Namespace) -> None:
     with open(os.devnull, "w") as null:  # the access log goes nowhere, as to a file nobody reads
         os.dup2(null.fileno(), 1)
         os.dup2(null.fileno(), 2)
-    result = uvloop.run(drive(args.child, args.health_url, args.requests, args.warmup, args.concurrency, args.profile))
+    run = drive(args.child, args.health_url, args.requests, args.warmup, args.concurrency, args.profile, args.stream)
+    result = uvloop.run(run)
     Path(args.out).write_text(json.dumps(result))
 
 
 def child_command(peer: str, out: str, requests: int, args: argparse.Namespace, health_url: str) -> list[str]:
     cmd = [sys.executable, __file__, "--child", peer, "--out", out, "--health-url", health_url]
-    return [*cmd, "--requests", str(requests), "--warmup", str(args.warmup), "--concurrency", str(args.concurrency)]
+    cmd += ["--requests", str(requests), "--warmup", str(args.warmup), "--concurrency", str(args.concurrency)]
+    return [*cmd, "--stream"] if args.stream else cmd
 
 
 def run_child(peer: str, source: Path | None, args: argparse.Namespace, health_url: str) -> dict[str, float]:
@@ -277,6 +306,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--baseline-src", type=Path, help="a copy of gateway/ and plugins/ taken before a change")
     parser.add_argument("--instructions", action="store_true", help="count instructions under valgrind instead")
+    parser.add_argument(
+        "--stream", action="store_true", help=f"streamed answers ({STREAM_TOKENS} tokens and the usage, one read each)"
+    )
     parser.add_argument("--profile", help="write a cProfile of each peer's measured requests to PREFIX.<peer>.pstats")
     parser.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -304,6 +336,8 @@ def main() -> None:
         if args.instructions
         else (run_child, "cpu_us_per_req", "CPU µs/req")
     )
+    if args.stream:
+        unit = unit.replace("/req", "/stream")
     runs: list[tuple[str, str, Path | None]] = []
     for peer in args.peers.split(","):
         runs.append((peer, peer, None))

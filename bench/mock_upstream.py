@@ -74,6 +74,14 @@ def _chunked(event: bytes) -> bytes:
 
 def _stream_events(chat: bool, tokens: int, include_usage: bool) -> list[bytes]:
     """Every SSE event of one stream, already framed as HTTP chunks (the mock only paces them)."""
+    framed = [_chunked(event) for event in stream_events(chat, tokens, include_usage)]
+    framed[-1] += b"0\r\n\r\n"
+    return framed
+
+
+def stream_events(chat: bool, tokens: int, include_usage: bool) -> list[bytes]:
+    """Every SSE event of one stream as a worker writes it (``data: {...}\\n\\n``, ``[DONE]`` last): the
+    mock's, and the in-process worker's in bench/bench_request_path.py."""
     base: dict[str, Any] = {"id": "chatcmpl-bench", "created": 1700000000, "model": "mock"}
     base["object"] = "chat.completion.chunk" if chat else "text_completion"
 
@@ -91,9 +99,7 @@ def _stream_events(chat: bool, tokens: int, include_usage: bool) -> list[bytes]:
     if include_usage:
         usage = {"prompt_tokens": 12, "completion_tokens": tokens, "total_tokens": 12 + tokens}
         events.append({**base, "choices": [], "usage": usage})
-    framed = [_chunked(b"data: " + orjson.dumps(e) + b"\n\n") for e in events]
-    framed.append(_chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-    return framed
+    return [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
 
 
 class MockProtocol(asyncio.Protocol):

@@ -30,11 +30,14 @@ def health_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         mock.stop()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["answers", "streams"])
 @pytest.mark.parametrize("peer", ["routing", "production"])
-def test_each_peer_answers_every_request_and_cleans_up(peer: str, health_url: str, tmp_path: Path) -> None:
+def test_each_peer_answers_every_request_and_cleans_up(
+    peer: str, stream: bool, health_url: str, tmp_path: Path
+) -> None:
     out = tmp_path / "result.json"
     cmd = [sys.executable, str(SCRIPT), "--child", peer, "--out", str(out), "--health-url", health_url]
-    cmd += ["--requests", "64", "--warmup", "16", "--concurrency", "4"]
+    cmd += ["--requests", "64", "--warmup", "16", "--concurrency", "4", *(["--stream"] if stream else [])]
     child = subprocess.Popen(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     client = redis.Redis(host="127.0.0.1", port=6379)
     pattern = f"gwbench:*run{child.pid}:*"  # the run's cache namespace and tenancy prefix
