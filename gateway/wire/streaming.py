@@ -82,6 +82,8 @@ class SSEParser:
 
 
 def _data_of(event: bytes) -> bytes | None:
+    if event.startswith(b"data: ") and b"\n" not in event:  # one data line, as workers write every event
+        return event[6:]
     parts = []
     for line in event.split(b"\n"):
         if line.startswith(b"data:"):
@@ -99,6 +101,10 @@ class StreamAssembler:
         self.finished = False
 
     def add(self, chunk: dict[str, Any]) -> None:
+        if self.meta and len(chunk) == 5 and "usage" not in chunk:  # id, object, created, model, choices
+            choices = chunk.get("choices")
+            if type(choices) is list and len(choices) == 1 and self._add_token(choices[0]):
+                return
         if not self.meta:
             self.meta = {k: chunk[k] for k in ("id", "created", "model", "system_fingerprint") if k in chunk}
             self.meta["object"] = chunk.get("object", "chat.completion.chunk")
@@ -106,7 +112,9 @@ class StreamAssembler:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or ():
             index = choice.get("index", 0)
-            acc = self.choices.setdefault(index, {"index": index})
+            acc = self.choices.get(index)
+            if acc is None:
+                acc = self.choices[index] = {"index": index}
             if "delta" in choice:
                 _merge_delta(acc, choice.get("delta") or {})
             elif choice.get("text"):
@@ -117,6 +125,21 @@ class StreamAssembler:
                 acc["finish_reason"] = choice["finish_reason"]
                 if "stop_reason" in choice:
                     acc["stop_reason"] = choice["stop_reason"]
+
+    def _add_token(self, choice: Any) -> bool:
+        """The common chunk after the first, in one step: one choice whose delta carries only content,
+        no logprobs, no finish. False (nothing done) for anything else."""
+        if type(choice) is not dict or len(choice) != 4 or choice.get("logprobs") is not None:
+            return False
+        delta = choice.get("delta")
+        if type(delta) is not dict or len(delta) != 1 or choice.get("finish_reason") is not None:
+            return False
+        piece = delta.get("content")
+        acc = self.choices.get(choice.get("index", 0))
+        if type(piece) is not str or not piece or acc is None or type(acc.get("content")) is not list:
+            return False
+        acc["content"].append(piece)
+        return True
 
     @property
     def complete(self) -> bool:
@@ -173,12 +196,14 @@ def _tool_call(slot: dict[str, Any]) -> dict[str, Any]:
 def _merge_delta(acc: dict[str, Any], delta: dict[str, Any]) -> None:
     if delta.get("role"):
         acc["role"] = delta["role"]
-    for key in ("content", "reasoning_content"):
-        piece = delta.get(key)
-        if piece:
-            _pieces(acc, key).append(piece)
-        elif key == "content" and key in delta and key not in acc:
-            acc[key] = piece
+    piece = delta.get("content")
+    if piece:
+        _pieces(acc, "content").append(piece)
+    elif "content" in delta and "content" not in acc:
+        acc["content"] = piece
+    piece = delta.get("reasoning_content")
+    if piece:
+        _pieces(acc, "reasoning_content").append(piece)
     for call in delta.get("tool_calls") or ():
         calls = acc.setdefault("tool_calls", {})
         slot = calls.setdefault(call.get("index", len(calls)), {"type": "function", "function": {"arguments": []}})

@@ -240,6 +240,19 @@ class CachePlugin(Plugin):
             else:
                 pending.chunks.append(event)
 
+    def _record_all(self, pending: _Pending, recorded: list[dict[str, Any]] | None) -> None:
+        """A pass-through stream's events, recorded by the core, kept at once (``_record`` per event on
+        the parsed path): None when they were not recorded or outgrow ``max_value_bytes`` together."""
+        if recorded is None or pending.chunks is None:
+            pending.chunks = None  # too long to keep as events (or not recorded: not complete below)
+            return
+        events = [recorded_event(chunk) for chunk in recorded]
+        pending.chunk_bytes = sum(map(len, events)) + len(events)
+        if pending.chunk_bytes > self.config.max_value_bytes:
+            pending.chunks = None
+        else:
+            pending.chunks += events
+
     async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
         pending: _Pending | None = ctx.state.get(SHARED_KEY)
         if pending is None or pending.done or response.status != 200:
@@ -254,10 +267,7 @@ class CachePlugin(Plugin):
             self.metrics.not_stored.labels(pending.model, "rerouted").inc()
             return None
         if ctx.stream and not pending.chunk_bytes:  # passed through as bytes: recorded by the core
-            if response.recorded is None:
-                pending.chunks = None  # too long to keep as events (or not recorded: not complete below)
-            for chunk in response.recorded or ():
-                self._record(pending, chunk)
+            self._record_all(pending, response.recorded)
         try:
             complete = is_complete(response.json)
         except orjson.JSONDecodeError:

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.proxy.stream_tap import StreamTap, output_events
+from gateway.proxy.stream_tap import StreamTap, _payloads, output_events
+from gateway.wire.streaming import SSEParser
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 
@@ -152,3 +153,22 @@ def test_output_events_counts_the_members_that_carry_output(deltas: list[dict[st
     piece = b"".join(event(c) for c in chat + completions)
     expected = sum(1 for c in chat for v in c["choices"][0]["delta"].values() if v) + sum(1 for t in legacy if t)
     assert output_events(piece) == expected
+
+
+_EVENTS = st.one_of(
+    st.builds(lambda text: b"data: " + orjson.dumps({"t": text}), st.text(max_size=5)),
+    st.builds(lambda text: b"data:" + orjson.dumps({"t": text}), st.text(max_size=5)),
+    st.just(b": keep-alive"),
+    st.just(b'event: x\ndata: {"a":1}'),
+    st.just(b'data: {"a":\ndata: 1}'),
+    st.just(b"data: [DONE]"),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=st.lists(_EVENTS, max_size=6), end=st.sampled_from([b"\n\n", b"\r\n\n", b"\r\n\r\n"]))
+def test_the_recordings_payloads_are_what_the_sse_parser_finds(events: list[bytes], end: bytes) -> None:
+    """The recording splits whole events itself when each is one ``data: `` line, as workers write them,
+    and hands anything else (CRLF line ends too) to ``SSEParser``: the payloads are the parser's either way."""
+    whole = b"".join(e + end for e in events)
+    assert _payloads(whole) == SSEParser().feed(whole)

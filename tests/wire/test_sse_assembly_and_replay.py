@@ -9,6 +9,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.wire.streaming import DONE, SSEParser, StreamAssembler, encode_event, replay
 
@@ -241,3 +243,85 @@ def test_replay_of_an_empty_answer_ends_the_stream_without_content_events() -> N
 
 def test_encode_event_is_one_sse_data_line() -> None:
     assert encode_event({"a": [1, "é"]}) == 'data: {"a":[1,"é"]}\n\n'.encode()
+
+
+# -- the one-step path for a token chunk ----------------------------------------------------------
+
+_CONTENT = st.fixed_dictionaries({"content": st.text(max_size=4)})
+_DELTAS = st.one_of(
+    _CONTENT,
+    _CONTENT,
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.just("")}),
+    st.fixed_dictionaries({"reasoning_content": st.text(max_size=4)}),
+    st.fixed_dictionaries({"content": st.none()}),
+    st.just({}),
+)
+_LOGPROBS = {"content": [{"token": "a", "logprob": -0.1}]}
+_CHOICES = st.fixed_dictionaries(
+    {
+        "index": st.sampled_from([0, 0, 1]),
+        "delta": _DELTAS,
+        "logprobs": st.sampled_from([None, None, _LOGPROBS]),
+        "finish_reason": st.sampled_from([None, None, "stop"]),
+    }
+)
+_CHUNKS = st.lists(
+    st.fixed_dictionaries(
+        {
+            "id": st.just("c1"),
+            "object": st.just("chat.completion.chunk"),
+            "created": st.just(7),
+            "model": st.just("m"),
+            "choices": st.lists(_CHOICES, min_size=1, max_size=2),
+        },
+        optional={"usage": st.just({"total_tokens": 3})},
+    ),
+    max_size=10,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(chunks=_CHUNKS)
+def test_the_one_step_token_path_assembles_what_the_general_path_does(chunks: list[dict[str, Any]]) -> None:
+    """``StreamAssembler.add`` takes the common chunk (one choice, a delta with only content) in one step;
+    whatever the chunks, the answer is the one the general path builds."""
+    general = StreamAssembler()
+    general._add_token = lambda choice: False  # type: ignore[method-assign]
+    fast = StreamAssembler()
+    for chunk in chunks:
+        general.add(copy.deepcopy(chunk))
+        fast.add(copy.deepcopy(chunk))
+    assert fast.result() == general.result()
+    assert fast.complete == general.complete
+
+
+def _token_chunk(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"id": "c1", "object": "chat.completion.chunk", "created": 7, "model": "m", "choices": [choice], **extra}
+
+
+_TOKEN = {"index": 0, "delta": {"content": "b"}, "logprobs": None, "finish_reason": None}
+
+
+@pytest.mark.parametrize(
+    "near_miss",
+    [
+        _token_chunk({**_TOKEN, "finish_reason": "length"}),
+        _token_chunk({**_TOKEN, "logprobs": _LOGPROBS}),
+        _token_chunk({**_TOKEN, "delta": {"content": "b", "reasoning_content": "r"}}),
+        _token_chunk({**_TOKEN, "delta": {"reasoning_content": "r"}}),
+        _token_chunk({**_TOKEN, "index": 1}),
+        _token_chunk({**_TOKEN, "stop_reason": None}),
+        _token_chunk(_TOKEN, usage={"total_tokens": 3}),
+        _token_chunk(_TOKEN, system_fingerprint="fp"),
+    ],
+)
+def test_a_chunk_that_is_not_only_a_token_takes_the_general_path(near_miss: dict[str, Any]) -> None:
+    """After a first token, each way a chunk can differ from "one choice, content only" (a finish, logprobs,
+    another member or choice, usage) still reaches the answer."""
+    general = StreamAssembler()
+    general._add_token = lambda choice: False  # type: ignore[method-assign]
+    fast = StreamAssembler()
+    for chunk in (_token_chunk({**_TOKEN, "delta": {"role": "assistant", "content": "a"}}), near_miss):
+        general.add(copy.deepcopy(chunk))
+        fast.add(copy.deepcopy(chunk))
+    assert fast.result() == general.result()
