@@ -180,6 +180,9 @@ async def drive(
     # Health checks once an hour: under valgrind a probe could run past its bound and eject the worker.
     config = GatewayConfig.model_validate(peers.gateway_config(health_url, plugins, {"health_interval_s": 3600}))
     configure_logging("INFO", access_log=True)
+    # The console's sampler once a minute: its work comes with time, not with requests, and under valgrind
+    # (about 50 times slower) it would run 50 times as often per request, more so on a busy machine.
+    os.environ["GATEWAY_CONSOLE_SAMPLE_S"] = "60"  # the longest allowed
     # The worker, in-process. Patched here, not passed in: a --baseline-src tree builds its app this way too.
     app_module.make_http_client = lambda kind, upstream: InProcessWorker(STREAM_TOKENS)
     settings = Settings()
@@ -275,7 +278,7 @@ def run_child(peer: str, source: Path | None, args: argparse.Namespace, health_u
         return result
 
 
-def count_instructions(peer: str, source: Path | None, args: argparse.Namespace, health_url: str) -> dict[str, float]:
+def count_instructions(peer: str, source: Path | None, args: argparse.Namespace, health_url: str) -> dict[str, Any]:
     """Instructions per request, counted by valgrind (callgrind): the same peer run for ``--requests``
     and for twice as many, both under valgrind at once; the difference over the extra requests leaves
     out start-up. User space only: the kernel's share of socket calls (Redis's, here) is not counted."""
@@ -287,14 +290,14 @@ def count_instructions(peer: str, source: Path | None, args: argparse.Namespace,
             valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", f"--log-file={log}"]
             cmd = valgrind + child_command(peer, f"{tmp}/{requests}.json", requests, args, health_url)
             runs.append((log, subprocess.Popen(cmd, env=env, cwd=ROOT)))
-        counts = []
+        counts: list[int] = []
         for log, proc in runs:
             if proc.wait(timeout=3600) != 0:
                 raise SystemExit(f"{peer}: the run under valgrind failed; see {log}")
             match = re.search(r"Collected : (\d+)", Path(log).read_text())
             assert match is not None, f"no instruction count in {log}"
             counts.append(int(match.group(1)))
-    return {"instructions_per_req": (counts[1] - counts[0]) / args.requests}
+    return {"instructions_per_req": (counts[1] - counts[0]) / args.requests, "runs": counts}
 
 
 def parse_args() -> argparse.Namespace:
@@ -353,7 +356,11 @@ def main() -> None:
                     result = measure(peer, source, args, mock.url)
                     run.delete_cache_entries(redis_url)  # each run starts from the same Redis
                     results[name].append(result)
-                    print(f"rep {rep + 1} {name:16s} {result[metric]:12,.1f} {unit}", flush=True)
+                    totals = "".join(
+                        f", {count:,} in the run of {n:,}"
+                        for count, n in zip(result.get("runs", ()), (args.requests, 2 * args.requests), strict=False)
+                    )
+                    print(f"rep {rep + 1} {name:16s} {result[metric]:12,.1f} {unit}{totals}", flush=True)
         finally:
             mock.stop()
             run.delete_cache_entries(redis_url)
