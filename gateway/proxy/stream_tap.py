@@ -34,7 +34,7 @@ import orjson
 from gateway.pipeline.context import ModelResponse
 from gateway.proxy.answer import is_error_event
 from gateway.proxy.token_limit import length_end
-from gateway.wire.streaming import SSEParser, StreamAssembler
+from gateway.wire.streaming import StreamAssembler, whole_payloads
 
 _USAGE = b'"usage":{'
 _DONE = b"data: [DONE]"
@@ -215,7 +215,7 @@ def _add_up(assembler: StreamAssembler, events: bytes, chunks: list[dict[str, An
     """Add whole SSE ``events`` to ``assembler`` (and their parsed chunks to ``chunks``); False when one
     is not JSON or is an error event."""
     add = assembler.add
-    for payload in _payloads(events):
+    for payload in whole_payloads(events):
         try:
             chunk = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -226,15 +226,3 @@ def _add_up(assembler: StreamAssembler, events: bytes, chunks: list[dict[str, An
         if chunks is not None:
             chunks.append(chunk)
     return True
-
-
-def _payloads(events: bytes) -> list[bytes]:
-    """The ``data:`` payloads of whole SSE events (the tap keeps only those). Workers write each event as
-    one ``data: {...}`` line; anything else (comments, several lines, CRLF) goes through ``SSEParser``."""
-    parts = events.split(b"\n\n")
-    if parts[-1] or b"\r" in events:
-        return SSEParser().feed(events)
-    del parts[-1]
-    if all(part.startswith(b"data: ") and b"\n" not in part for part in parts):
-        return [part[6:] for part in parts]
-    return SSEParser().feed(events)

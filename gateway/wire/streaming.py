@@ -51,6 +51,9 @@ def delta_tokens(chunk: dict[str, Any]) -> int:
     return count
 
 
+_DATA = b"data: "
+
+
 class SSEParser:
     """Splits a byte stream into SSE ``data:`` payloads (bytes), across arbitrary chunk boundaries."""
 
@@ -81,8 +84,19 @@ class SSEParser:
         return self._buf
 
 
+def whole_payloads(events: bytes) -> list[bytes]:
+    """The ``data:`` payloads of whole SSE events (nothing torn at the end), as ``SSEParser`` reads them;
+    split at once when each event is one ``data: `` line, as workers write them."""
+    parts = events.split(b"\n\n")
+    if not parts[-1] and b"\r" not in events:
+        del parts[-1]
+        if all(part.startswith(_DATA) and b"\n" not in part for part in parts):
+            return [part[6:] for part in parts]
+    return SSEParser().feed(events)
+
+
 def _data_of(event: bytes) -> bytes | None:
-    if event.startswith(b"data: ") and b"\n" not in event:  # one data line, as workers write every event
+    if event.startswith(_DATA) and b"\n" not in event:  # one data line, as workers write every event
         return event[6:]
     parts = []
     for line in event.split(b"\n"):

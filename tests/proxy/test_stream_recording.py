@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.proxy.stream_tap import StreamTap, _payloads, output_events
-from gateway.wire.streaming import SSEParser
+from gateway.proxy.stream_tap import StreamTap, output_events
+from gateway.wire.streaming import SSEParser, whole_payloads
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 
@@ -171,4 +171,4 @@ def test_the_recordings_payloads_are_what_the_sse_parser_finds(events: list[byte
     """The recording splits whole events itself when each is one ``data: `` line, as workers write them,
     and hands anything else (CRLF line ends too) to ``SSEParser``: the payloads are the parser's either way."""
     whole = b"".join(e + end for e in events)
-    assert _payloads(whole) == SSEParser().feed(whole)
+    assert whole_payloads(whole) == SSEParser().feed(whole)
