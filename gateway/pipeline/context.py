@@ -12,6 +12,7 @@ import orjson
 from gateway.wire.streaming import wants_usage
 
 log = logging.getLogger("gateway.context")
+_USAGE_MEMBER = b'"usage":{'
 
 if TYPE_CHECKING:
     from gateway.pipeline.batch_config import BatchLine
@@ -67,10 +68,15 @@ class ModelResponse:
 
     ``recorded``: for a completed stream that a plugin asked to have recorded (``ctx.record_stream``) and
     that passed through as bytes, its events as they went out, parsed, in order (the usage event
-    included, also when the client was not sent it); None otherwise.
+    included, also when the client was not sent it); None otherwise. ``recorded_events``: the same
+    events as the worker wrote them, their JSON payloads one per line (the form of ``chunks``), not
+    parsed; None when they were not kept (past the recording's budget, or an event of several lines).
+
+    ``assemble``: instead of a body or an object, a function that gives the object and the parsed
+    ``recorded`` events on first use: a recorded stream's answer is only parsed when a plugin reads it.
     """
 
-    __slots__ = ("_body", "_json", "chunks", "headers", "recorded", "status")
+    __slots__ = ("_assemble", "_body", "_json", "_recorded", "chunks", "headers", "recorded_events", "status")
 
     def __init__(
         self,
@@ -80,28 +86,71 @@ class ModelResponse:
         status: int = 200,
         headers: dict[str, str] | None = None,
         chunks: bytes | None = None,
+        assemble: Callable[[], tuple[dict[str, Any], list[dict[str, Any]] | None]] | None = None,
     ) -> None:
-        if body is None and json is None:
-            raise ValueError("a ModelResponse needs a body or a json object")
+        if body is None and json is None and assemble is None:
+            raise ValueError("a ModelResponse needs a body, a json object or a way to assemble one")
         self._body = body
         self._json = json
+        self._assemble = assemble
+        self._recorded: list[dict[str, Any]] | None = None
         self.status = status
         self.headers = headers or {}
         self.chunks = chunks
-        self.recorded: list[dict[str, Any]] | None = None
+        self.recorded_events: bytes | None = None
 
     @property
     def json(self) -> dict[str, Any]:
         if self._json is None:
-            assert self._body is not None
+            if self._body is None:
+                self._assembled()
+                assert self._json is not None
+                return self._json
             parsed = orjson.loads(self._body)
             self._json = parsed if isinstance(parsed, dict) else {"value": parsed}
         return self._json
 
     @property
+    def usage(self) -> Any:
+        """The answer's ``usage`` (None without one). An answer still to be assembled from stream events
+        (a recorded stream, a cached one replayed) is not: the last event that carries a usage object is
+        read alone (a member name cannot match inside a string, where quotes are escaped)."""
+        events = self.chunks if self.chunks is not None else self.recorded_events
+        if self._json is not None or self._body is not None or events is None:
+            return self.json.get("usage")
+        at = events.rfind(_USAGE_MEMBER)
+        if at >= 0:
+            end = events.find(b"\n", at)
+            try:
+                event = orjson.loads(events[events.rfind(b"\n", 0, at) + 1 : end if end >= 0 else len(events)])
+            except orjson.JSONDecodeError:
+                event = None
+            usage = event.get("usage") if isinstance(event, dict) else None
+            if usage and isinstance(usage, dict):
+                return usage
+        return self.json.get("usage")
+
+    @property
+    def recorded(self) -> list[dict[str, Any]] | None:
+        if self._assemble is not None:
+            self._assembled()
+        return self._recorded
+
+    @recorded.setter
+    def recorded(self, events: list[dict[str, Any]] | None) -> None:
+        self._recorded = events
+
+    def _assembled(self) -> None:
+        assemble, self._assemble = self._assemble, None
+        assert assemble is not None
+        obj, self._recorded = assemble()
+        if self._json is None and self._body is None:
+            self._json = obj
+
+    @property
     def body(self) -> bytes:
         if self._body is None:
-            self._body = orjson.dumps(self._json)
+            self._body = orjson.dumps(self.json)
         return self._body
 
     def replace_json(self, obj: dict[str, Any]) -> None:
@@ -109,6 +158,7 @@ class ModelResponse:
         self._json = obj
         self._body = None
         self.chunks = None
+        self.recorded_events = None  # no longer the answer's events either
 
 
 class RoutePlan(Protocol):

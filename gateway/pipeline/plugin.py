@@ -30,7 +30,9 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   it is complete and changes no chunk (the cache, to store it) asks for a recording instead of chunks:
   when no other plugin must read the stream chunk by chunk, it passes through as bytes, its ``on_chunk``
   is not called, and its ``on_response`` gets the assembled answer with ``response.recorded`` (the events
-  as they went out, parsed once at the end; None past ``max_bytes``), before ``[DONE]`` goes out.
+  as they went out, parsed once at the end; None past ``max_bytes``), before ``[DONE]`` goes out. The
+  answer and ``recorded`` are parsed when first read: a plugin that keeps the events as they came reads
+  ``response.recorded_events`` (their JSON payloads, one per line) and costs no parsing.
 - ``async on_chunk(ctx, chunk)``: streams only, reverse order; return the chunk, a changed chunk, or
   None to hold it back. When no enabled plugin overrides ``on_chunk`` or ``on_response``, the worker's
   SSE bytes pass through untouched, with no per-chunk parsing.

@@ -92,7 +92,10 @@ class Proxy:
         return StreamTap(strip=strip, limit=completion_limit(ctx), choices=choices, record=recording)
 
     async def _settle_usage(self, ctx: RequestContext, settlement: ModelResponse) -> None:
-        self._count_usage(ctx, settlement.json.get("usage"))
+        # The tap's usage (``ctx.delivered``, set before the settlement): reading the settlement's would
+        # parse a recorded stream that no plugin may read.
+        sent = ctx.delivered
+        self._count_usage(ctx, sent.usage if sent is not None else settlement.json.get("usage"))
         await ctx.snapshot.pipeline.run_response(ctx, settlement)
 
     # -- the way back -----------------------------------------------------------------------------

@@ -14,8 +14,9 @@ tenancy, to bill), the stream keeps the pass-through and the core:
 
 When a plugin asked for a recording of the stream (``ctx.record_stream``: the cache, to store the answer)
 the tap also keeps its whole events, usage event included, up to the byte budget asked for; once the
-stream completed, ``settlement`` parses them once into the assembled answer that those plugins'
-``on_response`` read, instead of parsing every event on its way out.
+stream completed, ``settlement`` hands them to those plugins' ``on_response`` as they came
+(``ModelResponse.recorded_events``) and parses them into the assembled answer only if a plugin reads it,
+instead of parsing every event on its way out.
 
 It also counts the events that carry generated text (substring counts per read, the way vLLM serializes
 them) and, when the request has a completion limit (``gateway.proxy.token_limit``), ends the stream there
@@ -34,12 +35,13 @@ import orjson
 from gateway.pipeline.context import ModelResponse
 from gateway.proxy.answer import is_error_event
 from gateway.proxy.token_limit import length_end
-from gateway.wire.streaming import StreamAssembler, whole_payloads
+from gateway.wire.streaming import StreamAssembler, payload_lines, whole_payloads
 
 _USAGE = b'"usage":{'
 _DONE = b"data: [DONE]"
 _EVENT = b"data:"
 _DONE_EVENT = b"data: [DONE]\n\n"
+_ERROR = b'"error":'
 
 
 def output_events(piece: bytes) -> int:
@@ -103,11 +105,12 @@ class StreamTap:
         the assembled answer when a recording was asked for and the stream completed (with its events in
         ``ModelResponse.recorded`` when they fitted the budget), else ``{"usage": ...}`` (``{}`` without)."""
         recording, self._recording = self._recording, None
+        usage_only = {"usage": self.usage} if self.usage else {}
         if recording is not None and completed and not self.limited:
-            answer = recording.answer()
+            answer = recording.answer(usage_only)
             if answer is not None:
                 return answer
-        return ModelResponse(json={"usage": self.usage} if self.usage else {})
+        return ModelResponse(json=usage_only)
 
     def _cut(self, piece: bytes) -> bytes:
         """The events of ``piece`` up to the limit, then the chunk that ends the answer there."""
@@ -198,17 +201,40 @@ class _Recording:
             events, self._pieces = b"".join(self._pieces) + events, None
         self._broken = not _add_up(self._assembler, events, None)
 
-    def answer(self) -> ModelResponse | None:
-        """The assembled answer, with ``recorded`` when its events were kept; None when broken."""
-        chunks: list[dict[str, Any]] | None = None
-        if self._pieces is not None:
-            chunks = []
-            self._broken = self._broken or not _add_up(self._assembler, b"".join(self._pieces), chunks)
+    def answer(self, usage_only: dict[str, Any]) -> ModelResponse | None:
+        """The answer; None when broken. Kept events are parsed only when a plugin reads the answer
+        (``ModelResponse.assemble``): ``recorded``, and ``json`` unless an event turns out not to be JSON
+        or an error event, when ``json`` is ``usage_only`` and ``recorded`` None, as for a stream that
+        was not recorded. ``recorded_events`` holds them unparsed, unless one holds an error."""
         if self._broken:
             return None
-        response = ModelResponse(json=self._assembler.result())
-        response.recorded = chunks
+        if self._pieces is None:  # past the budget: added up as they came
+            return ModelResponse(json=self._assembler.result())
+        events = b"".join(self._pieces)
+        self._pieces = None
+        assembler = self._assembler
+
+        def assemble() -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+            chunks: list[dict[str, Any]] = []
+            if not _add_up(assembler, events, chunks):
+                return usage_only, None
+            return assembler.result(), chunks
+
+        response = ModelResponse(assemble=assemble)
+        if _ERROR not in events:  # a member named "error" outside any string: perhaps an error event
+            response.recorded_events = _payload_lines(events)
         return response
+
+
+def _payload_lines(events: bytes) -> bytes | None:
+    """Whole events' payloads one per line: at once when each is one ``data: `` line, else through the
+    SSE parser (comments, several lines); None when a payload spans lines."""
+    lines = payload_lines(events)
+    if lines is None:
+        payloads = whole_payloads(events)
+        if payloads and not any(b"\n" in payload for payload in payloads):
+            lines = b"\n".join(payloads)
+    return lines
 
 
 def _add_up(assembler: StreamAssembler, events: bytes, chunks: list[dict[str, Any]] | None) -> bool:

@@ -52,6 +52,7 @@ def delta_tokens(chunk: dict[str, Any]) -> int:
 
 
 _DATA = b"data: "
+_NEXT_EVENT = b"\n\ndata: "
 
 
 class SSEParser:
@@ -93,6 +94,17 @@ def whole_payloads(events: bytes) -> list[bytes]:
         if all(part.startswith(_DATA) and b"\n" not in part for part in parts):
             return [part[6:] for part in parts]
     return SSEParser().feed(events)
+
+
+def payload_lines(events: bytes) -> bytes | None:
+    """The ``data:`` payloads of whole SSE events joined one per line (the form of stored stream events),
+    when each event is one ``data: `` line, as workers write them; None otherwise. Every line feed must
+    then be in an event's end (a payload holds none: JSON escapes them in strings)."""
+    if not events.startswith(_DATA) or not events.endswith(b"\n\n") or b"\r" in events:
+        return None
+    if events.count(b"\n") != 2 * events.count(_NEXT_EVENT) + 2:
+        return None
+    return events[6:-2].replace(_NEXT_EVENT, b"\n")
 
 
 def _data_of(event: bytes) -> bytes | None:

@@ -7,7 +7,9 @@ stream events the answer first came as, or synthesizes them from the object), ta
 lock (this request will compute the answer), or finds another request computing it and waits for that
 (``flight``). On the way back (``on_response``, which for a stream the core calls once with the
 assembled answer, and only for complete streams) it stores complete answers in the background, so a
-store never delays a reply (a stream's events too, recorded in ``on_chunk``). Because the cache runs
+store never delays a reply (a stream's events too, recorded in ``on_chunk`` or by the core). A stream
+the core recorded is stored as the worker's events, not parsed (``replay.marked_events``); a hit that
+needs the answer as an object assembles it from them. Because the cache runs
 before output-validating plugins and ``on_response`` runs in reverse order, an answer that a later
 plugin rejected raises before it reaches the cache and is never stored.
 
@@ -31,13 +33,21 @@ from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.services import Services
 from gateway.wire.errors import GatewayTimeout, InvalidRequest, ServiceUnavailable
+from gateway.wire.protocol import requested_choices
 from plugins.cache.config import CacheConfig
 from plugins.cache.flight import wait_for_leader
 from plugins.cache.keys import CacheKey, backing_of, entry_pattern, make_key
-from plugins.cache.policy import Decision, decide, is_complete
-from plugins.cache.replay import fresh_answer, recorded_event, stored_body
+from plugins.cache.policy import Decision, decide, events_complete, is_complete
+from plugins.cache.replay import fresh_answer, fresh_answer_of_events, marked_events, recorded_event, stored_body
 from plugins.cache.shared import SHARED_KEY, shared_state
-from plugins.cache.store import CacheStore, Lookup, RedisUnavailable, decode_entry, encode_entry
+from plugins.cache.store import (
+    CacheStore,
+    Lookup,
+    RedisUnavailable,
+    decode_entry,
+    encode_entry,
+    encode_events_entry,
+)
 
 log = logging.getLogger("plugins.cache")
 _PURGE_BUDGET_S = 120.0
@@ -194,13 +204,16 @@ class CachePlugin(Plugin):
         decoded = decode_entry(raw)
         if decoded is None:
             return None
-        created, body, chunks_raw = decoded
         now = time.time()
-        age = max(0.0, now - created)
+        age = max(0.0, now - decoded.created)
         if decision.max_age_s is not None and age > decision.max_age_s:
             return None
+        body = decoded.body or decoded.chunks
         try:
-            answer = fresh_answer(body, chunks_raw if ctx.stream else b"", int(now))
+            if decoded.body:
+                answer = fresh_answer(decoded.body, decoded.chunks if ctx.stream else b"", int(now))
+            else:
+                answer = fresh_answer_of_events(decoded.id_prefix, decoded.chunks, int(now), stream=ctx.stream)
         except (orjson.JSONDecodeError, TypeError, ValueError):
             return None  # an entry this version cannot read is a miss
         ctx.response_headers["x-cache"] = "hit"
@@ -267,6 +280,8 @@ class CachePlugin(Plugin):
             self.metrics.not_stored.labels(pending.model, "rerouted").inc()
             return None
         if ctx.stream and not pending.chunk_bytes:  # passed through as bytes: recorded by the core
+            if self._store_events(ctx, pending, model, response.recorded_events):
+                return None
             self._record_all(pending, response.recorded)
         try:
             complete = is_complete(response.json)
@@ -283,13 +298,35 @@ class CachePlugin(Plugin):
         if pending.chunks and len(body) + pending.chunk_bytes <= self.config.max_value_bytes:
             chunks = b"\n".join(pending.chunks)
         pending.chunks = None
+        self._store_entry(pending, model, encode_entry(body, time.time(), chunks))
+        return None
+
+    def _store_events(self, ctx: RequestContext, pending: _Pending, model: str, events: bytes | None) -> bool:
+        """A recorded stream stored as its events only, without parsing them (``marked_events``); False
+        when they must be assembled instead (not recorded, not in the form every worker event takes, or
+        longer than an entry: then the answer alone is stored)."""
+        if events is None or pending.chunks is None or len(events) > self.config.max_value_bytes:
+            return False
+        complete = events_complete(events, requested_choices(ctx.body))
+        if complete is None:
+            return False
+        if not complete:
+            self.metrics.not_stored.labels(model, "incomplete").inc()
+            return True
+        marked = marked_events(events)
+        if marked is None:
+            return False
+        chunks, id_prefix = marked
+        pending.chunks = None
+        self._store_entry(pending, model, encode_events_entry(id_prefix, time.time(), chunks))
+        return True
+
+    def _store_entry(self, pending: _Pending, model: str, entry: bytes) -> None:
         if len(self._writes) + self._storing >= self.config.max_pending_writes:
             self.metrics.not_stored.labels(model, "backlog").inc()
-            return None
+            return
         pending.done = True
-        ttl_ms = self.config.ttl_for(model) * 1000
-        self._store_soon(pending, model, encode_entry(body, time.time(), chunks), ttl_ms)
-        return None
+        self._store_soon(pending, model, entry, self.config.ttl_for(model) * 1000)
 
     def _store_soon(self, pending: _Pending, model: str, entry: bytes, ttl_ms: int) -> None:
         """The background write, as a callback on the batched command (no task per miss); the same

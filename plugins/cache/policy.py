@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from plugins.cache.config import CacheConfig
 
 #: ``finish_reason`` values of a complete answer; anything else (None, "abort", "error") is not stored.
@@ -80,3 +82,46 @@ def is_complete(response: dict[str, Any]) -> bool:
     if not choices:
         return isinstance(response.get("data"), list)
     return all(isinstance(c, dict) and c.get("finish_reason") in COMPLETE_FINISH for c in choices)
+
+
+_FINISH = b'"finish_reason":'
+_NOT_FINISHED = b'"finish_reason":null'
+
+
+def events_complete(events: bytes, choices: int) -> bool | None:
+    """``is_complete`` for a streamed answer of ``choices`` choices from its events (JSON payloads one per
+    line), parsing only the events that finish a choice (found from the end, where they are): every choice
+    0 .. choices-1 finished normally. None when its events carry no compact ``"finish_reason":`` member
+    (assemble them instead). Only the members can match: inside a string value every quote is escaped."""
+    left = events.count(_FINISH) - events.count(_NOT_FINISHED)  # the members that are not null
+    if not events.count(_FINISH):
+        return None
+    finished: dict[int, Any] = {}
+    seen: list[dict[int, Any]] = []  # each finishing event's reasons, last first
+    end = len(events)
+    while left > 0:
+        at = events.rfind(_FINISH, 0, end)
+        start = events.rfind(b"\n", 0, at) + 1
+        stop = events.find(b"\n", at)
+        line = events[start : stop if stop >= 0 else len(events)]
+        left -= line.count(_FINISH) - line.count(_NOT_FINISHED)
+        end = start
+        if line.count(_FINISH) == line.count(_NOT_FINISHED):
+            continue
+        try:
+            chunk = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            return False
+        reasons: dict[int, Any] = {}
+        for choice in chunk.get("choices") or () if isinstance(chunk, dict) else ():
+            if isinstance(choice, dict) and choice.get("finish_reason") is not None:
+                index = choice.get("index", 0)
+                if type(index) is not int:
+                    return None
+                reasons[index] = choice["finish_reason"]
+        seen.append(reasons)
+    for reasons in reversed(seen):  # in stream order: a later event's reason replaces an earlier one's
+        finished.update(reasons)
+    return finished.keys() == set(range(choices)) and all(
+        isinstance(reason, str) and reason in COMPLETE_FINISH for reason in finished.values()
+    )

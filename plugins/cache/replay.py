@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from gateway.pipeline.context import ModelResponse
+from gateway.wire.streaming import StreamAssembler
 
 
 def fresh_id(original: Any) -> str:
@@ -49,6 +50,48 @@ def recorded_event(chunk: dict[str, Any]) -> bytes:
     return orjson.dumps(chunk)
 
 
+_ID = b'"id":'
+_CREATED = b'"created":'
+
+
+def marked_events(events: bytes) -> tuple[bytes, str] | None:
+    """A recorded stream's events (JSON payloads one per line, as the worker wrote them) as stored, with
+    each one's id and created marked by byte replacement, not parsed, and the prefix of the stream's id;
+    None unless every event carries the first one's id and created, written compactly, and no other
+    member is named so (then each event goes through ``recorded_event``). The members cannot match inside
+    a string value (there every quote is escaped)."""
+    end = events.find(b"\n")
+    try:
+        first = orjson.loads(events[:end] if end >= 0 else events)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(first, dict):
+        return None
+    original, created = first.get("id"), first.get("created")
+    if not isinstance(original, str) or type(created) is not int:
+        return None
+    lines = events.count(b"\n") + 1
+    if not events.count(_ID) == events.count(_CREATED) == lines:
+        return None
+    id_member, stamp = _ID + orjson.dumps(original), _CREATED + str(created).encode()
+    marked, ids = _replace_counted(events, id_member, _EVENT_ID_BYTES)
+    # the whole number: not the start of a longer one
+    marked, stamps = _replace_counted(marked, stamp + b",", _EVENT_CREATED_BYTES + b",")
+    marked, last = _replace_counted(marked, stamp + b"}", _EVENT_CREATED_BYTES + b"}")
+    if ids != lines or stamps + last != lines:
+        return None
+    return marked, _id_prefix(original)
+
+
+def _replace_counted(data: bytes, old: bytes, new: bytes) -> tuple[bytes, int]:
+    """``data.replace(old, new)`` and how many times ``old`` was found: from the change of length when
+    there is one (one pass over the data instead of two)."""
+    out = data.replace(old, new)
+    if len(old) == len(new):
+        return out, data.count(old)
+    return out, (len(data) - len(out)) // (len(old) - len(new))
+
+
 def stored_body(obj: dict[str, Any]) -> bytes:
     """An answer as stored: with an id and a created, those two first and marked (the key order of a
     JSON object carries no meaning); else as it is."""
@@ -57,6 +100,37 @@ def stored_body(obj: dict[str, Any]) -> bytes:
         return orjson.dumps(obj)
     rest = {k: v for k, v in obj.items() if k != "id" and k != "created"}
     return orjson.dumps({"id": _id_prefix(original) + _MARK, "created": _CREATED_MARK, **rest})
+
+
+def fresh_answer_of_events(id_prefix: str, events: bytes, created: int, *, stream: bool) -> ModelResponse:
+    """An answer stored as its events only (``marked_events``) as a new one: the events under a fresh
+    ``id`` and ``created`` (for a streaming hit), and the answer they add up to, assembled when it is read
+    (the body of a hit that is not streamed, or a plugin that reads the answer)."""
+    new_id = id_prefix + uuid.uuid4().hex
+    fresh = events.replace(_EVENT_ID_BYTES, b'"id":' + orjson.dumps(new_id)).replace(
+        _EVENT_CREATED_BYTES, b'"created":' + str(created).encode()
+    )
+
+    if not stream:  # what cannot be read raises here: the request is then a miss
+        return ModelResponse(json=_assembled(fresh))
+
+    def assemble() -> tuple[dict[str, Any], None]:
+        try:
+            return _assembled(fresh), None
+        except (orjson.JSONDecodeError, TypeError, ValueError):  # the events were replayed as they came
+            return {}, None
+
+    return ModelResponse(assemble=assemble, chunks=fresh)
+
+
+def _assembled(events: bytes) -> dict[str, Any]:
+    assembler = StreamAssembler()
+    for line in events.split(b"\n"):
+        chunk = orjson.loads(line)
+        if not isinstance(chunk, dict):
+            raise ValueError("a stored event is a JSON object")
+        assembler.add(chunk)
+    return assembler.result()
 
 
 def fresh_answer(body: bytes, events: bytes, created: int) -> ModelResponse:

@@ -14,7 +14,7 @@ import asyncio
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
@@ -27,11 +27,25 @@ T = TypeVar("T")
 
 # An entry is: format byte, creation time (unix seconds, big-endian double), then for format 1 the
 # response body bytes; for format 2 the body's length (big-endian u32), the body, and the stream events
-# the answer first came as (their JSON, one per line; empty when it was not streamed or they did not fit).
+# the answer first came as (their JSON, one per line; empty when it was not streamed or they did not fit);
+# for format 3 (a streamed answer stored as its events only, not parsed when stored) the id prefix's
+# length (big-endian u32), the prefix of the answer's id, and the events.
 _ENTRY_FORMAT = b"\x02"
+_EVENTS_FORMAT = b"\x03"
 _HEADER = struct.Struct(">d")
 _HEADER_SIZE = 1 + _HEADER.size
 _LENGTH = struct.Struct(">I")
+
+
+class Entry(NamedTuple):
+    """A stored answer: when it was made, its body, and the events it first streamed as (b"" when
+    none); an entry of events only has an empty body and the prefix of the answer's id."""
+
+    created: float
+    body: bytes
+    chunks: bytes
+    id_prefix: str = ""
+
 
 # Hit: the value. Miss: take the single-flight lock when asked ("lock"), or report whether another
 # request holds it ("peek"). One round trip either way.
@@ -77,20 +91,34 @@ def encode_entry(body: bytes, created: float, chunks: bytes = b"") -> bytes:
     return _ENTRY_FORMAT + _HEADER.pack(created) + _LENGTH.pack(len(body)) + body + chunks
 
 
-def decode_entry(raw: bytes) -> tuple[float, bytes, bytes] | None:
-    """(created, body, chunks or b""), or None for a value this version does not understand (a miss)."""
+def encode_events_entry(id_prefix: str, created: float, chunks: bytes) -> bytes:
+    """An entry for a streamed answer kept as its ``chunks`` only (JSON, one per line): the answer is
+    assembled from them when a hit needs it as an object. ``id_prefix``: its id's (``chatcmpl-``)."""
+    prefix = id_prefix.encode()
+    return _EVENTS_FORMAT + _HEADER.pack(created) + _LENGTH.pack(len(prefix)) + prefix + chunks
+
+
+def decode_entry(raw: bytes) -> Entry | None:
+    """The entry, or None for a value this version does not understand (a miss)."""
     if len(raw) <= _HEADER_SIZE:
         return None
     created: float = _HEADER.unpack_from(raw, 1)[0]
     if raw[:1] == b"\x01":  # written before stream events were kept
-        return created, raw[_HEADER_SIZE:], b""
-    if raw[:1] != _ENTRY_FORMAT or len(raw) < _HEADER_SIZE + _LENGTH.size:
+        return Entry(created, raw[_HEADER_SIZE:], b"")
+    if raw[:1] not in (_ENTRY_FORMAT, _EVENTS_FORMAT) or len(raw) < _HEADER_SIZE + _LENGTH.size:
         return None
     start = _HEADER_SIZE + _LENGTH.size
     end = start + _LENGTH.unpack_from(raw, _HEADER_SIZE)[0]
     if end > len(raw):
         return None
-    return created, raw[start:end], raw[end:]
+    if raw[:1] == _EVENTS_FORMAT:
+        if end == len(raw):
+            return None
+        try:
+            return Entry(created, b"", raw[end:], raw[start:end].decode())
+        except UnicodeDecodeError:
+            return None
+    return Entry(created, raw[start:end], raw[end:])
 
 
 class CacheStore:

@@ -337,11 +337,16 @@ class TenancyPlugin(Plugin):
         admitted: Admitted | None = ctx.state.get(self.name)
         if admitted is None or response.status != 200:
             return None
-        usage = estimate.reported_usage(response.json)
+        sent = ctx.delivered
+        # ``response.usage``: a recorded or replayed stream is not assembled only to find it. Without a
+        # usage the answer's text gives an estimate, except for a counted stream, which is then billed
+        # by the tokens it sent (``delivered``).
+        usage = estimate.reported_usage({"usage": response.usage})
+        if usage is None and not (ctx.stream and sent is not None and sent.stream_tokens is not None):
+            usage = estimate.reported_usage(response.json)
         if usage is not None:
             prompt = usage[0] if usage[0] is not None else admitted.prompt_estimate
             admitted.answer = (prompt, usage[1])
-        sent = ctx.delivered
         if ctx.stream and (sent is None or sent.stream_tokens is None):
             return None  # a replayed (cached) answer: charged at the end, like any other
         prompt, completion = priced_pair(self.delivered(ctx, admitted, answered=True), admitted.factor)

@@ -1,5 +1,6 @@
 """A pass-through stream recorded for a plugin (``ctx.record_stream``: the cache): ``StreamTap`` keeps its
-whole events within a byte budget and parses them once, at the end, into the answer the plugin stores."""
+whole events within a byte budget and hands them over at the end, as they came and, when read, parsed
+once into the answer they add up to."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.proxy.stream_tap import StreamTap, output_events
-from gateway.wire.streaming import SSEParser, whole_payloads
+from gateway.wire.streaming import SSEParser, payload_lines, whole_payloads
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 
@@ -67,6 +68,34 @@ def test_the_recording_is_the_events_as_sent_and_adds_up_to_the_answer(read_size
     assert answer.json["usage"] == USAGE and answer.json["object"] == "chat.completion"
 
 
+def test_the_recording_is_parsed_only_when_a_plugin_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin that stores the events as they came (``recorded_events``) costs no parsing; reading the
+    answer or ``recorded`` parses them once; an answer a plugin replaced has no events to keep."""
+    import gateway.proxy.stream_tap as stream_tap
+
+    parsed: list[bytes] = []
+    add_up = stream_tap._add_up
+
+    def counted(assembler: Any, events: bytes, chunks: Any) -> bool:
+        parsed.append(events)
+        return add_up(assembler, events, chunks)
+
+    monkeypatch.setattr(stream_tap, "_add_up", counted)
+    chunks = worker_stream(["Hel", "lo"])
+    raw = b"".join(event(c) for c in chunks) + b"data: [DONE]\n\n"
+    tap = StreamTap(strip=True, record=1 << 20)
+    feed_torn(tap, raw, 64)
+    answer = tap.settlement(completed=True)
+    assert answer.recorded_events == b"\n".join(orjson.dumps(c) for c in chunks)
+    assert answer.usage == USAGE  # the usage event read alone (billing)
+    assert parsed == []
+    assert answer.json["choices"][0]["message"]["content"] == "Hello"
+    assert answer.recorded == chunks and answer.body == orjson.dumps(answer.json)
+    assert len(parsed) == 1  # once, for all of them
+    answer.replace_json({"usage": USAGE})
+    assert answer.recorded_events is None and answer.json == {"usage": USAGE}
+
+
 def test_past_its_budget_the_answer_is_still_assembled_without_its_events() -> None:
     words = [f"w{i} " for i in range(200)]
     raw = b"".join(event(c) for c in worker_stream(words)) + b"data: [DONE]\n\n"
@@ -91,6 +120,15 @@ def test_an_error_event_leaves_nothing_to_keep() -> None:
     raw = b"".join(event(c) for c in chunks) + event({"error": {"message": "boom", "code": 500}})
     tap = StreamTap(strip=False, record=1 << 20)
     feed_torn(tap, raw + b"data: [DONE]\n\n", 64)
+    answer = tap.settlement(completed=True)
+    assert answer.recorded_events is None  # not kept to be stored as they came
+    assert answer.recorded is None and answer.json == {}
+
+
+def test_an_event_that_is_not_json_is_found_when_the_answer_is_read() -> None:
+    raw = event(worker_stream(["a"])[0]) + b"data: {not json\n\n" + b"data: [DONE]\n\n"
+    tap = StreamTap(strip=False, record=1 << 20)
+    feed_torn(tap, raw, 64)
     answer = tap.settlement(completed=True)
     assert answer.recorded is None and answer.json == {}
 
@@ -172,3 +210,8 @@ def test_the_recordings_payloads_are_what_the_sse_parser_finds(events: list[byte
     and hands anything else (CRLF line ends too) to ``SSEParser``: the payloads are the parser's either way."""
     whole = b"".join(e + end for e in events)
     assert whole_payloads(whole) == SSEParser().feed(whole)
+    # joined one per line at once only when each is one "data: " line, as the parser would find them
+    lines = payload_lines(whole)
+    assert lines is None or lines == b"\n".join(SSEParser().feed(whole))
+    worker_form = all(e.startswith(b"data: ") and b"\n" not in e for e in events) and end == b"\n\n"
+    assert (lines is not None) == (worker_form and bool(events))

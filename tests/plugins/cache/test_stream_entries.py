@@ -1,0 +1,224 @@
+"""A streamed answer the cache stores is kept as the worker's events, not parsed on the miss
+(``plugins/cache/replay.py`` ``marked_events``, ``plugins/cache/policy.py`` ``events_complete``): what a
+later hit of either shape gets, and which worker events the byte path leaves to the parsing one. The
+parsing path (``recorded_event`` per event, ``is_complete`` on the assembled answer) is the reference."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.wire.streaming import SSEParser, StreamAssembler
+from plugins.cache.policy import events_complete, is_complete
+from plugins.cache.replay import marked_events, recorded_event
+from plugins.cache.store import decode_entry
+from tests.support.cache import (
+    MESSAGES,
+    PLUGINS,
+    cache_gateway_config,
+    entry_names,
+    namespace,
+    redis_client,
+    sdk_chat,
+    wait_stored,
+)
+from tests.support.fakes import FakeUpstream
+from tests.support.gateways import GatewayFactory
+
+__all__ = ["namespace", "redis_client"]  # fixtures used by name below
+
+# Text a client could make a model say: JSON members and markers inside content are escaped.
+TRICKY = 'He said "id":"chatcmpl-fake","created":1, "finish_reason":"stop" and "error": {} \\u0000 é'
+
+
+def _without(obj: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k not in keys}
+
+
+def _stream(url: str, **body: Any) -> tuple[str, list[dict[str, Any]]]:
+    payload = {"model": "m1", "messages": MESSAGES, "temperature": 0, "stream": True, **body}
+    response = httpx.post(url + "/v1/chat/completions", json=payload, timeout=30)
+    assert response.status_code == 200
+    payloads = SSEParser().feed(response.content)
+    assert payloads[-1] == b"[DONE]"
+    return response.headers["x-cache"], [orjson.loads(p) for p in payloads[:-1]]
+
+
+def _assembled(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    assembler = StreamAssembler()
+    for chunk in chunks:
+        assembler.add(chunk)
+    return assembler.result()
+
+
+@pytest.mark.parametrize("text", ["Hello from the fake worker.", TRICKY])
+def test_a_streamed_miss_is_stored_as_its_events_and_serves_either_shape(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    namespace: str,
+    redis_client: redis.Redis,
+    text: str,
+) -> None:
+    upstream.behavior.text = text
+    upstream.behavior.chunks = 4
+    usage = {"stream_options": {"include_usage": True}}
+    with gateway_factory(cache_gateway_config(upstream_url, namespace), plugins=PLUGINS) as (_, server):
+        state, original = _stream(server.url, **usage)
+        wait_stored(redis_client, namespace)
+        [name] = entry_names(redis_client, namespace)
+        entry = decode_entry(redis_client.get(name) or b"")
+        hit_state, answer = sdk_chat(server.url, stream=False)
+        stream_state, replayed = _stream(server.url, **usage)
+    assert (state, hit_state, stream_state) == ("miss", "hit", "hit")
+    assert len(upstream.requests) == 1
+    # kept as the worker's events (role, four pieces, the finish, the usage), not parsed into a body
+    assert entry is not None and entry.body == b"" and entry.id_prefix == "chatcmpl-"
+    assert len(entry.chunks.split(b"\n")) == len(original) == 7
+    # the answer a hit that is not streamed gets: what the events add up to, under a fresh id and created
+    expected = _assembled(original)
+    body = answer.model_dump(exclude_unset=True)
+    assert answer.choices[0].message.content == text
+    assert answer.id.startswith("chatcmpl-") and answer.id != expected["id"] and answer.created > expected["created"]
+    assert _without(body, "id", "created") == _without(expected, "id", "created")
+    # a streamed hit: the same events, one fresh id and created on all of them
+    assert [_without(c, "id", "created") for c in replayed] == [_without(c, "id", "created") for c in original]
+    assert len({c["id"] for c in replayed}) == 1 and replayed[0]["id"] not in (answer.id, original[0]["id"])
+    assert {c["created"] for c in replayed} == {answer.created}
+
+
+def test_tool_call_streams_take_the_parsing_path_and_replay_alike(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    namespace: str,
+    redis_client: redis.Redis,
+) -> None:
+    """A tool call's delta has a member named ``id`` of its own: the events are parsed and stored with
+    the answer, as before this path existed, and a streamed hit replays them with the call's id kept."""
+    upstream.behavior.tool_calls = [{"id": "call_1", "name": "lookup", "arguments": '{"q": "x"}'}]
+    with gateway_factory(cache_gateway_config(upstream_url, namespace), plugins=PLUGINS) as (_, server):
+        _, original = _stream(server.url)
+        wait_stored(redis_client, namespace)
+        [name] = entry_names(redis_client, namespace)
+        entry = decode_entry(redis_client.get(name) or b"")
+        state, replayed = _stream(server.url)
+    assert entry is not None and entry.body and entry.chunks  # the answer and its events
+    assert state == "hit"
+    assert [_without(c, "id", "created") for c in replayed] == [_without(c, "id", "created") for c in original]
+    calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in replayed if c["choices"][0]["delta"].get("tool_calls")]
+    assert calls[0]["id"] == "call_1"
+
+
+# -- the byte path against the parsing one ---------------------------------------------------------
+
+_pieces = st.sampled_from([*'ab "\\:,{}[]\n\x00é', '"id":', '"id":"chatcmpl-abc"', '"created":1700000000,'])
+_texts = st.lists(_pieces, max_size=8).map("".join)
+
+
+def _chunk(
+    index: int, delta: dict[str, Any], finish: str | None, stamp: int = 1700000000, ident: str = "chatcmpl-abc"
+) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    head = {"id": ident, "object": "chat.completion.chunk", "created": stamp, "model": "m"}
+    return {**head, "choices": [choice]}
+
+
+_Stream = tuple[list[dict[str, Any]], int]  # the events, the number of choices
+# ids and created stamps whose members are as long as the markers ("abcdef", -1), shorter, or longer
+_idents = st.sampled_from(["chatcmpl-abc", "cmpl-7", "abcdef", "x", "chatcmpl-" + "f" * 32])
+_stamps = st.sampled_from([1700000000, -1, 0, 12, 1])
+
+
+@st.composite
+def _streams(draw: st.DrawFn) -> _Stream:
+    choices = draw(st.integers(1, 3))
+    ident, stamp = draw(_idents), draw(_stamps)
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return _chunk(index, delta, finish, stamp, ident)
+
+    chunks = [chunk(i, {"role": "assistant", "content": ""}) for i in range(choices)]
+    for _ in range(draw(st.integers(0, 6))):
+        chunks.append(chunk(draw(st.integers(0, choices - 1)), {"content": draw(_texts)}))
+    for index in range(choices):
+        chunks.append(chunk(index, {}, draw(st.sampled_from([None, "stop", "length", "abort", "tool_calls"]))))
+    if draw(st.booleans()):
+        chunks.append({**chunk(0, {}), "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}})
+    return chunks, choices
+
+
+def _blob(chunks: list[dict[str, Any]]) -> bytes:
+    return b"\n".join(orjson.dumps(c) for c in chunks)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_streams())
+def test_marking_events_as_bytes_stores_what_marking_them_parsed_stores(stream: _Stream) -> None:
+    chunks, _ = stream
+    marked = marked_events(_blob(chunks))
+    assert marked is not None
+    events, prefix = marked
+    assert prefix == (chunks[0]["id"].split("-")[0] + "-" if "-" in chunks[0]["id"] else "")
+    assert [orjson.loads(line) for line in events.split(b"\n")] == [orjson.loads(recorded_event(c)) for c in chunks]
+
+
+@settings(max_examples=300, deadline=None)
+@given(_streams())
+def test_completeness_from_the_finishing_events_is_the_assembled_answers(stream: _Stream) -> None:
+    chunks, choices = stream
+    assert events_complete(_blob(chunks), choices) is is_complete(_assembled(chunks))
+
+
+def test_events_not_in_the_workers_form_are_left_to_the_parsing_path() -> None:
+    chunks = [_chunk(0, {"content": "a"}, None), _chunk(0, {}, "stop")]
+    spaced = b"\n".join(json.dumps(c).encode() for c in chunks)  # '"id": "..."': another server's style
+    assert marked_events(spaced) is None
+    assert events_complete(spaced, 1) is True  # found by parsing every event that is not compact
+    assert events_complete(spaced.replace(b'"finish_reason":', b'"finish_reason" :'), 1) is None
+    later = [chunks[0], _chunk(0, {}, "stop", stamp=17000000001)]  # a created the first one's is a prefix of
+    assert marked_events(_blob(later)) is None
+    # another id as long as the marker (the replacement does not change the length): still counted
+    other = [_chunk(0, {"content": "a"}, None, ident="abcdef"), _chunk(0, {}, "stop", ident="abcdeg")]
+    assert marked_events(_blob(other)) is None
+    tool = _chunk(0, {"tool_calls": [{"index": 0, "id": "call_1", "type": "function"}]}, None)
+    assert marked_events(_blob([tool, chunks[1]])) is None
+    no_id = {k: v for k, v in chunks[1].items() if k != "id"}
+    assert marked_events(_blob([chunks[0], no_id])) is None
+    assert marked_events(b"not json\n" + orjson.dumps(chunks[1])) is None
+    # a finishing event that is not JSON: not complete (nothing is stored)
+    assert events_complete(orjson.dumps(chunks[0]) + b'\n{"finish_reason":"stop"', 1) is False
+    # a choice that never finished, or an index that is not a number
+    assert events_complete(_blob(chunks), 2) is False
+    odd = {**chunks[1], "choices": [{"index": "0", "delta": {}, "finish_reason": "stop"}]}
+    assert events_complete(_blob([chunks[0], odd]), 1) is None
+
+
+def test_a_replayed_streams_usage_is_read_without_assembling_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Billing a streamed hit reads the stored usage event alone; the answer is assembled only when read."""
+    import plugins.cache.replay as replay
+
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    chunks = [
+        _chunk(0, {"content": "a"}, None),
+        _chunk(0, {}, "stop"),
+        {**_chunk(0, {}, None), "choices": [], "usage": usage},
+    ]
+    marked = marked_events(_blob(chunks))
+    assert marked is not None
+    answer = replay.fresh_answer_of_events(marked[1], marked[0], 5, stream=True)
+    with monkeypatch.context() as patched:
+        patched.setattr(replay, "_assembled", lambda events: pytest.fail("assembled"))
+        assert answer.usage == usage
+    assert answer.json["usage"] == usage and answer.json["choices"][0]["message"]["content"] == "a"
+    assert answer.json["id"].startswith("chatcmpl-") and answer.json["id"] != "chatcmpl-abc"
+    # without a usage event the answer is assembled to look for one
+    plain = replay.fresh_answer_of_events("chatcmpl-", marked[0].rsplit(b"\n", 1)[0], 5, stream=True)
+    assert plain.usage is None
