@@ -33,11 +33,10 @@ from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.services import Services
 from gateway.wire.errors import GatewayTimeout, InvalidRequest, ServiceUnavailable
-from gateway.wire.protocol import requested_choices
 from plugins.cache.config import CacheConfig
 from plugins.cache.flight import wait_for_leader
 from plugins.cache.keys import CacheKey, backing_of, entry_pattern, make_key
-from plugins.cache.policy import Decision, decide, events_complete, is_complete
+from plugins.cache.policy import Decision, decide, events_complete, is_complete, stream_choices
 from plugins.cache.replay import fresh_answer, fresh_answer_of_events, marked_events, recorded_event, stored_body
 from plugins.cache.shared import SHARED_KEY, shared_state
 from plugins.cache.store import (
@@ -305,9 +304,10 @@ class CachePlugin(Plugin):
         """A recorded stream stored as its events only, without parsing them (``marked_events``); False
         when they must be assembled instead (not recorded, not in the form every worker event takes, or
         longer than an entry: then the answer alone is stored)."""
-        if events is None or pending.chunks is None or len(events) > self.config.max_value_bytes:
+        choices = stream_choices(ctx.endpoint, ctx.body)
+        if events is None or choices is None or pending.chunks is None or len(events) > self.config.max_value_bytes:
             return False
-        complete = events_complete(events, requested_choices(ctx.body))
+        complete = events_complete(events, choices)
         if complete is None:
             return False
         if not complete:

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from gateway.wire.protocol import requested_choices
 from plugins.cache.config import CacheConfig
 
 #: ``finish_reason`` values of a complete answer; anything else (None, "abort", "error") is not stored.
@@ -82,6 +83,14 @@ def is_complete(response: dict[str, Any]) -> bool:
     if not choices:
         return isinstance(response.get("data"), list)
     return all(isinstance(c, dict) and c.get("finish_reason") in COMPLETE_FINISH for c in choices)
+
+
+def stream_choices(endpoint: str, body: dict[str, Any]) -> int | None:
+    """How many choices a streamed answer to ``body`` has (``n``), or None when that depends on more
+    (legacy completions of a list of prompts: ``n`` for each)."""
+    if endpoint == "chat/completions" or (endpoint == "completions" and isinstance(body.get("prompt"), str)):
+        return requested_choices(body)
+    return None
 
 
 _FINISH = b'"finish_reason":'

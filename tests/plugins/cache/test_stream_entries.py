@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.wire.streaming import SSEParser, StreamAssembler
-from plugins.cache.policy import events_complete, is_complete
+from plugins.cache.policy import events_complete, is_complete, stream_choices
 from plugins.cache.replay import marked_events, recorded_event
 from plugins.cache.store import decode_entry
 from tests.support.cache import (
@@ -175,6 +175,15 @@ def test_marking_events_as_bytes_stores_what_marking_them_parsed_stores(stream: 
 def test_completeness_from_the_finishing_events_is_the_assembled_answers(stream: _Stream) -> None:
     chunks, choices = stream
     assert events_complete(_blob(chunks), choices) is is_complete(_assembled(chunks))
+
+
+def test_the_choices_a_stream_must_finish_are_known_only_for_one_prompt() -> None:
+    assert stream_choices("chat/completions", {"n": 3}) == 3
+    assert stream_choices("chat/completions", {"n": True}) == 1
+    assert stream_choices("completions", {"prompt": "once"}) == 1
+    # a list of prompts has n choices for each: its stream is assembled to tell
+    assert stream_choices("completions", {"prompt": ["a", "b"], "n": 2}) is None
+    assert stream_choices("completions", {"prompt": [1, 2, 3]}) is None
 
 
 def test_events_not_in_the_workers_form_are_left_to_the_parsing_path() -> None:
