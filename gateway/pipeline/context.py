@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from gateway.wire.streaming import wants_usage
+from gateway.wire.streaming import USAGE_MEMBER, wants_usage
 
 log = logging.getLogger("gateway.context")
-_USAGE_MEMBER = b'"usage":{'
 
 if TYPE_CHECKING:
     from gateway.pipeline.batch_config import BatchLine
@@ -118,7 +117,7 @@ class ModelResponse:
         events = self.chunks if self.chunks is not None else self.recorded_events
         if self._json is not None or self._body is not None or events is None:
             return self.json.get("usage")
-        at = events.rfind(_USAGE_MEMBER)
+        at = events.rfind(USAGE_MEMBER)
         if at >= 0:
             end = events.find(b"\n", at)
             try:

@@ -35,9 +35,8 @@ import orjson
 from gateway.pipeline.context import ModelResponse
 from gateway.proxy.answer import is_error_event
 from gateway.proxy.token_limit import length_end
-from gateway.wire.streaming import StreamAssembler, payload_lines, whole_payloads
+from gateway.wire.streaming import USAGE_MEMBER, StreamAssembler, payload_lines, whole_payloads
 
-_USAGE = b'"usage":{'
 _DONE = b"data: [DONE]"
 _EVENT = b"data:"
 _DONE_EVENT = b"data: [DONE]\n\n"
@@ -92,7 +91,7 @@ class StreamTap:
             piece, done = piece[:mark], piece[mark:]
         if self._recording is not None:
             self._recording.add(piece)
-        if _USAGE in piece:
+        if USAGE_MEMBER in piece:
             piece = self._take_usage(piece)
         tokens = output_events(piece)
         if self.limit is not None and self.tokens + tokens > self.limit:
@@ -151,7 +150,7 @@ class StreamTap:
     def _take_usage(self, piece: bytes) -> bytes:
         """Keep the usage of the (whole) event that carries it; drop that event when the client did not
         ask for it."""
-        at = piece.rfind(_USAGE)
+        at = piece.rfind(USAGE_MEMBER)
         start = piece.rfind(_EVENT, 0, at)
         end = piece.find(b"\n\n", at)
         try:

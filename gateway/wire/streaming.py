@@ -53,6 +53,8 @@ def delta_tokens(chunk: dict[str, Any]) -> int:
 
 _DATA = b"data: "
 _NEXT_EVENT = b"\n\ndata: "
+#: The member that carries an event's usage object; it cannot match inside a string (quotes are escaped).
+USAGE_MEMBER = b'"usage":{'
 
 
 class SSEParser:

@@ -207,7 +207,7 @@ class CachePlugin(Plugin):
         age = max(0.0, now - decoded.created)
         if decision.max_age_s is not None and age > decision.max_age_s:
             return None
-        body = decoded.body or decoded.chunks
+        served = decoded.body or decoded.chunks  # an entry of events only has no body
         try:
             if decoded.body:
                 answer = fresh_answer(decoded.body, decoded.chunks if ctx.stream else b"", int(now))
@@ -219,7 +219,7 @@ class CachePlugin(Plugin):
         ctx.response_headers["age"] = str(int(age))
         ctx.log["cache"] = "hit"
         self.metrics.hits.labels(model).inc()
-        self.metrics.bytes.labels("served").inc(len(body))
+        self.metrics.bytes.labels("served").inc(len(served))
         self.metrics.hit_latency.labels(model).observe(time.perf_counter() - started)
         return answer
 

@@ -105,8 +105,7 @@ def events_complete(events: bytes, choices: int) -> bool | None:
     left = events.count(_FINISH) - events.count(_NOT_FINISHED)  # the members that are not null
     if not events.count(_FINISH):
         return None
-    finished: dict[int, Any] = {}
-    seen: list[dict[int, Any]] = []  # each finishing event's reasons, last first
+    finished: dict[int, Any] = {}  # read from the end: the first reason found for a choice is its last
     end = len(events)
     while left > 0:
         at = events.rfind(_FINISH, 0, end)
@@ -128,9 +127,8 @@ def events_complete(events: bytes, choices: int) -> bool | None:
                 if type(index) is not int:
                     return None
                 reasons[index] = choice["finish_reason"]
-        seen.append(reasons)
-    for reasons in reversed(seen):  # in stream order: a later event's reason replaces an earlier one's
-        finished.update(reasons)
+        for index, reason in reasons.items():
+            finished.setdefault(index, reason)
     return finished.keys() == set(range(choices)) and all(
         isinstance(reason, str) and reason in COMPLETE_FINISH for reason in finished.values()
     )
