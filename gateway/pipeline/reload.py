@@ -253,10 +253,7 @@ class ConfigChannel:
                     await pubsub.subscribe(self.name)
                     self.ready.set()
                     backoff = 0.5
-                    while True:
-                        message = await pubsub.get_message(timeout=1.0)
-                        if message is not None and message.get("type") == "message":
-                            await self._received(message["data"])
+                    await self._receive(pubsub)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: keep serving, try again later
@@ -264,6 +261,13 @@ class ConfigChannel:
                 log.warning("config channel %s: %s; retrying in %.1f s", self.name, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
+
+    async def _receive(self, pubsub: aioredis.client.PubSub) -> None:
+        """Apply each message of a subscribed channel, until the connection fails."""
+        while True:
+            message = await pubsub.get_message(timeout=1.0)
+            if message is not None and message.get("type") == "message":
+                await self._received(message["data"])
 
     async def _received(self, data: bytes) -> None:
         try:

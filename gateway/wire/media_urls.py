@@ -75,20 +75,26 @@ def check_media_urls(messages: list[Any], where: str = "messages") -> None:
         if not isinstance(content, list):
             continue
         for j, part in enumerate(content):
-            if not isinstance(part, dict):
-                continue
-            for field in _URL_PARTS:
-                value = part.get(field)
-                url = value.get("url") if isinstance(value, dict) else value
-                if isinstance(url, str):
-                    problem = url_problem(url)
-                    if problem is not None:
-                        param = f"{where}[{i}].content[{j}].{field}"
-                        raise InvalidRequest(
-                            f"'{param}' is not accepted: {problem}. Send a public https URL or a data: URL.",
-                            param=param,
-                            code="url_not_allowed",
-                        )
+            found = _part_problem(part) if isinstance(part, dict) else None
+            if found is not None:
+                field, problem = found
+                param = f"{where}[{i}].content[{j}].{field}"
+                raise InvalidRequest(
+                    f"'{param}' is not accepted: {problem}. Send a public https URL or a data: URL.",
+                    param=param,
+                    code="url_not_allowed",
+                )
+
+
+def _part_problem(part: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, why) for the first media URL of a content part that may not reach a worker, or None."""
+    for field in _URL_PARTS:
+        value = part.get(field)
+        url = value.get("url") if isinstance(value, dict) else value
+        problem = url_problem(url) if isinstance(url, str) else None
+        if problem is not None:
+            return field, problem
+    return None
 
 
 def url_problem(url: str) -> str | None:
