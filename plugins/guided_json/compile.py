@@ -23,8 +23,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from re import _constants as sre_c  # type: ignore[attr-defined]
-from re import _parser as sre_parse  # type: ignore[attr-defined]
+from re import _constants as sre_c  # type: ignore[attr-defined,unused-ignore]  # typed by newer typesheds
+from re import _parser as sre_parse  # type: ignore[attr-defined,unused-ignore]
 from typing import Any
 
 import orjson
