@@ -9,7 +9,8 @@ lock (this request will compute the answer), or finds another request computing 
 assembled answer, and only for complete streams) it stores complete answers in the background, so a
 store never delays a reply (a stream's events too, recorded in ``on_chunk`` or by the core). A stream
 the core recorded is stored as the worker's events, not parsed (``replay.marked_events``); a hit that
-needs the answer as an object assembles it from them. Because the cache runs
+needs the answer as an object assembles it from them, and the first one that is not streamed writes it
+into the entry (``_keep_body``). Because the cache runs
 before output-validating plugins and ``on_response`` runs in reverse order, an answer that a later
 plugin rejected raises before it reaches the cache and is never stored.
 
@@ -20,6 +21,7 @@ breaker shared across reloads, and the request goes to the engine with ``x-cache
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -37,7 +39,14 @@ from plugins.cache.config import CacheConfig
 from plugins.cache.flight import wait_for_leader
 from plugins.cache.keys import CacheKey, backing_of, entry_pattern, make_key
 from plugins.cache.policy import Decision, decide, events_complete, is_complete, stream_choices
-from plugins.cache.replay import fresh_answer, fresh_answer_of_events, marked_events, recorded_event, stored_body
+from plugins.cache.replay import (
+    body_of_events,
+    fresh_answer,
+    fresh_answer_of_events,
+    marked_events,
+    recorded_event,
+    stored_body,
+)
 from plugins.cache.shared import SHARED_KEY, shared_state
 from plugins.cache.store import (
     CacheStore,
@@ -92,7 +101,7 @@ class CachePlugin(Plugin):
         )
         self._writes: set[asyncio.Task[None]] = set()
         self._backing: dict[str, str] = {}  # model name -> backing_of(...) in this config
-        self._storing = 0  # background stores sent as callbacks (``_store_soon``), not yet answered
+        self._storing = 0  # background writes sent as callbacks (``_store_soon``, ``_keep_body``), not yet answered
 
     def prepare(self, config: GatewayConfig) -> None:
         managed = {w.name: w.model for w in config.engine.workers}
@@ -134,7 +143,7 @@ class CachePlugin(Plugin):
             if found is None:
                 return self._bypass(ctx, model, "redis")
             if found.status == "hit" and found.entry is not None:
-                answer = self._answer(ctx, model, found.entry, decision, started)
+                answer = self._answer(ctx, pending, found.entry, decision, started)
                 if answer is not None:
                     return answer
             ctx.response_headers["x-cache"] = "miss"
@@ -198,7 +207,7 @@ class CachePlugin(Plugin):
         return Lookup("hit", entry) if entry is not None else Lookup("miss")
 
     def _answer(
-        self, ctx: RequestContext, model: str, raw: bytes, decision: Decision, started: float
+        self, ctx: RequestContext, pending: _Pending, raw: bytes, decision: Decision, started: float
     ) -> ModelResponse | None:
         decoded = decode_entry(raw)
         if decoded is None:
@@ -211,10 +220,15 @@ class CachePlugin(Plugin):
         try:
             if decoded.body:
                 answer = fresh_answer(decoded.body, decoded.chunks if ctx.stream else b"", int(now))
+            elif ctx.stream:
+                answer = fresh_answer_of_events(decoded.id_prefix, decoded.chunks, int(now))
             else:
-                answer = fresh_answer_of_events(decoded.id_prefix, decoded.chunks, int(now), stream=ctx.stream)
+                body = body_of_events(decoded.id_prefix, decoded.chunks)
+                answer = fresh_answer(body, b"", int(now))
+                self._keep_body(pending, raw, encode_entry(body, decoded.created, decoded.chunks))
         except (orjson.JSONDecodeError, TypeError, ValueError):
             return None  # an entry this version cannot read is a miss
+        model = pending.model
         ctx.response_headers["x-cache"] = "hit"
         ctx.response_headers["age"] = str(int(age))
         ctx.log["cache"] = "hit"
@@ -222,6 +236,31 @@ class CachePlugin(Plugin):
         self.metrics.bytes.labels("served").inc(len(served))
         self.metrics.hit_latency.labels(model).observe(time.perf_counter() - started)
         return answer
+
+    def _keep_body(self, pending: _Pending, read: bytes, entry: bytes) -> None:
+        """An entry of events only, read by a hit that is not streamed, is rewritten with the answer
+        they add up to (and its creation time and expiry), so the next such hit does not assemble it
+        again; in the background, once per entry, within the same bounds as a store."""
+        if (
+            len(entry) > self.config.max_value_bytes
+            or len(self._writes) + self._storing >= self.config.max_pending_writes
+        ):
+            return
+
+        def done(ok: bool | None) -> None:
+            self._storing -= 1
+            if ok is None:
+                self._spawn(self._replace(pending.key, entry, read))
+            elif ok:
+                self.metrics.bytes.labels("stored").inc(len(entry))
+
+        if self.store.replace_soon(pending.key, entry, read, done):
+            self._storing += 1
+
+    async def _replace(self, key: CacheKey, entry: bytes, read: bytes) -> None:
+        with contextlib.suppress(RedisUnavailable):  # counted by the store; the entry stays as it was
+            await self.store.replace(key, entry, read)
+            self.metrics.bytes.labels("stored").inc(len(entry))
 
     def _bypass(self, ctx: RequestContext, model: str, reason: str, *, store: bool = False) -> ModelResponse | None:
         """Not answered from the cache. Unless the fresh answer is still to be stored, the cache has

@@ -102,17 +102,13 @@ def stored_body(obj: dict[str, Any]) -> bytes:
     return orjson.dumps({"id": _id_prefix(original) + _MARK, "created": _CREATED_MARK, **rest})
 
 
-def fresh_answer_of_events(id_prefix: str, events: bytes, created: int, *, stream: bool) -> ModelResponse:
-    """An answer stored as its events only (``marked_events``) as a new one: the events under a fresh
-    ``id`` and ``created`` (for a streaming hit), and the answer they add up to, assembled when it is read
-    (the body of a hit that is not streamed, or a plugin that reads the answer)."""
+def fresh_answer_of_events(id_prefix: str, events: bytes, created: int) -> ModelResponse:
+    """A streamed hit of an answer stored as its events only (``marked_events``): the events under a
+    fresh ``id`` and ``created``, and the answer they add up to, assembled only if a plugin reads it."""
     new_id = id_prefix + uuid.uuid4().hex
     fresh = events.replace(_EVENT_ID_BYTES, b'"id":' + orjson.dumps(new_id)).replace(
         _EVENT_CREATED_BYTES, b'"created":' + str(created).encode()
     )
-
-    if not stream:  # what cannot be read raises here: the request is then a miss
-        return ModelResponse(json=_assembled(fresh))
 
     def assemble() -> tuple[dict[str, Any], None]:
         try:
@@ -121,6 +117,16 @@ def fresh_answer_of_events(id_prefix: str, events: bytes, created: int, *, strea
             return {}, None
 
     return ModelResponse(assemble=assemble, chunks=fresh)
+
+
+def body_of_events(id_prefix: str, events: bytes) -> bytes:
+    """The answer that stored events (``marked_events``) add up to, as ``stored_body`` stores it, so
+    that ``fresh_answer`` gives it a new identity with byte operations from then on. Raises what
+    unreadable events raise (``orjson.JSONDecodeError``, ``ValueError``)."""
+    answer = _assembled(events)
+    if isinstance(answer.get("id"), str):  # the events' marker: the id's prefix goes in front of it
+        answer["id"] = id_prefix + _MARK
+    return stored_body(answer)
 
 
 def _assembled(events: bytes) -> dict[str, Any]:

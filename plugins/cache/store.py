@@ -65,6 +65,14 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if ARGV[3] ~= '' and redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
 return 1
 """
+# Give an entry its answer's body (an entry of events only, read by a hit that is not streamed): only
+# while the key holds the entry that was read (its head: format, creation time, id prefix), with the
+# expiry it has; an entry stored since, or gone, is left as it is.
+_REPLACE = """
+if redis.call('GETRANGE', KEYS[1], 0, string.len(ARGV[2]) - 1) ~= ARGV[2] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL')
+return 1
+"""
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -121,6 +129,12 @@ def decode_entry(raw: bytes) -> Entry | None:
     return Entry(created, raw[start:end], raw[end:])
 
 
+def entry_head(raw: bytes) -> bytes:
+    """What tells one stored entry from another of the same key: its format, its creation time (a
+    float of the clock's resolution) and the length field after them."""
+    return raw[: _HEADER_SIZE + _LENGTH.size]
+
+
 class CacheStore:
     """The cache's Redis operations. ``on_error(op)`` is called for each failure (metrics)."""
 
@@ -142,6 +156,7 @@ class CacheStore:
         self._lookup = client.register_script(_LOOKUP)
         self._store = client.register_script(_STORE)
         self._release = client.register_script(_RELEASE)
+        self._replace = client.register_script(_REPLACE)
 
     @property
     def available(self) -> bool:
@@ -166,7 +181,7 @@ class CacheStore:
 
     async def warm_up(self) -> None:
         """Load the scripts and open a connection, so the first request does not pay for it."""
-        sources = [script.script for script in (self._lookup, self._store, self._release)]
+        sources = [script.script for script in (self._lookup, self._store, self._release, self._replace)]
 
         async def load() -> None:
             for source in sources:
@@ -209,10 +224,30 @@ class CacheStore:
         batch, and ``done(True)`` on success, ``done(False)`` on a failure (counted like any other),
         ``done(None)`` when Redis does not know the script (call ``store``, which loads it). False
         (and no callback) when the breaker is open. Bounded by the client's socket timeout."""
+        keys = (key.entry, key.lock)
+        return self._script_soon("store", self._store.sha, keys, (entry, ttl_ms, lock_token or b""), done)
+
+    def replace_soon(self, key: CacheKey, entry: bytes, read: bytes, done: Callable[[bool | None], None]) -> bool:
+        """Write ``entry`` in place of the one a lookup ``read``, keeping its expiry, unless the key
+        holds another entry by now or none (``done(True)`` either way); the outcomes of ``store_soon``,
+        ``replace`` being its fallback."""
+        return self._script_soon("replace", self._replace.sha, (key.entry,), (entry, entry_head(read)), done)
+
+    async def replace(self, key: CacheKey, entry: bytes, read: bytes) -> None:
+        args = [entry, entry_head(read)]
+        await self._call("replace", lambda: self._pipeline.evalsha(self._replace, [key.entry], args))
+
+    def _script_soon(
+        self,
+        op: str,
+        sha: str,
+        keys: tuple[str, ...],
+        args: tuple[bytes | int, ...],
+        done: Callable[[bool | None], None],
+    ) -> bool:
         if not self.breaker.allow():
             return False
-        args = (entry, ttl_ms, lock_token or b"")
-        future = self._pipeline.submit("EVALSHA", self._store.sha, 2, key.entry, key.lock, *args)
+        future = self._pipeline.submit("EVALSHA", sha, len(keys), *keys, *args)
 
         def settle(result: asyncio.Future[Any]) -> None:
             error: BaseException | None = asyncio.CancelledError() if result.cancelled() else result.exception()
@@ -222,7 +257,7 @@ class CacheStore:
             elif isinstance(error, NoScriptError):
                 done(None)
             else:
-                self._failed("store")
+                self._failed(op)
                 done(False)
 
         future.add_done_callback(settle)

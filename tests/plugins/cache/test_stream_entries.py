@@ -6,6 +6,7 @@ parsing path (``recorded_event`` per event, ``is_complete`` on the assembled ans
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -17,8 +18,8 @@ from hypothesis import strategies as st
 
 from gateway.wire.streaming import SSEParser, StreamAssembler
 from plugins.cache.policy import events_complete, is_complete, stream_choices
-from plugins.cache.replay import marked_events, recorded_event
-from plugins.cache.store import decode_entry
+from plugins.cache.replay import body_of_events, fresh_answer, marked_events, recorded_event
+from plugins.cache.store import Entry, decode_entry
 from tests.support.cache import (
     MESSAGES,
     PLUGINS,
@@ -75,13 +76,21 @@ def test_a_streamed_miss_is_stored_as_its_events_and_serves_either_shape(
         wait_stored(redis_client, namespace)
         [name] = entry_names(redis_client, namespace)
         entry = decode_entry(redis_client.get(name) or b"")
+        expiry_ms = redis_client.pttl(name)
         hit_state, answer = sdk_chat(server.url, stream=False)
+        kept = _rewritten(redis_client, name)
+        again_state, again = sdk_chat(server.url, stream=False)
         stream_state, replayed = _stream(server.url, **usage)
-    assert (state, hit_state, stream_state) == ("miss", "hit", "hit")
+    assert (state, hit_state, again_state, stream_state) == ("miss", "hit", "hit", "hit")
     assert len(upstream.requests) == 1
     # kept as the worker's events (role, four pieces, the finish, the usage), not parsed into a body
     assert entry is not None and entry.body == b"" and entry.id_prefix == "chatcmpl-"
     assert len(entry.chunks.split(b"\n")) == len(original) == 7
+    # the first hit that is not streamed wrote the answer into the entry: same events, creation time, expiry
+    assert kept.body and kept.chunks == entry.chunks and kept.created == entry.created
+    assert 0 < redis_client.pttl(name) <= expiry_ms
+    assert again.model_dump(exclude={"id", "created"}) == answer.model_dump(exclude={"id", "created"})
+    assert again.id != answer.id and again.id.startswith("chatcmpl-")
     # the answer a hit that is not streamed gets: what the events add up to, under a fresh id and created
     expected = _assembled(original)
     body = answer.model_dump(exclude_unset=True)
@@ -91,7 +100,53 @@ def test_a_streamed_miss_is_stored_as_its_events_and_serves_either_shape(
     # a streamed hit: the same events, one fresh id and created on all of them
     assert [_without(c, "id", "created") for c in replayed] == [_without(c, "id", "created") for c in original]
     assert len({c["id"] for c in replayed}) == 1 and replayed[0]["id"] not in (answer.id, original[0]["id"])
-    assert {c["created"] for c in replayed} == {answer.created}
+    assert len({c["created"] for c in replayed}) == 1 and replayed[0]["created"] >= again.created >= answer.created
+
+
+def _rewritten(client: redis.Redis, name: bytes, timeout_s: float = 10.0) -> Entry:
+    """The entry under ``name`` once it holds a body (the rewrite runs after the hit's reply)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        entry = decode_entry(client.get(name) or b"")
+        if entry is not None and entry.body:
+            return entry
+        assert time.monotonic() < deadline, "the entry was not rewritten with its body"
+        time.sleep(0.02)
+
+
+def test_the_rewrite_replaces_only_the_entry_it_read(redis_client: redis.Redis, namespace: str) -> None:
+    """Between a hit's lookup and its rewrite the key may have expired, or another answer been stored
+    there: the rewrite leaves both as they are, and keeps the entry's expiry when it is the one read."""
+    import asyncio
+
+    from gateway.infra.redis_autopipe import AutoPipeline
+    from plugins.cache.breaker import CircuitBreaker
+    from plugins.cache.keys import CacheKey
+    from plugins.cache.store import CacheStore, encode_entry, encode_events_entry
+
+    key = CacheKey("d", f"gw:cache:{namespace}:test:entry", f"gw:cache:{namespace}:test:lock")
+    read = encode_events_entry("chatcmpl-", 1700000000.25, b"{}")
+    later = encode_events_entry("chatcmpl-", 1700000001.5, b"{}")
+    body = encode_entry(b'{"a":1}', 1700000000.25, b"{}")
+
+    async def replace() -> None:
+        client = redis.asyncio.Redis.from_url("redis://127.0.0.1:6379")
+        pipeline = AutoPipeline(client)
+        store = CacheStore(client, pipeline, client, CircuitBreaker(3, 1.0), 5.0, on_error=lambda op: None)
+        try:
+            await store.replace(key, body, read)
+        finally:
+            await pipeline.aclose()
+            await client.aclose()
+
+    asyncio.run(replace())  # gone: not written back
+    assert redis_client.exists(key.entry) == 0
+    redis_client.set(key.entry, later, px=60_000)
+    asyncio.run(replace())  # another entry stored since: kept
+    assert redis_client.get(key.entry) == later
+    redis_client.set(key.entry, read, px=60_000)
+    asyncio.run(replace())
+    assert redis_client.get(key.entry) == body and 0 < redis_client.pttl(key.entry) <= 60_000
 
 
 def test_tool_call_streams_take_the_parsing_path_and_replay_alike(
@@ -172,6 +227,18 @@ def test_marking_events_as_bytes_stores_what_marking_them_parsed_stores(stream: 
 
 @settings(max_examples=300, deadline=None)
 @given(_streams())
+def test_the_body_written_from_stored_events_is_the_answer_they_add_up_to(stream: _Stream) -> None:
+    chunks, _ = stream
+    marked = marked_events(_blob(chunks))
+    assert marked is not None
+    answer = fresh_answer(body_of_events(marked[1], marked[0]), b"", 5).json
+    expected = _assembled(chunks)
+    assert _without(answer, "id", "created") == _without(expected, "id", "created")
+    assert answer["created"] == 5 and answer["id"].startswith(marked[1]) and answer["id"] != expected["id"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(_streams())
 def test_completeness_from_the_finishing_events_is_the_assembled_answers(stream: _Stream) -> None:
     chunks, choices = stream
     assert events_complete(_blob(chunks), choices) is is_complete(_assembled(chunks))
@@ -222,12 +289,12 @@ def test_a_replayed_streams_usage_is_read_without_assembling_the_answer(monkeypa
     ]
     marked = marked_events(_blob(chunks))
     assert marked is not None
-    answer = replay.fresh_answer_of_events(marked[1], marked[0], 5, stream=True)
+    answer = replay.fresh_answer_of_events(marked[1], marked[0], 5)
     with monkeypatch.context() as patched:
         patched.setattr(replay, "_assembled", lambda events: pytest.fail("assembled"))
         assert answer.usage == usage
     assert answer.json["usage"] == usage and answer.json["choices"][0]["message"]["content"] == "a"
     assert answer.json["id"].startswith("chatcmpl-") and answer.json["id"] != "chatcmpl-abc"
     # without a usage event the answer is assembled to look for one
-    plain = replay.fresh_answer_of_events("chatcmpl-", marked[0].rsplit(b"\n", 1)[0], 5, stream=True)
+    plain = replay.fresh_answer_of_events("chatcmpl-", marked[0].rsplit(b"\n", 1)[0], 5)
     assert plain.usage is None
