@@ -10,7 +10,7 @@ assembled answer, and only for complete streams) it stores complete answers in t
 store never delays a reply (a stream's events too, recorded in ``on_chunk`` or by the core). A stream
 the core recorded is stored as the worker's events, not parsed (``replay.marked_events``); a hit that
 needs the answer as an object assembles it from them, and the first one that is not streamed writes it
-into the entry (``_keep_body``). Because the cache runs
+into the entry. The writes after a reply run in the background (``writes``). Because the cache runs
 before output-validating plugins and ``on_response`` runs in reverse order, an answer that a later
 plugin rejected raises before it reaches the cache and is never stored.
 
@@ -21,7 +21,6 @@ breaker shared across reloads, and the request goes to the engine with ``x-cache
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from plugins.cache.store import (
     encode_entry,
     encode_events_entry,
 )
+from plugins.cache.writes import CacheWrites
 
 log = logging.getLogger("plugins.cache")
 _PURGE_BUDGET_S = 120.0
@@ -99,9 +99,8 @@ class CachePlugin(Plugin):
             timeout_s,
             on_error=self._redis_failed,
         )
-        self._writes: set[asyncio.Task[None]] = set()
+        self.writes = CacheWrites(config, self.store, self._shared)
         self._backing: dict[str, str] = {}  # model name -> backing_of(...) in this config
-        self._storing = 0  # background writes sent as callbacks (``_store_soon``, ``_keep_body``), not yet answered
 
     def prepare(self, config: GatewayConfig) -> None:
         managed = {w.name: w.model for w in config.engine.workers}
@@ -177,7 +176,7 @@ class CachePlugin(Plugin):
                 # A timed-out lookup may still have taken the lock in Redis (the script ran, the
                 # reply came late): drop it, or identical requests would wait for a leader that
                 # does not know it leads.
-                self._spawn(self._release(key, token, local_leader=False))
+                self.writes.release_soon(key, token, local_leader=False)
             return None
         if self._shared.reported_open:
             self._shared.reported_open = False
@@ -225,7 +224,7 @@ class CachePlugin(Plugin):
             else:
                 body = body_of_events(decoded.id_prefix, decoded.chunks)
                 answer = fresh_answer(body, b"", int(now))
-                self._keep_body(pending, raw, encode_entry(body, decoded.created, decoded.chunks))
+                self.writes.keep_body(pending.key, raw, encode_entry(body, decoded.created, decoded.chunks))
         except (orjson.JSONDecodeError, TypeError, ValueError):
             return None  # an entry this version cannot read is a miss
         model = pending.model
@@ -236,31 +235,6 @@ class CachePlugin(Plugin):
         self.metrics.bytes.labels("served").inc(len(served))
         self.metrics.hit_latency.labels(model).observe(time.perf_counter() - started)
         return answer
-
-    def _keep_body(self, pending: _Pending, read: bytes, entry: bytes) -> None:
-        """An entry of events only, read by a hit that is not streamed, is rewritten with the answer
-        they add up to (and its creation time and expiry), so the next such hit does not assemble it
-        again; in the background, once per entry, within the same bounds as a store."""
-        if (
-            len(entry) > self.config.max_value_bytes
-            or len(self._writes) + self._storing >= self.config.max_pending_writes
-        ):
-            return
-
-        def done(ok: bool | None) -> None:
-            self._storing -= 1
-            if ok is None:
-                self._spawn(self._replace(pending.key, entry, read))
-            elif ok:
-                self.metrics.bytes.labels("stored").inc(len(entry))
-
-        if self.store.replace_soon(pending.key, entry, read, done):
-            self._storing += 1
-
-    async def _replace(self, key: CacheKey, entry: bytes, read: bytes) -> None:
-        with contextlib.suppress(RedisUnavailable):  # counted by the store; the entry stays as it was
-            await self.store.replace(key, entry, read)
-            self.metrics.bytes.labels("stored").inc(len(entry))
 
     def _bypass(self, ctx: RequestContext, model: str, reason: str, *, store: bool = False) -> ModelResponse | None:
         """Not answered from the cache. Unless the fresh answer is still to be stored, the cache has
@@ -361,47 +335,11 @@ class CachePlugin(Plugin):
         return True
 
     def _store_entry(self, pending: _Pending, model: str, entry: bytes) -> None:
-        if len(self._writes) + self._storing >= self.config.max_pending_writes:
+        if self.writes.full:
             self.metrics.not_stored.labels(model, "backlog").inc()
             return
         pending.done = True
-        self._store_soon(pending, model, entry, self.config.ttl_for(model) * 1000)
-
-    def _store_soon(self, pending: _Pending, model: str, entry: bytes, ttl_ms: int) -> None:
-        """The background write, as a callback on the batched command (no task per miss); the same
-        outcomes as ``_write``, which it falls back to when the script must be loaded first."""
-
-        def done(ok: bool | None) -> None:
-            self._storing -= 1
-            if ok is None:
-                self._spawn(self._write(pending, model, entry, ttl_ms))
-                return
-            if ok:
-                if pending.lock_token is not None:
-                    self._shared.leaders.done(pending.key.digest)
-                self.metrics.stores.labels(model).inc()
-                self.metrics.bytes.labels("stored").inc(len(entry))
-            elif pending.lock_token is not None:  # the lock outlives this failure in Redis; see _release
-                self._spawn(self._release(pending.key, pending.lock_token))
-
-        if self.store.store_soon(pending.key, entry, ttl_ms, pending.lock_token, done):
-            self._storing += 1
-        elif pending.lock_token is not None:  # the breaker is open: nothing was sent
-            self._spawn(self._release(pending.key, pending.lock_token))
-
-    async def _write(self, pending: _Pending, model: str, entry: bytes, ttl_ms: int) -> None:
-        try:
-            await self.store.store(pending.key, entry, ttl_ms, pending.lock_token)
-        except RedisUnavailable:
-            # Counted by the store. The lock (if any) outlives this failure in Redis; see _release.
-            if pending.lock_token is not None:
-                await self._release(pending.key, pending.lock_token)
-            return
-        finally:
-            if pending.lock_token is not None:
-                self._shared.leaders.done(pending.key.digest)
-        self.metrics.stores.labels(model).inc()
-        self.metrics.bytes.labels("stored").inc(len(entry))
+        self.writes.store_answer(pending.key, pending.lock_token, model, entry)
 
     def _finalize(self, pending: _Pending) -> None:
         """The request is over without storing (error, cut stream, refusal, not storable, client
@@ -409,31 +347,7 @@ class CachePlugin(Plugin):
         if pending.done or pending.lock_token is None:
             return
         pending.done = True
-        self._spawn(self._release(pending.key, pending.lock_token))
-
-    async def _release(self, key: CacheKey, token: bytes, *, local_leader: bool = True) -> None:
-        """Release this request's single-flight lock, retrying while Redis is unreachable: a lock left
-        behind would make every identical request wait out ``coalesce_wait_s`` for an answer that never
-        comes, until the lock expires (``lock_ttl_s``). Bounded by that expiry; the release is
-        token-checked, so a lock someone else took since is never touched."""
-        if local_leader:
-            self._shared.leaders.done(key.digest)
-        deadline = time.monotonic() + self.config.lock_ttl_s
-        delay = 0.05
-        while True:
-            try:
-                await self.store.release(key, token)
-                return
-            except RedisUnavailable:
-                if time.monotonic() + delay >= deadline:
-                    return  # it expires by itself now
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.config.breaker_cooldown_s)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        self.writes.release_soon(pending.key, pending.lock_token)
 
     def _redis_failed(self, op: str) -> None:
         self.metrics.errors.labels(op).inc()
@@ -470,10 +384,7 @@ class CachePlugin(Plugin):
         return {"purged": deleted, "namespace": namespace, "model": model}
 
     async def aclose(self) -> None:
-        if self._writes:
-            _, pending = await asyncio.wait(set(self._writes), timeout=max(1.0, self.config.timeout_ms / 1000 * 4))
-            for task in pending:  # releases still waiting for Redis: their locks expire by themselves
-                task.cancel()
+        await self.writes.drain()
 
 
 def _adapter_refs(model: ModelConfig) -> list[str]:
