@@ -37,10 +37,7 @@ from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin, SideCall
 from gateway.pipeline.services import TENANT_OF, Services
 from gateway.wire.errors import (
-    AuthenticationFailed,
     GatewayError,
-    RateLimited,
-    ServiceUnavailable,
     model_not_found,
 )
 from gateway.wire.protocol import requested_choices
@@ -48,17 +45,16 @@ from plugins.tenancy import estimate
 from plugins.tenancy.admin import TenancyAdmin
 from plugins.tenancy.admitted import Admitted
 from plugins.tenancy.batch_lines import LINE_PRIORITY, batch_line, caller, line_key, priced, priced_pair
-from plugins.tenancy.budgets import exhausted, format_duration
 from plugins.tenancy.config import NO_LIMITS, TenancyConfig, TenantConfig
 from plugins.tenancy.keys import KeyInfo, KeyStore
 from plugins.tenancy.limits import Decision, LocalLimiter, Plan, RedisLimiter
 from plugins.tenancy.metrics import TenancyMetrics
 from plugins.tenancy.plans import Plans
+from plugins.tenancy.refusals import invalid_key, missing_key, refusal, unavailable
 
 log = logging.getLogger("gateway.tenancy")
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)
 CLAMP_HEADER = "x-gateway-max-tokens"
-_RATE_NAMES = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
 
 
 #: Endpoints whose answer is generated tokens (the rest, embeddings and the pooling routes, cost their prompt).
@@ -158,7 +154,7 @@ class TenancyPlugin(Plugin):
             return await line_key(self.keys, line)
         except REDIS_ERRORS as exc:
             self._redis_failed("lookup", exc)
-            raise self._unavailable() from None
+            raise unavailable() from None
 
     async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.admin.handle(action, body)
@@ -256,11 +252,7 @@ class TenancyPlugin(Plugin):
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             self.metrics.refusals.labels("-", "missing_api_key").inc()
-            raise AuthenticationFailed(
-                "You didn't provide an API key. You need to provide your API key in an Authorization header"
-                " using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
-                code="invalid_api_key",
-            )
+            raise missing_key()
         digest = self.keys.digest(token)
         try:
             info = await self.keys.lookup(digest)
@@ -268,13 +260,10 @@ class TenancyPlugin(Plugin):
             self._redis_failed("lookup", exc)
             info = self.keys.stale(digest) if self.config.redis_down == "fail_open" else None
             if info is None:
-                raise self._unavailable() from None
+                raise unavailable() from None
         if info is None:
             self.metrics.refusals.labels("-", "invalid_api_key").inc()
-            raise AuthenticationFailed(
-                "Incorrect API key provided. Ask the administrator of this gateway for a valid key.",
-                code="invalid_api_key",
-            )
+            raise invalid_key()
         return info
 
     async def _admit(self, plan: Plan, tokens: int, least: int, tenant: str) -> tuple[Decision, bool]:
@@ -284,49 +273,17 @@ class TenancyPlugin(Plugin):
             self._redis_failed("admit", exc)
             if self.config.redis_down == "fail_closed":
                 self.metrics.refusals.labels(tenant, "redis_unavailable").inc()
-                raise self._unavailable() from None
+                raise unavailable() from None
             return self.local.admit(plan, tokens, least), False
 
     def _refusal(self, decision: Decision, requested: int, tenant: str) -> GatewayError:
-        headers = decision.headers()
-        if decision.budget is not None:
-            budget = decision.budget
-            self.metrics.refusals.labels(tenant, f"tokens_per_{budget.period}").inc()
-            error = exhausted(budget, decision.used.get(budget, 0), requested, type(self).clock())
-            error.headers.update(headers)
-            return error
-        bucket = decision.bucket
-        assert bucket is not None
-        cost = 1 if bucket.kind == "requests" else requested
-        where = f"{bucket.scope} '{bucket.name}'"
-        if decision.status == 3:
-            self.metrics.refusals.labels(tenant, "request_too_large").inc()
-            return RateLimited(
-                f"Request too large for {_RATE_NAMES[bucket.kind]} on {where}: Limit {bucket.limit}, Requested"
-                f" {cost}. Send a shorter prompt or a lower max_tokens.",
-                code="rate_limit_exceeded",
-                headers=headers,
-            )
-        self.metrics.refusals.labels(tenant, f"{bucket.kind}_per_minute").inc()
-        wait_ms = max(1, decision.retry_after_ms)
-        return RateLimited(
-            f"Rate limit reached for {_RATE_NAMES[bucket.kind]} on {where}: Limit {bucket.limit}, Requested {cost}."
-            f" Please try again in {format_duration(wait_ms)}.",
-            code="rate_limit_exceeded",
-            headers={**headers, "retry-after": str(-(-wait_ms // 1000)), "retry-after-ms": str(wait_ms)},
-        )
+        reason, error = refusal(decision, requested, type(self).clock())
+        self.metrics.refusals.labels(tenant, reason).inc()
+        return error
 
     def _redis_failed(self, op: str, exc: BaseException) -> None:
         self.metrics.redis_errors.labels(op).inc()
         log.warning("tenancy: Redis %s failed (%s); policy %s", op, type(exc).__name__, self.config.redis_down)
-
-    @staticmethod
-    def _unavailable() -> ServiceUnavailable:
-        return ServiceUnavailable(
-            "The gateway cannot check API keys and limits right now (its Redis is unreachable); try again shortly.",
-            code="tenancy_unavailable",
-            headers={"retry-after": "1"},
-        )
 
     # -- the way back -----------------------------------------------------------------------------
 
