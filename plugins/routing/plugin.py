@@ -32,6 +32,7 @@ from gateway.wire.errors import ServiceUnavailable
 from plugins.routing.adapter_admin import ACTIONS as ADAPTER_ACTIONS
 from plugins.routing.adapter_admin import AdapterAdmin
 from plugins.routing.adapter_route import AdapterPlan, AdapterRoute
+from plugins.routing.admission import ModelGate
 from plugins.routing.cache_keys import affinity_text
 from plugins.routing.canary import WeightedTargets, fallback_chain, retarget, unknown_references
 from plugins.routing.config import ModelRouting, RoutingConfig
@@ -251,12 +252,7 @@ class RoutingPlugin(Plugin):
         requested = ctx.model.name
         picker = self._targets.get(requested)
         if picker is not None:
-            target = picker.pick()
-            if target != requested and not ctx.allows_model(target):
-                target = requested  # the key may not use the canary: it stays on the model it named
-            self.shared.targets.labels(requested, target).inc()
-            if target != requested:
-                retarget(ctx, self._models[target])
+            self._split(ctx, picker.pick())
         bias = self.load.bias if self.config.load_metrics.enabled else None
         routes = [
             self.route(self._models[name], ctx, bias)
@@ -281,13 +277,7 @@ class RoutingPlugin(Plugin):
         admission = self.config.for_model(model).admission
         gate = self.shared.gate(model, admission) if admission.max_in_flight is not None else None
         if gate is not None:
-            try:
-                waited = await gate.acquire(ctx.priority, ctx.tenant or "")
-            except Exception:
-                self.shared.rejected.labels(model, "over_capacity").inc()
-                raise
-            if waited:
-                self.shared.queue_wait.labels(model).observe(waited)
+            await self._admit(ctx, gate)
         await self._predict(ctx, routes[0])
         adapters = any(isinstance(r.model, AdapterModel) for r in routes)
         plan = (AdapterPlan if adapters else Plan)(
@@ -303,6 +293,26 @@ class RoutingPlugin(Plugin):
             plan.use(self.shared.loader(self.config.adapters.load_timeout_s), self._lora.__getitem__)
         ctx.plan = plan
         return None
+
+    def _split(self, ctx: RequestContext, target: str) -> None:
+        """A canary split picked ``target`` for the request: it goes there, if its key may use it."""
+        requested = ctx.model.name
+        if target != requested and not ctx.allows_model(target):
+            target = requested  # the key may not use the canary: it stays on the model it named
+        self.shared.targets.labels(requested, target).inc()
+        if target != requested:
+            retarget(ctx, self._models[target])
+
+    async def _admit(self, ctx: RequestContext, gate: ModelGate) -> None:
+        """A place within the model's in-flight bound, queued by priority (a 429 or 503 past the queue's)."""
+        model = ctx.model.name
+        try:
+            waited = await gate.acquire(ctx.priority, ctx.tenant or "")
+        except Exception:
+            self.shared.rejected.labels(model, "over_capacity").inc()
+            raise
+        if waited:
+            self.shared.queue_wait.labels(model).observe(waited)
 
     async def _predict(self, ctx: RequestContext, route: ModelRoute | AdapterRoute) -> None:
         """precise_prefix: the prompt's blocks, for placing it and for checking the worker's answer (the

@@ -1,4 +1,4 @@
-"""Functions on the request path stay small enough to hold in mind: at most about 50 lines (60 here, a
+"""Functions on the request path stay small enough to hold in mind: at most about 50 lines (55 here, a
 signature and docstring included) and blocks nested at most four deep. A longer or deeper function is
 split into named steps before it lands; ``elif`` chains count as one level, as they read.
 
@@ -23,7 +23,7 @@ REQUEST_PATH = [
     "gateway/infra",
     "plugins",
 ]
-MAX_LINES = 60
+MAX_LINES = 55
 MAX_NESTING = 4
 
 _BLOCKS = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.TryStar, ast.Match)
