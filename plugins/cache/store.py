@@ -66,7 +66,7 @@ if ARGV[3] ~= '' and redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL'
 return 1
 """
 # Give an entry its answer's body (an entry of events only, read by a hit that is not streamed): only
-# while the key holds the entry that was read (its head: format, creation time, id prefix), with the
+# while the key holds the entry that was read (its head: format, creation time, length field), with the
 # expiry it has; an entry stored since, or gone, is left as it is.
 _REPLACE = """
 if redis.call('GETRANGE', KEYS[1], 0, string.len(ARGV[2]) - 1) ~= ARGV[2] then return 0 end

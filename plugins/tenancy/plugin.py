@@ -36,10 +36,7 @@ from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin, SideCall
 from gateway.pipeline.services import TENANT_OF, Services
-from gateway.wire.errors import (
-    GatewayError,
-    model_not_found,
-)
+from gateway.wire.errors import GatewayError, model_not_found
 from gateway.wire.protocol import requested_choices
 from plugins.tenancy import estimate
 from plugins.tenancy.admin import TenancyAdmin

@@ -5,6 +5,7 @@ parsing path (``recorded_event`` per event, ``is_complete`` on the assembled ans
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -16,10 +17,13 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.infra.redis_autopipe import AutoPipeline
 from gateway.wire.streaming import SSEParser, StreamAssembler
+from plugins.cache.breaker import CircuitBreaker
+from plugins.cache.keys import CacheKey
 from plugins.cache.policy import events_complete, is_complete, stream_choices
 from plugins.cache.replay import body_of_events, fresh_answer, marked_events, recorded_event
-from plugins.cache.store import Entry, decode_entry
+from plugins.cache.store import CacheStore, Entry, decode_entry, encode_entry, encode_events_entry
 from tests.support.cache import (
     MESSAGES,
     PLUGINS,
@@ -117,35 +121,28 @@ def _rewritten(client: redis.Redis, name: bytes, timeout_s: float = 10.0) -> Ent
 def test_the_rewrite_replaces_only_the_entry_it_read(redis_client: redis.Redis, namespace: str) -> None:
     """Between a hit's lookup and its rewrite the key may have expired, or another answer been stored
     there: the rewrite leaves both as they are, and keeps the entry's expiry when it is the one read."""
-    import asyncio
-
-    from gateway.infra.redis_autopipe import AutoPipeline
-    from plugins.cache.breaker import CircuitBreaker
-    from plugins.cache.keys import CacheKey
-    from plugins.cache.store import CacheStore, encode_entry, encode_events_entry
-
     key = CacheKey("d", f"gw:cache:{namespace}:test:entry", f"gw:cache:{namespace}:test:lock")
     read = encode_events_entry("chatcmpl-", 1700000000.25, b"{}")
     later = encode_events_entry("chatcmpl-", 1700000001.5, b"{}")
     body = encode_entry(b'{"a":1}', 1700000000.25, b"{}")
 
-    async def replace() -> None:
+    async def replace_in_turn() -> None:
         client = redis.asyncio.Redis.from_url("redis://127.0.0.1:6379")
         pipeline = AutoPipeline(client)
         store = CacheStore(client, pipeline, client, CircuitBreaker(3, 1.0), 5.0, on_error=lambda op: None)
         try:
+            await store.replace(key, body, read)  # gone: not written back
+            assert redis_client.exists(key.entry) == 0
+            redis_client.set(key.entry, later, px=60_000)
+            await store.replace(key, body, read)  # another entry stored since: kept
+            assert redis_client.get(key.entry) == later
+            redis_client.set(key.entry, read, px=60_000)
             await store.replace(key, body, read)
         finally:
             await pipeline.aclose()
             await client.aclose()
 
-    asyncio.run(replace())  # gone: not written back
-    assert redis_client.exists(key.entry) == 0
-    redis_client.set(key.entry, later, px=60_000)
-    asyncio.run(replace())  # another entry stored since: kept
-    assert redis_client.get(key.entry) == later
-    redis_client.set(key.entry, read, px=60_000)
-    asyncio.run(replace())
+    asyncio.run(replace_in_turn())
     assert redis_client.get(key.entry) == body and 0 < redis_client.pttl(key.entry) <= 60_000
 
 
@@ -214,13 +211,18 @@ def _blob(chunks: list[dict[str, Any]]) -> bytes:
     return b"\n".join(orjson.dumps(c) for c in chunks)
 
 
+def _marked(chunks: list[dict[str, Any]]) -> tuple[bytes, str]:
+    """The events as the byte path stores them (every generated stream is in the worker's form)."""
+    marked = marked_events(_blob(chunks))
+    assert marked is not None
+    return marked
+
+
 @settings(max_examples=300, deadline=None)
 @given(_streams())
 def test_marking_events_as_bytes_stores_what_marking_them_parsed_stores(stream: _Stream) -> None:
     chunks, _ = stream
-    marked = marked_events(_blob(chunks))
-    assert marked is not None
-    events, prefix = marked
+    events, prefix = _marked(chunks)
     assert prefix == (chunks[0]["id"].split("-")[0] + "-" if "-" in chunks[0]["id"] else "")
     assert [orjson.loads(line) for line in events.split(b"\n")] == [orjson.loads(recorded_event(c)) for c in chunks]
 
@@ -229,12 +231,11 @@ def test_marking_events_as_bytes_stores_what_marking_them_parsed_stores(stream: 
 @given(_streams())
 def test_the_body_written_from_stored_events_is_the_answer_they_add_up_to(stream: _Stream) -> None:
     chunks, _ = stream
-    marked = marked_events(_blob(chunks))
-    assert marked is not None
-    answer = fresh_answer(body_of_events(marked[1], marked[0]), b"", 5).json
+    events, prefix = _marked(chunks)
+    answer = fresh_answer(body_of_events(prefix, events), b"", 5).json
     expected = _assembled(chunks)
     assert _without(answer, "id", "created") == _without(expected, "id", "created")
-    assert answer["created"] == 5 and answer["id"].startswith(marked[1]) and answer["id"] != expected["id"]
+    assert answer["created"] == 5 and answer["id"].startswith(prefix) and answer["id"] != expected["id"]
 
 
 @settings(max_examples=300, deadline=None)
