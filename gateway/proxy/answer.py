@@ -120,7 +120,7 @@ class AnswerStream:
         return whole
 
     def _ended_well(self) -> bool:
-        if _DONE_MARK in self._tail:
+        if self._tail.find(_DONE_MARK) >= 0:
             self.ok = True
         return self.ok
 

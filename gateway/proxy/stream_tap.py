@@ -46,13 +46,15 @@ _ERROR = b'"error":'
 def output_events(piece: bytes) -> int:
     """How many choice deltas in ``piece`` carry generated output (vLLM sends one per token): the members
     that carry output, less those among them that are empty (a role or finish event). Called for every
-    read of a tapped stream, so written out rather than looped over."""
+    read of a tapped stream, so written out rather than looped over, and each empty form is counted only
+    when the piece can hold it (a token event holds none)."""
     count = piece.count
-    found = count(b'"content":"') + count(b'"text":"') + count(b'"reasoning_content":"') + count(b'"tool_calls":[')
-    if found and (b'":""' in piece or b'"tool_calls":[]' in piece):  # every empty member has one of these
-        found -= (
-            count(b'"content":""') + count(b'"text":""') + count(b'"reasoning_content":""') + count(b'"tool_calls":[]')
-        )
+    calls = count(b'"tool_calls":[')
+    found = count(b'"content":"') + count(b'"text":"') + count(b'"reasoning_content":"') + calls
+    if found and piece.find(b'":""') >= 0:  # every empty text member has this
+        found -= count(b'"content":""') + count(b'"text":""') + count(b'"reasoning_content":""')
+    if calls:
+        found -= count(b'"tool_calls":[]')
     return found
 
 
@@ -91,7 +93,7 @@ class StreamTap:
             piece, done = piece[:mark], piece[mark:]
         if self._recording is not None:
             self._recording.add(piece)
-        if USAGE_MEMBER in piece:
+        if piece.find(USAGE_MEMBER) >= 0:
             piece = self._take_usage(piece)
         tokens = output_events(piece)
         if self.limit is not None and self.tokens + tokens > self.limit:
@@ -220,7 +222,7 @@ class _Recording:
             return assembler.result(), chunks
 
         response = ModelResponse(assemble=assemble)
-        if _ERROR not in events:  # a member named "error" outside any string: perhaps an error event
+        if events.find(_ERROR) < 0:  # a member named "error" outside any string: perhaps an error event
             response.recorded_events = _payload_lines(events)
         return response
 
@@ -231,7 +233,7 @@ def _payload_lines(events: bytes) -> bytes | None:
     lines = payload_lines(events)
     if lines is None:
         payloads = whole_payloads(events)
-        if payloads and not any(b"\n" in payload for payload in payloads):
+        if payloads and all(payload.find(b"\n") < 0 for payload in payloads):
             lines = b"\n".join(payloads)
     return lines
 

@@ -60,7 +60,8 @@ class GatewayApp:
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             raw = scope.get("raw_path") or b"%"
-            if b"%" in raw or b"/." in raw or b"\\" in raw:  # path_problem's own first test, inlined
+            # path_problem's own first test, inlined; find, not `in` (see gateway/wire/streaming.py)
+            if raw.find(b"%") >= 0 or raw.find(b"/.") >= 0 or raw.find(b"\\") >= 0:
                 problem = path_problem(scope)
                 if problem is not None:
                     await send_path_error(problem, scope, send)

@@ -28,10 +28,10 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f\\]")
 def path_problem(scope: Any) -> InvalidRequest | None:
     """The 400 for a path outside the rules above, else None."""
     raw: bytes = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
-    if b"%" not in raw and b"/." not in raw and b"\\" not in raw:
+    if raw.find(b"%") < 0 and raw.find(b"/.") < 0 and raw.find(b"\\") < 0:  # not `in`: gateway/wire/streaming.py
         return None
     lowered = raw.lower()
-    if b"%2f" in lowered or b"%5c" in lowered:
+    if lowered.find(b"%2f") >= 0 or lowered.find(b"%5c") >= 0:
         reason = "an encoded '/' or '\\'"
     else:
         path: str = scope["path"]

@@ -3,6 +3,11 @@
 Shapes follow what vLLM (and OpenAI) send: ``chat.completion.chunk`` objects with ``delta``s, or
 ``text_completion`` objects with ``text`` pieces, a usage-only chunk (``choices: []``) when
 ``stream_options.include_usage`` is set, then ``data: [DONE]``.
+
+Byte tests that run per read or per event use ``data.find(needle) >= 0``, not ``needle in data``: for a
+bytes needle, ``in`` first tries it as an integer and raises and clears a ``TypeError`` before searching,
+which makes a short test two to three times slower (``tests/architecture/test_bytes_membership.py``
+keeps the request path free of it).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ class SSEParser:
 
     def feed(self, data: bytes) -> list[bytes]:
         buf = self._buf + data if self._buf else data
-        if b"\r" in buf:
+        if buf.find(b"\r") >= 0:
             buf = buf.replace(b"\r\n", b"\n")
         events: list[bytes] = []
         start = 0
@@ -91,9 +96,9 @@ def whole_payloads(events: bytes) -> list[bytes]:
     """The ``data:`` payloads of whole SSE events (nothing torn at the end), as ``SSEParser`` reads them;
     split at once when each event is one ``data: `` line, as workers write them."""
     parts = events.split(b"\n\n")
-    if not parts[-1] and b"\r" not in events:
+    if not parts[-1] and events.find(b"\r") < 0:
         del parts[-1]
-        if all(part.startswith(_DATA) and b"\n" not in part for part in parts):
+        if all(part.startswith(_DATA) and part.find(b"\n") < 0 for part in parts):
             return [part[6:] for part in parts]
     return SSEParser().feed(events)
 
@@ -102,7 +107,7 @@ def payload_lines(events: bytes) -> bytes | None:
     """The ``data:`` payloads of whole SSE events joined one per line (the form of stored stream events),
     when each event is one ``data: `` line, as workers write them; None otherwise. Every line feed must
     then be in an event's end (a payload holds none: JSON escapes them in strings)."""
-    if not events.startswith(_DATA) or not events.endswith(b"\n\n") or b"\r" in events:
+    if not events.startswith(_DATA) or not events.endswith(b"\n\n") or events.find(b"\r") >= 0:
         return None
     if events.count(b"\n") != 2 * events.count(_NEXT_EVENT) + 2:
         return None
@@ -110,7 +115,7 @@ def payload_lines(events: bytes) -> bytes | None:
 
 
 def _data_of(event: bytes) -> bytes | None:
-    if event.startswith(_DATA) and b"\n" not in event:  # one data line, as workers write every event
+    if event.startswith(_DATA) and event.find(b"\n") < 0:  # one data line, as workers write every event
         return event[6:]
     parts = []
     for line in event.split(b"\n"):
@@ -259,10 +264,10 @@ def _merge_logprobs(acc: dict[str, Any], logprobs: dict[str, Any]) -> None:
 def replay_chunks(payloads: bytes, *, include_usage: bool) -> Iterator[bytes]:
     """Recorded stream events (JSON payloads, one per line) as they were first sent, then ``[DONE]``,
     in one piece; without ``include_usage`` the usage-only event is left out and no event has ``usage``."""
-    if not include_usage and b'"usage"' in payloads:
+    if not include_usage and payloads.find(b'"usage"') >= 0:
         kept: list[bytes] = []
         for payload in payloads.split(b"\n"):
-            if b'"usage"' in payload:
+            if payload.find(b'"usage"') >= 0:
                 chunk = orjson.loads(payload)
                 if not chunk.get("choices"):
                     continue

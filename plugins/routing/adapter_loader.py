@@ -98,7 +98,7 @@ class AdapterLoader:
                 status, body = await self._post(worker.url, LOAD_PATH, {"lora_name": name, "lora_path": adapter.path})
                 # A load that finds the adapter there (another replica, a state forgotten on a health flap)
                 # is as good as done.
-                if status != 200 and not (status == 400 and b"already" in body):
+                if status != 200 and not (status == 400 and body.find(b"already") >= 0):
                     self.metrics.adapter_loads.labels(worker.url, name, "error").inc()
                     raise load_refused(name, worker.url, status, body)
                 state.added(name, self._clock())
