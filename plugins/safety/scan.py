@@ -35,6 +35,8 @@ _BASE64_RUN = re2.compile(_BASE64_PATTERN)
 _BASE64_RUN_SHORT = re.compile(_BASE64_PATTERN)
 _SHORT = 512
 _GAP = "\n\x00\n"  # between independent pieces: no rule matches across it
+#: What ``surrogateescape`` decodes a byte that is not part of valid UTF-8 to (valid UTF-8 never gives these).
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +80,24 @@ class _Doc:
 
 
 def _base64_text(run: str) -> str | None:
-    """The text a base64 run decodes to, or None when it is not readable UTF-8 text."""
+    """The text a base64 run decodes to, or None when it is not readable UTF-8 text.
+
+    Most runs in prompts are not base64 text (hex ids, hashes, long words), so those answers come without
+    raising: a length no base64 has (one more than a multiple of four, which the decoder raises for) is
+    refused before decoding, and bytes that are not UTF-8 are found by a search for what
+    ``surrogateescape`` makes of them instead of by a strict decode."""
     raw = run.rstrip("=")
+    if len(raw) % 4 == 1:
+        return None
     try:
         if "-" in raw or "_" in raw:
             decoded = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
         else:
             decoded = base64.b64decode(raw + "=" * (-len(raw) % 4), validate=True)
-        text = decoded.decode("utf-8")
     except (binascii.Error, ValueError):
+        return None
+    text = decoded.decode("utf-8", "surrogateescape")
+    if not text.isascii() and _ESCAPED_BYTE.search(text) is not None:
         return None
     printable = sum(1 for c in text if c.isprintable() or c in "\n\t\r")
     return text if text and printable >= 0.95 * len(text) else None
