@@ -298,7 +298,9 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.peers = (args.peers or ("direct,gateway" if args.quick else ",".join(ALL_PEERS))).split(",")
     if args.baseline_src is not None:
-        args.peers += [f"{p}@base" for p in args.peers if p.startswith("gateway") and "@" not in p]
+        # Each gateway peer gets its "@base" twin, once: named already in --peers, it is not added again.
+        twins = [f"{p}@base" for p in args.peers if p.startswith("gateway") and "@" not in p]
+        args.peers += [twin for twin in twins if twin not in args.peers]
     args.plugins = [p for p in args.plugins.split(",") if p]
     args.plugin_config = {k: orjson.loads(v) for k, v in (item.split("=", 1) for item in args.plugin_config)}
     args.duration = args.duration or (3.0 if args.quick else 5.0)
