@@ -99,6 +99,11 @@ def _base64_text(run: str) -> str | None:
     text = decoded.decode("utf-8", "surrogateescape")
     if not text.isascii() and _ESCAPED_BYTE.search(text) is not None:
         return None
+    return readable(text)
+
+
+def readable(text: str) -> str | None:
+    """``text`` when it reads as text (at least 95% printable characters or line breaks), else None."""
     printable = sum(1 for c in text if c.isprintable() or c in "\n\t\r")
     return text if text and printable >= 0.95 * len(text) else None
 

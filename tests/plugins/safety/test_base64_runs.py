@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 
 from plugins.safety.config import RuleConfig
 from plugins.safety.rules import RuleSet, build_rule
-from plugins.safety.scan import _BASE64_RUN, _BASE64_RUN_SHORT, _SHORT, BASE64_MIN, _base64_text, scan_texts
+from plugins.safety.scan import (
+    _BASE64_RUN,
+    _BASE64_RUN_SHORT,
+    _SHORT,
+    BASE64_MIN,
+    _base64_text,
+    readable,
+    scan_texts,
+)
 
 ALPHABET = "AZaz09+/_-= .\n\u00e9"
 
@@ -40,7 +48,8 @@ def test_an_encoded_secret_is_found_in_a_short_and_a_long_prompt() -> None:
 
 
 def _strict_text(run: str) -> str | None:
-    """What ``_base64_text`` answers, by the decoders raising: a strict UTF-8 decode of the run."""
+    """What ``_base64_text`` answers, by the decoders raising: a strict UTF-8 decode of the run, then the
+    same readability test."""
     raw = run.rstrip("=")
     try:
         if "-" in raw or "_" in raw:
@@ -50,8 +59,7 @@ def _strict_text(run: str) -> str | None:
         text = decoded.decode("utf-8")
     except (binascii.Error, ValueError):
         return None
-    printable = sum(1 for c in text if c.isprintable() or c in "\n\t\r")
-    return text if text and printable >= 0.95 * len(text) else None
+    return readable(text)
 
 
 _RUNS = st.one_of(
