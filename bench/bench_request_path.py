@@ -168,10 +168,9 @@ def plugins_for(peer: str) -> tuple[list[dict[str, Any]], str]:
 
 def cache_misses(app: Any) -> tuple[float, float]:
     """(requests the cache counted as misses, its Redis errors) so far, from the app's metrics."""
-    totals = {"gateway_cache_misses": 0.0, "gateway_cache_errors": 0.0}
-    for family in app.state.services.metrics.registry.collect():
-        if family.name in totals:
-            totals[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    import run
+
+    totals = run.counter_totals(app.state.services.metrics.collect(), "gateway_cache_misses", "gateway_cache_errors")
     return totals["gateway_cache_misses"], totals["gateway_cache_errors"]
 
 

@@ -30,11 +30,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import orjson
 import yaml
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -315,13 +317,21 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def counter_totals(families: Iterable[Metric], *names: str) -> dict[str, float]:
+    """Each named counter family's total over its label sets (0 for a family not there)."""
+    totals = dict.fromkeys(names, 0.0)
+    for family in families:
+        if family.name in totals:
+            totals[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals
+
+
 def cache_errors(peer: peers.Peer) -> float:
     """The Redis failures a gateway peer's cache counted (none without a cache). Each sent a request past
     the cache, which then cost less than a miss: the peer's figures no longer measure its plugin set."""
     with urllib.request.urlopen(f"{peer.url}/metrics", timeout=5) as resp:
         families = text_string_to_metric_families(resp.read().decode())
-        errors = (f for f in families if f.name == "gateway_cache_errors")
-        return sum(s.value for f in errors for s in f.samples if s.name.endswith("_total"))
+        return counter_totals(families, "gateway_cache_errors")["gateway_cache_errors"]
 
 
 def main() -> None:

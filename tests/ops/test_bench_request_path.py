@@ -40,23 +40,27 @@ def test_each_peer_answers_every_request_and_cleans_up(
     cmd += ["--requests", "64", "--warmup", "16", "--concurrency", "4", *(["--stream"] if stream else [])]
     child = subprocess.Popen(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     client = redis.Redis(host="127.0.0.1", port=6379)
-    pattern = f"gwbench:*run{child.pid}:*"  # the run's cache namespace and tenancy prefix
     try:
         assert child.wait(timeout=240) == 0, "a run with an answer other than 200 exits non-zero"
         result = json.loads(out.read_text())
         assert result["cpu_us_per_req"] > 0 and result["req_per_s"] > 0
         if peer == "production":
-            assert list(client.scan_iter(match=pattern)), "the production set stored cache entries and counters"
+            assert _run_keys(client, child.pid), "the production set stored cache entries and counters"
     finally:
         child.kill()
-        keys = list(client.scan_iter(match=pattern))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        _delete_run_keys(client, child.pid)
 
 
 def _run_keys(client: redis.Redis, pid: int) -> list[bytes]:
+    """The keys a run stored: its cache namespace and tenancy prefix name its process."""
     return list(client.scan_iter(match=f"gwbench:*run{pid}:*"))
+
+
+def _delete_run_keys(client: redis.Redis, pid: int) -> None:
+    keys = _run_keys(client, pid)
+    if keys:
+        client.delete(*keys)
+    client.close()
 
 
 def test_a_run_whose_cache_went_unasked_fails(health_url: str) -> None:
@@ -77,10 +81,7 @@ def test_a_run_whose_cache_went_unasked_fails(health_url: str) -> None:
         assert "the cache missed 0 of 32 requests" in stderr
     finally:
         child.kill()
-        keys = _run_keys(client, child.pid)
-        if keys:
-            client.delete(*keys)
-        client.close()
+        _delete_run_keys(client, child.pid)
 
 
 def test_a_failed_child_reason_reaches_the_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
