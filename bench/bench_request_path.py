@@ -22,6 +22,8 @@ bounds are raised so that valgrind's slowness does not trip them: ``REDIS_BOUNDS
     PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py [--baseline-src DIR] [--reps 5]
     PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py --instructions [--baseline-src DIR]
     PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py --stream [--instructions] [--baseline-src DIR]
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py --instructions --callgrind-out /tmp/cg  # then:
+    .venv/bin/python bench/callgrind_diff.py /tmp/cg production routing  # instructions per request by C function
 
 Peers: ``routing`` (the ``gateway`` peer of bench/run.py) and ``production`` (``gateway-production``:
 tenancy with a key, safety, the cache on a miss, guided JSON, routing). ``--baseline-src`` adds each
@@ -346,7 +348,9 @@ def count_instructions(peer: str, source: Path | None, args: argparse.Namespace,
         runs = []
         for requests in (args.requests, 2 * args.requests):
             log = f"{tmp}/valgrind-{requests}.log"
-            valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", f"--log-file={log}"]
+            name = f"{peer}{'@base' if source else ''}"
+            kept = f"{args.callgrind_out}.{name}.{requests}.out" if args.callgrind_out else "/dev/null"
+            valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={kept}", f"--log-file={log}"]
             cmd = valgrind + child_command(peer, f"{tmp}/{requests}.json", requests, args, health_url)
             runs.append((log, subprocess.Popen(cmd, env=env, cwd=ROOT)))
         counts: list[int] = []
@@ -373,6 +377,12 @@ def parse_args() -> argparse.Namespace:
         "--stream", action="store_true", help=f"streamed answers ({STREAM_TOKENS} tokens and the usage, one read each)"
     )
     parser.add_argument("--profile", help="write a cProfile of each peer's measured requests to PREFIX.<peer>.pstats")
+    parser.add_argument(
+        "--callgrind-out",
+        metavar="PREFIX",
+        help="with --instructions, keep the last repetition's profiles as PREFIX.<peer>.<requests>.out "
+        "(bench/callgrind_diff.py reads them)",
+    )
     parser.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--health-url", default="", help=argparse.SUPPRESS)
