@@ -6,6 +6,7 @@ replaces:
   (aiohttp's client session, the library it replaces; ``GATEWAY_UPSTREAM_CLIENT``).
 - Redis pipelining for plugins: the interface ``redis_api.RedisPipeline``; ``redis_autopipe`` (hiredis,
   the default) and ``redis_py`` (redis-py's pipeline; ``GATEWAY_REDIS_CLIENT``).
+  ``redis_script.ScriptCall``: a script call whose keys and trailing arguments are packed once.
 - ``chunked_writer``: the chunked writer onto uvicorn's transport.
 
 ``tests/infra/conformance/`` runs the same cases against both implementations of each interface;

@@ -19,12 +19,17 @@ The contract:
   afresh.
 - ``evalsha(script, keys, args)`` runs a registered ``redis.commands.core.AsyncScript`` by its SHA and,
   when Redis does not know it (``NOSCRIPT``: restarted, flushed), loads it and runs it once more.
+  ``run_script(call, varying)`` is the same for a ``gateway.infra.redis_script.ScriptCall``: its keys,
+  ``varying``, then its fixed arguments, the fixed part packed once.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any, Protocol
+
+from gateway.infra.redis_script import ScriptCall
 
 
 class RedisPipeline(Protocol):
@@ -38,6 +43,10 @@ class RedisPipeline(Protocol):
         ...
 
     async def evalsha(self, script: Any, keys: list[Any], args: list[Any]) -> Any: ...
+
+    async def run_script(self, call: ScriptCall, varying: Sequence[Any]) -> Any:
+        """``evalsha(call.script, call.keys, [*varying, *call.fixed])``."""
+        ...
 
     async def aclose(self) -> None:
         """Send what is queued, wait for the replies due (bounded by the socket timeout), close."""

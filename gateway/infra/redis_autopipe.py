@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Sequence
 from typing import Any, cast
 
 import hiredis
@@ -44,7 +45,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-_Pending = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
+from gateway.infra.redis_script import ScriptCall
+
+#: A queued command: its arguments, or the command already packed (``ScriptCall.command``), and its future.
+_Pending = tuple[tuple[Any, ...] | bytes, "asyncio.Future[Any]"]
 
 
 class AutoPipeline:
@@ -72,12 +76,15 @@ class AutoPipeline:
     def submit(self, *args: Any) -> asyncio.Future[Any]:
         """Queue a command for this turn's batch; its future gets the reply (or the error). For work
         nobody waits on (a background write), a callback on the future spares a task."""
+        return self._enqueue(args)
+
+    def _enqueue(self, command: tuple[Any, ...] | bytes) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         if self._closed:
             future.set_exception(RedisConnectionError("the Redis pipeline is closed"))
             return future
-        self._queue.append((args, future))
+        self._queue.append((command, future))
         if len(self._queue) >= self._max_batch:
             self._flush()
         elif not self._flush_scheduled:
@@ -92,6 +99,14 @@ class AutoPipeline:
             return await self.submit("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await script(keys=keys, args=args)
+
+    async def run_script(self, call: ScriptCall, varying: Sequence[Any]) -> Any:
+        """``evalsha`` of ``call``'s script with ``varying`` before its fixed arguments, the command
+        packed by ``call`` (its fixed part was packed once)."""
+        try:
+            return await self._enqueue(call.command(varying))
+        except NoScriptError:
+            return await call.script(keys=call.keys, args=call.args(varying))
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -188,7 +203,8 @@ class _RedisProtocol(asyncio.Protocol):
         assert self._transport is not None
         if not self._waiting:
             self._last_progress = time.monotonic()
-        self._transport.write(b"".join([hiredis.pack_command(args) for args, _ in batch]))
+        packed = [command if isinstance(command, bytes) else hiredis.pack_command(command) for command, _ in batch]
+        self._transport.write(b"".join(packed))
         self._waiting.extend(future for _, future in batch)
         self._arm_timer()
 

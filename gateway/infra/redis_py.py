@@ -13,6 +13,7 @@ failure (redis-py's retry would send commands Redis may already have run).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -21,6 +22,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.infra.redis_script import ScriptCall
 
 _Pending = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
 
@@ -62,6 +65,9 @@ class RedisPyPipeline:
             return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await script(keys=keys, args=args)
+
+    async def run_script(self, call: ScriptCall, varying: Sequence[Any]) -> Any:
+        return await self.evalsha(call.script, call.keys, call.args(varying))
 
     async def _run(self) -> None:
         """Send the queue as pipelines, one at a time, until it is empty."""

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 
 from gateway.infra.redis_api import RedisPipeline
+from gateway.infra.redis_script import ScriptCall
 from plugins.tenancy.budgets import Budget, format_duration
 
 Kind = Literal["requests", "tokens"]
@@ -34,7 +37,9 @@ PERIOD_MS = 60_000
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local nb, want, least = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+-- ARGV: what changes per request first (want, least), then the plan's: nb, per bucket (limit, period,
+-- counts requests?), per budget (limit or -1, ttl)
+local want, least, nb = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local status, which, retry = 0, 0, 0
 local tats = {}
 -- the tokens to reserve: want, or (clamping) as many as every token bucket and budget has left,
@@ -108,9 +113,12 @@ return out
 _CHARGE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local nb = tonumber(ARGV[1])
+-- ARGV: what changes per request first (delta, prompt, completion), then the plan's: nb, per token
+-- bucket (limit, period), per budget its ttl
+local delta, prompt, completion = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local nb = tonumber(ARGV[4])
 for i = 1, nb do
-  local limit, period, delta = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+  local limit, period = tonumber(ARGV[2*i+3]), tonumber(ARGV[2*i+4])
   local tat = tonumber(redis.call('GET', KEYS[i])) or now
   if tat < now then tat = now end
   local new = tat + delta * period / limit
@@ -120,13 +128,13 @@ for i = 1, nb do
     redis.call('DEL', KEYS[i])
   end
 end
-local base = 3 * nb + 1
+local base = 2 * nb + 4
 for j = 1, #KEYS - nb do
   local k = KEYS[nb + j]
-  redis.call('HINCRBY', k, 'tokens', tonumber(ARGV[base + 4*j - 3]))
-  redis.call('HINCRBY', k, 'prompt_tokens', tonumber(ARGV[base + 4*j - 2]))
-  redis.call('HINCRBY', k, 'completion_tokens', tonumber(ARGV[base + 4*j - 1]))
-  redis.call('EXPIRE', k, tonumber(ARGV[base + 4*j]))
+  redis.call('HINCRBY', k, 'tokens', delta)
+  redis.call('HINCRBY', k, 'prompt_tokens', prompt)
+  redis.call('HINCRBY', k, 'completion_tokens', completion)
+  redis.call('EXPIRE', k, tonumber(ARGV[base + j]))
 end
 return 1
 """
@@ -149,6 +157,9 @@ class Plan:
 
     buckets: list[Bucket]
     budgets: list[Budget]
+    #: The limiter's script calls for this plan, by script SHA, made on first use: a plan is kept for
+    #: its hour (``plans.Plans``), so their fixed parts are packed once for all its requests.
+    calls: dict[str, ScriptCall] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -185,14 +196,35 @@ class Decision:
         return out
 
 
-def _admit_args(plan: Plan, tokens: int, least: int) -> tuple[list[str], list[int]]:
+def _admit_call(script: AsyncScript, plan: Plan) -> ScriptCall:
+    """The admission script for ``plan``: every bucket and budget, each with its limits (ARGV after the
+    request's own ``want`` and ``least``)."""
     keys = [b.redis_key for b in plan.buckets] + [g.redis_key for g in plan.budgets]
-    args: list[int] = [len(plan.buckets), tokens, least]
+    fixed: list[int] = [len(plan.buckets)]
     for b in plan.buckets:
-        args += [b.limit, PERIOD_MS, 1 if b.kind == "requests" else 0]
+        fixed += [b.limit, PERIOD_MS, 1 if b.kind == "requests" else 0]
     for g in plan.budgets:
-        args += [g.limit if g.limit is not None else -1, g.ttl_s]
-    return keys, args
+        fixed += [g.limit if g.limit is not None else -1, g.ttl_s]
+    return ScriptCall(script, keys, fixed)
+
+
+def _charge_call(script: AsyncScript, plan: Plan) -> ScriptCall:
+    """The charge script for ``plan``: its token buckets and budgets (ARGV after the request's delta,
+    prompt and completion tokens)."""
+    token_buckets = [b for b in plan.buckets if b.kind == "tokens"]
+    keys = [b.redis_key for b in token_buckets] + [g.redis_key for g in plan.budgets]
+    fixed: list[int] = [len(token_buckets)]
+    for b in token_buckets:
+        fixed += [b.limit, PERIOD_MS]
+    fixed += [g.ttl_s for g in plan.budgets]
+    return ScriptCall(script, keys, fixed)
+
+
+def _call(plan: Plan, script: AsyncScript, make: Callable[[AsyncScript, Plan], ScriptCall]) -> ScriptCall:
+    call = plan.calls.get(script.sha)
+    if call is None:
+        call = plan.calls[script.sha] = make(script, plan)
+    return call
 
 
 class RedisLimiter:
@@ -207,8 +239,8 @@ class RedisLimiter:
         """Reserve ``tokens`` in every token bucket and budget of ``plan`` (and one request in each
         request bucket), all or nothing. With ``least`` below ``tokens``, reserve as many as all of them
         have left but at least ``least`` (``Decision.granted`` says how many)."""
-        keys, args = _admit_args(plan, tokens, tokens if least is None else least)
-        raw = [int(v) for v in await self._pipeline.evalsha(self._admit, keys, args)]
+        call = _call(plan, self._admit, _admit_call)
+        raw = [int(v) for v in await self._pipeline.run_script(call, (tokens, tokens if least is None else least))]
         status, which, retry = raw[0], raw[1], raw[2]
         decision = Decision(status, retry_after_ms=retry, granted=raw[3])
         at = 4
@@ -225,14 +257,7 @@ class RedisLimiter:
         return decision
 
     async def charge(self, plan: Plan, delta: int, prompt: int, completion: int) -> None:
-        token_buckets = [b for b in plan.buckets if b.kind == "tokens"]
-        keys = [b.redis_key for b in token_buckets] + [g.redis_key for g in plan.budgets]
-        args: list[int] = [len(token_buckets)]
-        for b in token_buckets:
-            args += [b.limit, PERIOD_MS, delta]
-        for g in plan.budgets:
-            args += [delta, prompt, completion, g.ttl_s]
-        await self._pipeline.evalsha(self._charge, keys, args)
+        await self._pipeline.run_script(_call(plan, self._charge, _charge_call), (delta, prompt, completion))
 
 
 class LocalLimiter:

@@ -22,6 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.infra.redis_api import RedisPipeline
 from gateway.infra.redis_autopipe import AutoPipeline
 from gateway.infra.redis_py import RedisPyPipeline
+from gateway.infra.redis_script import ScriptCall
 from tests.support.fakes import free_port
 from tests.support.faults import BlackHole, SwitchableProxy, unaccepting_port
 
@@ -155,6 +156,22 @@ async def test_lua_eval_evalsha_and_noscript(kind: str, prefix: str, control: ai
         assert await control.script_exists(script.sha) == [True]
         assert await pipe.evalsha(script, [key], ["d"]) == [key.encode(), b"d", 3, None]
     assert await control.get(key) == b"d"
+
+
+async def test_a_prepacked_script_call_runs_like_evalsha_and_loads_an_unknown_script(
+    kind: str, prefix: str, control: aioredis.Redis
+) -> None:
+    body = f"-- {uuid.uuid4().hex}\nredis.call('RPUSH', KEYS[2], unpack(ARGV)); return {{KEYS[1], ARGV[1], #ARGV}}"
+    script = control.register_script(body)  # unique text: Redis has never seen it
+    first, second = f"{prefix}:a", f"{prefix}:b"
+    call = ScriptCall(script, [first, second], [10, b"fixed", "x"])
+    async with pipeline(kind) as pipe:
+        # unknown to Redis: loaded and run once; then by SHA, in one batch with other commands
+        assert await pipe.run_script(call, (1, 2)) == [first.encode(), b"1", 5]
+        replies = await outcomes(pipe.run_script(call, ("v",)), pipe.execute("LLEN", second), pipe.run_script(call, ()))
+        assert replies == [[first.encode(), b"v", 4], 9, [first.encode(), b"10", 3]]
+    fixed = [b"10", b"fixed", b"x"]
+    assert await control.lrange(second, 0, -1) == [b"1", b"2", *fixed, b"v", *fixed, *fixed]
 
 
 async def test_large_values_go_whole_among_small_commands(kind: str, prefix: str) -> None:
