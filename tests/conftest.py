@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +18,19 @@ from gateway.server.app import GatewayApp, create_app
 from gateway.server.front_door import http_protocol
 from tests.support.fakes import FakeUpstream, ServerThread, free_port
 from tests.support.gateways import ENGINE_ADMIN_TOKEN, REPO, GatewayFactory, RealEngine, base_config, engine_config
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test that used the real engine reports its workers' last output lines."""
+    report: pytest.TestReport = yield
+    engine = getattr(item, "funcargs", {}).get("real_engine")
+    if report.failed and isinstance(engine, RealEngine):
+        for title, text in engine.output_sections():
+            report.sections.append((title, text))
+    return report
 
 
 @pytest.fixture(autouse=True)

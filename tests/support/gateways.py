@@ -42,6 +42,16 @@ class RealEngine:
     app: GatewayApp
     model: str = ENGINE_MODEL
 
+    def output_sections(self) -> list[tuple[str, str]]:
+        """Each managed worker's last output lines, for the report of a test that failed: a worker's own
+        error (vLLM's traceback behind an HTTP 500) is otherwise only in its log."""
+        engine = self.app.state.engine
+        workers = engine.workers if engine is not None else {}
+        return [
+            (f"worker {name}: last output lines", "\n".join(worker.last_lines()) or "(no output)")
+            for name, worker in sorted(workers.items())
+        ]
+
 
 def engine_config(worker_port: int, plugins: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
