@@ -323,6 +323,12 @@ def child_result(peer: str, out: Path, returncode: int, log: str = "") -> dict[s
     return result
 
 
+def run_name(peer: str, source: Path | None) -> str:
+    """What a run is called in the table and in its kept profiles: ``peer``, or ``peer@base`` for the
+    copy of the tree in ``--baseline-src``."""
+    return f"{peer}@base" if source is not None else peer
+
+
 def child_command(peer: str, out: str, requests: int, args: argparse.Namespace, health_url: str) -> list[str]:
     cmd = [sys.executable, __file__, "--child", peer, "--out", out, "--health-url", health_url]
     cmd += ["--requests", str(requests), "--warmup", str(args.warmup), "--concurrency", str(args.concurrency)]
@@ -334,7 +340,7 @@ def run_child(peer: str, source: Path | None, args: argparse.Namespace, health_u
         env = {**os.environ, "PYTHONPATH": str((source or ROOT).resolve())}
         cmd = ["taskset", "-c", "0", *child_command(peer, out.name, args.requests, args, health_url)]
         if args.profile:
-            cmd += ["--profile", f"{args.profile}.{peer}{'@base' if source else ''}.pstats"]
+            cmd += ["--profile", f"{args.profile}.{run_name(peer, source)}.pstats"]
         done = subprocess.run(cmd, env=env, cwd=ROOT, timeout=600)
         return child_result(peer, Path(out.name), done.returncode)
 
@@ -344,12 +350,12 @@ def count_instructions(peer: str, source: Path | None, args: argparse.Namespace,
     and for twice as many, both under valgrind at once; the difference over the extra requests leaves
     out start-up. User space only: the kernel's share of socket calls (Redis's, here) is not counted."""
     env = {**os.environ, "PYTHONPATH": str((source or ROOT).resolve())}
+    profiles = f"{args.callgrind_out}.{run_name(peer, source)}"
     with tempfile.TemporaryDirectory() as tmp:
         runs = []
         for requests in (args.requests, 2 * args.requests):
             log = f"{tmp}/valgrind-{requests}.log"
-            name = f"{peer}{'@base' if source else ''}"
-            kept = f"{args.callgrind_out}.{name}.{requests}.out" if args.callgrind_out else "/dev/null"
+            kept = f"{profiles}.{requests}.out" if args.callgrind_out else "/dev/null"
             valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={kept}", f"--log-file={log}"]
             cmd = valgrind + child_command(peer, f"{tmp}/{requests}.json", requests, args, health_url)
             runs.append((log, subprocess.Popen(cmd, env=env, cwd=ROOT)))
@@ -415,7 +421,7 @@ def main() -> None:
     for peer in args.peers.split(","):
         runs.append((peer, peer, None))
         if args.baseline_src is not None:
-            runs.append((f"{peer}@base", peer, args.baseline_src))
+            runs.append((run_name(peer, args.baseline_src), peer, args.baseline_src))
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in runs}
     redis_url = os.environ.get("GATEWAY_REDIS_URL", "redis://127.0.0.1:6379")
     with tempfile.TemporaryDirectory() as tmp:

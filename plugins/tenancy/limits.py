@@ -220,7 +220,8 @@ def _charge_call(script: AsyncScript, plan: Plan) -> ScriptCall:
     return ScriptCall(script, keys, fixed)
 
 
-def _call(plan: Plan, script: AsyncScript, make: Callable[[AsyncScript, Plan], ScriptCall]) -> ScriptCall:
+def _plan_call(plan: Plan, script: AsyncScript, make: Callable[[AsyncScript, Plan], ScriptCall]) -> ScriptCall:
+    """``plan``'s call of ``script``, made by ``make`` the first time (kept on the plan for its hour)."""
     call = plan.calls.get(script.sha)
     if call is None:
         call = plan.calls[script.sha] = make(script, plan)
@@ -239,7 +240,7 @@ class RedisLimiter:
         """Reserve ``tokens`` in every token bucket and budget of ``plan`` (and one request in each
         request bucket), all or nothing. With ``least`` below ``tokens``, reserve as many as all of them
         have left but at least ``least`` (``Decision.granted`` says how many)."""
-        call = _call(plan, self._admit, _admit_call)
+        call = _plan_call(plan, self._admit, _admit_call)
         raw = [int(v) for v in await self._pipeline.run_script(call, (tokens, tokens if least is None else least))]
         status, which, retry = raw[0], raw[1], raw[2]
         decision = Decision(status, retry_after_ms=retry, granted=raw[3])
@@ -257,7 +258,7 @@ class RedisLimiter:
         return decision
 
     async def charge(self, plan: Plan, delta: int, prompt: int, completion: int) -> None:
-        await self._pipeline.run_script(_call(plan, self._charge, _charge_call), (delta, prompt, completion))
+        await self._pipeline.run_script(_plan_call(plan, self._charge, _charge_call), (delta, prompt, completion))
 
 
 class LocalLimiter:
