@@ -26,8 +26,13 @@ bounds are raised so that valgrind's slowness does not trip them: ``REDIS_BOUNDS
     .venv/bin/python bench/callgrind_diff.py /tmp/cg production routing  # instructions per request by C function
 
 Peers: ``routing`` (the ``gateway`` peer of bench/run.py) and ``production`` (``gateway-production``:
-tenancy with a key, safety, the cache on a miss, guided JSON, routing). ``--baseline-src`` adds each
-peer again running the ``gateway``/``plugins`` packages of DIR (a copy taken before a change).
+tenancy with a key, safety, the cache on a miss, guided JSON, routing). ``production-without-P`` is the
+production set without plugin P (``production-without-safety+cache``: without both); ``--by-plugin``
+adds one such peer per plugin but routing, and the table then says what each plugin costs (production
+minus the peer without it). ``--baseline-src`` adds each peer again running the ``gateway``/``plugins``
+packages of DIR (a copy taken before a change).
+
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py --instructions --by-plugin
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ from mock_upstream import CHAT_ANSWER, stream_events
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("routing", "production")
+#: ``production-without-tenancy+cache``: the production set without those plugins (``--by-plugin``).
+WITHOUT = "production-without-"
 STREAM_TOKENS = 32  # bench/run.py's --tokens default
 RUN_LIMIT_S = 3600  # a run fails rather than hang when an answer never completes (valgrind is slow)
 #: The production set's bounds on each Redis call, at their maxima here. They are wall-clock bounds: under
@@ -152,8 +159,22 @@ def request_bytes(model: str, tag: str, n: int, token: str, stream: bool = False
     )
 
 
+def left_out(peer: str) -> frozenset[str]:
+    """The plugins a peer runs the production set without (none for ``production``); SystemExit for a
+    name that is no peer or no plugin of the set other than routing (the terminal one)."""
+    import run
+
+    if peer in PEERS:
+        return frozenset()
+    names = peer.removeprefix(WITHOUT).split("+") if peer.startswith(WITHOUT) else []
+    optional = ["tenancy", *(name for name in run.DEFAULT_PLUGINS if name != "routing")]
+    if not names or not set(names) <= set(optional):
+        raise SystemExit(f"unknown peer {peer}: {', '.join(PEERS)} or {WITHOUT}P[+P...], P of {', '.join(optional)}")
+    return frozenset(names)
+
+
 def plugins_for(peer: str) -> tuple[list[dict[str, Any]], str]:
-    """The plugin entries and bearer token of a bench/run.py peer."""
+    """The plugin entries and bearer token of a bench/run.py peer (or the production set without some)."""
     import run
 
     if peer == "routing":
@@ -162,10 +183,11 @@ def plugins_for(peer: str) -> tuple[list[dict[str, Any]], str]:
     if skipped:
         raise SystemExit("plugins skipped: " + "; ".join(skipped))
     os.environ["GATEWAY_TENANCY_PEPPER"] = run.PRODUCTION_PEPPER
-    entries = run.production_plugins(full)
+    dropped = left_out(peer)
+    entries = [entry for entry in run.production_plugins(full) if entry["name"] not in dropped]
     for entry in entries:
         entry["config"] = {**entry.get("config", {}), **REDIS_BOUNDS.get(entry["name"], {})}
-    return entries, run.PRODUCTION_KEY
+    return entries, run.PRODUCTION_KEY if "tenancy" not in dropped else ""
 
 
 def cache_misses(app: Any) -> tuple[float, float]:
@@ -273,7 +295,7 @@ async def drive(
     if stream and ended != statuses[b"200"]:
         raise SystemExit(f"{statuses[b'200'] - ended} of {statuses[b'200']} streams did not end with [DONE]")
     answered = warmup // concurrency * concurrency + done
-    if peer == "production" and (misses != answered or errors):
+    if peer != "routing" and "cache" not in left_out(peer) and (misses != answered or errors):
         raise SystemExit(f"the cache missed {misses:.0f} of {answered} requests ({errors:.0f} Redis errors)")
     return {"cpu_us_per_req": cpu / done * 1e6, "req_per_s": done / wall}
 
@@ -389,7 +411,12 @@ def parse_args() -> argparse.Namespace:
         help="with --instructions, keep the last repetition's profiles as PREFIX.<peer>.<requests>.out "
         "(bench/callgrind_diff.py reads them)",
     )
-    parser.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--by-plugin",
+        action="store_true",
+        help=f"add a {WITHOUT}P peer per plugin P of the production set (but routing): what each costs",
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--health-url", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -399,6 +426,15 @@ def parse_args() -> argparse.Namespace:
         args.reps = 1 if args.instructions else 5
     if args.instructions:
         args.warmup = min(args.warmup, 200)
+    peers = args.peers.split(",")
+    if args.by_plugin:
+        import run
+
+        each = ["tenancy", *(name for name in run.DEFAULT_PLUGINS if name != "routing")]
+        peers += [f"{WITHOUT}{name}" for name in each if f"{WITHOUT}{name}" not in peers]
+    for peer in [*peers, *([args.child] if args.child else [])]:
+        left_out(peer)
+    args.peers = ",".join(peers)
     return args
 
 
@@ -440,14 +476,30 @@ def main() -> None:
         finally:
             mock.stop()
             run.delete_cache_entries(redis_url)
-    base = statistics.median(r[metric] for r in results.get("routing", [{metric: 0.0}]))
-    print(f"\n| peer | {unit} (median of {args.reps}) | each repetition | x routing |")
-    print("|---|--:|---|--:|")
+    print_table(results, metric, unit, args.reps)
+
+
+def print_table(results: dict[str, list[dict[str, float]]], metric: str, unit: str, reps: int) -> None:
+    """Each run's median, its repetitions and its ratio to routing only's; with peers without some
+    plugins, also what those plugins cost: the production set's median minus the peer's (a run of the
+    ``--baseline-src`` copy against the copy's production set)."""
+    medians = {name: statistics.median(r[metric] for r in rows) for name, rows in results.items()}
+    base = medians.get("routing", 0.0)
+    without = any(name.startswith(WITHOUT) for name in results)
+    print(
+        f"\n| peer | {unit} (median of {reps}) | each repetition | x routing |" + (" left-out plugins cost |" * without)
+    )
+    print("|---|--:|---|--:|" + ("--:|" * without))
     for name, rows in results.items():
-        values = [r[metric] for r in rows]
-        ratio = f"{statistics.median(values) / base:.2f}" if base else "-"
-        each = ", ".join(f"{v:,.1f}" for v in values)
-        print(f"| {name} | {statistics.median(values):,.1f} | {each} | {ratio} |")
+        ratio = f"{medians[name] / base:.2f}" if base else "-"
+        each = ", ".join(f"{r[metric]:,.1f}" for r in rows)
+        row = f"| {name} | {medians[name]:,.1f} | {each} | {ratio} |"
+        if without:
+            peer, at, source = name.partition("@")
+            production = medians.get("production" + at + source)
+            cost = production - medians[name] if peer.startswith(WITHOUT) and production is not None else None
+            row += f" {cost:,.1f} |" if cost is not None else " - |"
+        print(row)
 
 
 if __name__ == "__main__":
