@@ -32,7 +32,7 @@ from gateway.batch.metrics import BatchMetrics
 from gateway.batch.redis_errors import REDIS_ERRORS
 from gateway.batch.submit import Outcome, Submitter
 from gateway.batch.work import Work
-from gateway.ops.tasks import cancel_and_wait
+from gateway.ops.tasks import cancel_and_wait, stop_if_cancelled
 from gateway.pipeline.batch_config import BatchesConfig, BatchLine, Caller
 from gateway.pipeline.runtime import RuntimeHolder
 from gateway.pipeline.services import Services
@@ -109,6 +109,7 @@ class Runner:
                 log.warning("batch runner: %s", getattr(exc, "message", None) or type(exc).__name__)
             except Exception:
                 log.exception("batch runner round failed")
+            stop_if_cancelled()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._config().poll_interval_s):
                     await self._wake.wait()
@@ -230,3 +231,4 @@ class Runner:
                     await self.work.renew(batch_id, self.owner, indexes)
                 except REDIS_ERRORS as exc:
                     log.warning("batch %s: leases not renewed (%s)", batch_id, exc)
+                    stop_if_cancelled()
