@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.values import MutexValue
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -85,7 +86,8 @@ class _FastChild:
 
 
 class _FastValue(_FastChild):
-    """A counter's or gauge's child: one value."""
+    """A counter's or gauge's child: one value, added to through its ``inc`` (a memory-mapped value in
+    multiprocess mode, which writes its file)."""
 
     __slots__ = ("_inc",)
 
@@ -113,6 +115,50 @@ class _FastGauge(_FastValue):
         self._inc(-amount)
 
 
+class _InProcessValue(_FastChild):
+    """A counter's or gauge's child whose value is prometheus_client's in-process ``MutexValue``: its
+    ``inc`` written out here (the value's lock taken, the float added), a third less than calling it.
+    One attribute of this object is read per call: a class with ``__getattr__`` reads each through a
+    slower hook."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, child: Any) -> None:
+        super().__init__(child)
+        self._value = child._value
+
+
+class _InProcessCounter(_InProcessValue):
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        value = self._value
+        lock = value._lock
+        lock.acquire()
+        try:
+            value._value += amount
+        finally:
+            lock.release()
+
+
+class _InProcessGauge(_InProcessValue):
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        value = self._value
+        lock = value._lock
+        lock.acquire()
+        try:
+            value._value += amount
+        finally:
+            lock.release()
+
+    def dec(self, amount: float = 1) -> None:
+        self.inc(-amount)
+
+
 class _FastHistogram(_FastChild):
     __slots__ = ("_bounds", "_buckets", "_sum")
 
@@ -130,15 +176,45 @@ class _FastHistogram(_FastChild):
             self._buckets[index](1)
 
 
+class _InProcessHistogram(_FastChild):
+    """A histogram's child with ``MutexValue`` values: the sum's and the bucket's ``inc`` written out,
+    each under its own value's lock, as prometheus_client takes them."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, child: Any) -> None:
+        super().__init__(child)
+        # the sum's value, the bounds (ascending, the last +Inf) and each bucket's value
+        self._parts = (child._sum, list(child._upper_bounds), list(child._buckets))
+
+    def observe(self, amount: float) -> None:
+        value, bounds, buckets = self._parts  # one read of this object (see _InProcessValue)
+        lock = value._lock
+        lock.acquire()
+        try:
+            value._value += amount
+        finally:
+            lock.release()
+        index = bisect_left(bounds, amount)  # the first bound >= amount, as prometheus_client's loop finds
+        if index < len(bounds) and amount <= bounds[index]:  # False for NaN: no bucket, as there
+            value = buckets[index]
+            lock = value._lock
+            lock.acquire()
+            try:
+                value._value += 1
+            finally:
+                lock.release()
+
+
 def fast_child(child: Any) -> Any:
     """``child`` (from a Counter's, Gauge's or Histogram's ``labels()``) with fast ``inc`` / ``dec`` /
     ``observe``; other metric types, and gauges in the multiprocess ``mostrecent`` mode, as they are."""
     if isinstance(child, Counter):
-        return _FastCounter(child)
+        return _InProcessCounter(child) if type(child._value) is MutexValue else _FastCounter(child)
     if isinstance(child, Histogram):
-        return _FastHistogram(child)
+        return _InProcessHistogram(child) if type(child._sum) is MutexValue else _FastHistogram(child)
     if isinstance(child, Gauge) and not child._is_most_recent:
-        return _FastGauge(child)
+        return _InProcessGauge(child) if type(child._value) is MutexValue else _FastGauge(child)
     return child
 
 

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,26 @@ def _exposition(wrap: object) -> bytes:
 
 def test_fast_children_count_what_prometheus_client_counts() -> None:
     assert _exposition(fast_child) == _exposition(lambda child: child)
+
+
+def test_in_process_children_take_the_values_lock_themselves() -> None:
+    """In one process the fast children add to prometheus_client's ``MutexValue`` under its lock without
+    calling its ``inc`` (the case above compares what they count); the lock is the value's own, so a
+    reader holding it (the exposition) sees no half-done update."""
+    counter, gauge, histogram = _metrics(CollectorRegistry())
+    children = [fast_child(m.labels("x")) for m in (counter, gauge, histogram)]
+    assert [type(c).__name__ for c in children] == ["_InProcessCounter", "_InProcessGauge", "_InProcessHistogram"]
+    value = counter.labels("x")._value
+    assert value._lock.acquire(blocking=False)
+    try:
+        worker = threading.Thread(target=children[0].inc, args=(2,))
+        worker.start()
+        worker.join(timeout=0.2)
+        assert worker.is_alive() and value._value == 0  # waits for the lock
+    finally:
+        value._lock.release()
+    worker.join(timeout=5)
+    assert value.get() == 2
 
 
 def test_a_negative_counter_increment_is_refused_as_by_prometheus_client() -> None:
