@@ -159,15 +159,20 @@ def request_bytes(model: str, tag: str, n: int, token: str, stream: bool = False
     )
 
 
+def optional_plugins() -> list[str]:
+    """The production set's plugins a peer may leave out: all but routing, the terminal one."""
+    import run
+
+    return ["tenancy", *(name for name in run.DEFAULT_PLUGINS if name != "routing")]
+
+
 def left_out(peer: str) -> frozenset[str]:
     """The plugins a peer runs the production set without (none for ``production``); SystemExit for a
     name that is no peer or no plugin of the set other than routing (the terminal one)."""
-    import run
-
     if peer in PEERS:
         return frozenset()
     names = peer.removeprefix(WITHOUT).split("+") if peer.startswith(WITHOUT) else []
-    optional = ["tenancy", *(name for name in run.DEFAULT_PLUGINS if name != "routing")]
+    optional = optional_plugins()
     if not names or not set(names) <= set(optional):
         raise SystemExit(f"unknown peer {peer}: {', '.join(PEERS)} or {WITHOUT}P[+P...], P of {', '.join(optional)}")
     return frozenset(names)
@@ -428,10 +433,7 @@ def parse_args() -> argparse.Namespace:
         args.warmup = min(args.warmup, 200)
     peers = args.peers.split(",")
     if args.by_plugin:
-        import run
-
-        each = ["tenancy", *(name for name in run.DEFAULT_PLUGINS if name != "routing")]
-        peers += [f"{WITHOUT}{name}" for name in each if f"{WITHOUT}{name}" not in peers]
+        peers += [f"{WITHOUT}{name}" for name in optional_plugins() if f"{WITHOUT}{name}" not in peers]
     for peer in [*peers, *([args.child] if args.child else [])]:
         left_out(peer)
     args.peers = ",".join(peers)

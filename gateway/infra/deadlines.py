@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from types import TracebackType
 
-_ENTERED, _EXPIRING, _EXPIRED, _EXITED = 1, 2, 3, 4
+_ENTERED, _EXPIRING, _EXITED = 1, 2, 3
 
 
 class Deadlines:
@@ -114,14 +114,10 @@ class Bound:
             else:
                 self._alone.cancel()
             return
-        self._state = _EXPIRED  # it was expiring: the cancellation this bound asked for is over
+        self._state = _EXITED  # it was expiring: the cancellation this bound asked for is over
         assert self._task is not None
         if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
             raise TimeoutError from exc
-
-    def expired(self) -> bool:
-        """Whether this bound ran out (its task was cancelled for it)."""
-        return self._state in (_EXPIRING, _EXPIRED)
 
     def _on_timeout(self) -> None:
         assert self._task is not None and self._state == _ENTERED

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.values import MutexValue
+
+from gateway.ops.fast_metrics import CachedLabels
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -43,179 +43,6 @@ ADMIN_ONLY_FAMILIES = frozenset({"gateway_plugin_hook_duration_seconds"})
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
-
-
-class CachedLabels:
-    """A labelled metric whose ``labels(*values)`` looks each child up once: prometheus_client's
-    ``labels()`` validates the values, builds a key and takes a lock on every call, which adds up on
-    the request path. Use only where label values come from a small set (model names, reasons,
-    outcomes). Everything else is the wrapped metric's.
-
-    The children it hands out are ``fast_child``'s: their ``inc`` / ``observe`` go straight to the
-    child's value objects."""
-
-    __slots__ = ("_children", "metric")
-
-    def __init__(self, metric: Any) -> None:
-        self.metric = metric
-        self._children: dict[tuple[str, ...], Any] = {}
-
-    def labels(self, *values: str) -> Any:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = fast_child(self.metric.labels(*values))
-        return child
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.metric, name)
-
-
-class _FastChild:
-    """A child's hot operations without prometheus_client's per-call checks, which cannot fail for a
-    child obtained from ``labels()`` (it is observable; exemplars are not used here). Every other
-    attribute is the child's. ``tests/ops/test_fast_metrics.py`` checks that the exposition matches
-    prometheus_client's own operations, so a change of its internals fails there."""
-
-    __slots__ = ("child",)
-
-    def __init__(self, child: Any) -> None:
-        self.child = child
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.child, name)
-
-
-class _FastValue(_FastChild):
-    """A counter's or gauge's child: one value, added to through its ``inc`` (a memory-mapped value in
-    multiprocess mode, which writes its file)."""
-
-    __slots__ = ("_inc",)
-
-    def __init__(self, child: Any) -> None:
-        super().__init__(child)
-        self._inc = child._value.inc
-
-
-class _FastCounter(_FastValue):
-    __slots__ = ()
-
-    def inc(self, amount: float = 1) -> None:
-        if amount < 0:
-            raise ValueError("Counters can only be incremented by non-negative amounts.")
-        self._inc(amount)
-
-
-class _FastGauge(_FastValue):
-    __slots__ = ()
-
-    def inc(self, amount: float = 1) -> None:
-        self._inc(amount)
-
-    def dec(self, amount: float = 1) -> None:
-        self._inc(-amount)
-
-
-class _InProcessValue(_FastChild):
-    """A counter's or gauge's child whose value is prometheus_client's in-process ``MutexValue``: its
-    ``inc`` written out here (the value's lock taken, the float added), a third less than calling it.
-    One attribute of this object is read per call: a class with ``__getattr__`` reads each through a
-    slower hook."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, child: Any) -> None:
-        super().__init__(child)
-        self._value = child._value
-
-
-class _InProcessCounter(_InProcessValue):
-    __slots__ = ()
-
-    def inc(self, amount: float = 1) -> None:
-        if amount < 0:
-            raise ValueError("Counters can only be incremented by non-negative amounts.")
-        value = self._value
-        lock = value._lock
-        lock.acquire()
-        try:
-            value._value += amount
-        finally:
-            lock.release()
-
-
-class _InProcessGauge(_InProcessValue):
-    __slots__ = ()
-
-    def inc(self, amount: float = 1) -> None:
-        value = self._value
-        lock = value._lock
-        lock.acquire()
-        try:
-            value._value += amount
-        finally:
-            lock.release()
-
-    def dec(self, amount: float = 1) -> None:
-        self.inc(-amount)
-
-
-class _FastHistogram(_FastChild):
-    __slots__ = ("_bounds", "_buckets", "_sum")
-
-    def __init__(self, child: Any) -> None:
-        super().__init__(child)
-        self._sum = child._sum.inc
-        self._bounds = list(child._upper_bounds)  # ascending, the last +Inf
-        self._buckets = [bucket.inc for bucket in child._buckets]
-
-    def observe(self, amount: float) -> None:
-        self._sum(amount)
-        bounds = self._bounds
-        index = bisect_left(bounds, amount)  # the first bound >= amount, as prometheus_client's loop finds
-        if index < len(bounds) and amount <= bounds[index]:  # False for NaN: no bucket, as there
-            self._buckets[index](1)
-
-
-class _InProcessHistogram(_FastChild):
-    """A histogram's child with ``MutexValue`` values: the sum's and the bucket's ``inc`` written out,
-    each under its own value's lock, as prometheus_client takes them."""
-
-    __slots__ = ("_parts",)
-
-    def __init__(self, child: Any) -> None:
-        super().__init__(child)
-        # the sum's value, the bounds (ascending, the last +Inf) and each bucket's value
-        self._parts = (child._sum, list(child._upper_bounds), list(child._buckets))
-
-    def observe(self, amount: float) -> None:
-        value, bounds, buckets = self._parts  # one read of this object (see _InProcessValue)
-        lock = value._lock
-        lock.acquire()
-        try:
-            value._value += amount
-        finally:
-            lock.release()
-        index = bisect_left(bounds, amount)  # the first bound >= amount, as prometheus_client's loop finds
-        if index < len(bounds) and amount <= bounds[index]:  # False for NaN: no bucket, as there
-            value = buckets[index]
-            lock = value._lock
-            lock.acquire()
-            try:
-                value._value += 1
-            finally:
-                lock.release()
-
-
-def fast_child(child: Any) -> Any:
-    """``child`` (from a Counter's, Gauge's or Histogram's ``labels()``) with fast ``inc`` / ``dec`` /
-    ``observe``; other metric types, and gauges in the multiprocess ``mostrecent`` mode, as they are."""
-    if isinstance(child, Counter):
-        return _InProcessCounter(child) if type(child._value) is MutexValue else _FastCounter(child)
-    if isinstance(child, Histogram):
-        return _InProcessHistogram(child) if type(child._sum) is MutexValue else _FastHistogram(child)
-    if isinstance(child, Gauge) and not child._is_most_recent:
-        return _InProcessGauge(child) if type(child._value) is MutexValue else _FastGauge(child)
-    return child
 
 
 class Metrics:

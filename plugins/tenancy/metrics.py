@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-from gateway.ops.metrics import CachedLabels
+from gateway.ops.fast_metrics import CachedLabels
 from gateway.pipeline.services import Services
 
 _SHARED = "tenancy.metrics"

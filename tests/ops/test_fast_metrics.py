@@ -1,4 +1,4 @@
-"""``gateway.ops.metrics.fast_child``: the hot ``inc`` / ``dec`` / ``observe`` that reach into
+"""``gateway.ops.fast_metrics.fast_child``: the hot ``inc`` / ``dec`` / ``observe`` that reach into
 prometheus_client's children (their ``_value``, ``_sum``, ``_buckets``, ``_upper_bounds``). Each case runs
 the same operations through prometheus_client's own methods on one registry and through the fast children
 on another, and compares the whole exposition: when prometheus_client changes those internals, this fails
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from gateway.ops.metrics import LATENCY_BUCKETS, CachedLabels, fast_child
+from gateway.ops.fast_metrics import CachedLabels, fast_child
+from gateway.ops.metrics import LATENCY_BUCKETS
 
 OBSERVED = [0.0, 0.0004, 0.001, 0.0010001, 0.0025, 0.3, 1, 2.5, 7, 300, 301, math.inf, 1e9]
 
@@ -102,7 +103,7 @@ def test_gauges_in_the_mostrecent_mode_keep_prometheus_clients_methods(tmp_path:
     code = textwrap.dedent(
         """
         from prometheus_client import CollectorRegistry, Gauge
-        from gateway.ops.metrics import fast_child
+        from gateway.ops.fast_metrics import fast_child
         gauge = Gauge("g", "g", ["a"], registry=CollectorRegistry(), multiprocess_mode="mostrecent")
         child = gauge.labels("x")
         assert fast_child(child) is child
@@ -124,7 +125,7 @@ def test_multiprocess_values_count_the_same(tmp_path: Path) -> None:
         from prometheus_client.multiprocess import MultiProcessCollector
         sys.path.insert(0, {tests!r})
         from test_fast_metrics import _drive, _metrics
-        from gateway.ops.metrics import fast_child
+        from gateway.ops.fast_metrics import fast_child
         wrap = fast_child if sys.argv[1] == "fast" else (lambda child: child)
         _drive(*_metrics(CollectorRegistry()), wrap=wrap)
         registry = CollectorRegistry()

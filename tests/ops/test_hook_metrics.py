@@ -34,7 +34,7 @@ def test_each_hook_call_is_counted_under_its_labels() -> None:
 def test_cached_labels_reuse_one_child_per_label_set_and_pass_everything_else_through() -> None:
     from prometheus_client import Counter
 
-    from gateway.ops.metrics import CachedLabels
+    from gateway.ops.fast_metrics import CachedLabels
 
     registry = CollectorRegistry()
     counter = CachedLabels(Counter("gwtest_things", "things", ["model", "reason"], registry=registry))
