@@ -32,7 +32,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
-from gateway.ops.tasks import cancel_and_wait
+from gateway.ops.tasks import cancel_and_wait, stop_if_cancelled
 from gateway.upstream.kv_index import BlockIndex
 from gateway.upstream.kv_wire import Batch, Cleared, Removed, Stored, WireError, decode_message, decode_replay
 from gateway.upstream.kv_wire import replay_request as encode_replay_request
@@ -238,6 +238,7 @@ class KvFeed:
                     log.warning("worker %s publishes no KV events the gateway can follow", url)
             except Exception as exc:  # not up yet, or not a vLLM worker: ask again later
                 log.debug("kv_event_sources of %s: %s", url, exc)
+                stop_if_cancelled()  # a fetch cancelled mid-request may raise its own error instead
             await asyncio.sleep(self.settings.discover_interval_s)
 
     # -- applying ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Following KV cache events over real ZMQ sockets into the index: stores and evictions, duplicate
 copies, gaps replayed, gaps older than the buffer resynchronised, restarts, AllBlocksCleared, a worker
-that goes silent, a worker that fails its health check, and vLLM's own encoding of the events."""
+that goes silent, a worker that fails its health check, a feed cancelled in discovery, and vLLM's own
+encoding of the events."""
 
 from __future__ import annotations
 
@@ -228,3 +229,35 @@ def test_vllm_encoded_events_decode() -> None:
     assert decode_payload(0, msgspec.msgpack.encode(kv_events.KVEventBatch(ts=0, events=[as_bytes]))).events == [
         Removed([int.from_bytes(digest[-8:], "big")])
     ]
+
+
+async def test_a_feed_cancelled_while_asking_where_a_worker_publishes_stops() -> None:
+    """Shut down while a worker is still starting: its feed task is in discovery, and the fetch it was in
+    answers the cancellation with an error of its own (an HTTP client whose read was cut). Discovery asks
+    again after any error; the task must stop instead of asking on with the cancellation swallowed."""
+    asking = asyncio.Event()
+    converted: list[bool] = []
+
+    async def fetch(url: str, timeout_s: float) -> tuple[int, bytes]:
+        asking.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if converted:  # only the first: a second cancellation ends a feed that did not stop
+                raise
+            converted.append(True)
+            raise ConnectionResetError("connection closed") from None
+        return 404, b""
+
+    url = "http://10.1.2.3:8000"
+    feed = KvFeed()
+    await feed.follow([url], {}, fetch, FeedSettings(discover_interval_s=0.01))
+    try:
+        await asyncio.wait_for(asking.wait(), 5)
+        task = feed._tasks[url]
+        task.cancel()  # what aclose does, at shutdown
+        done, _ = await asyncio.wait({task}, timeout=2)
+        assert converted, "the fetch never saw the cancellation"
+        assert done, "the feed went on asking where the worker publishes after it was cancelled"
+    finally:
+        await feed.aclose()
