@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 
 from gateway.ops.logs import apply_logging
 from gateway.ops.settings import Settings
+from gateway.ops.tasks import stop_if_cancelled
 from gateway.pipeline.config import ConfigError, GatewayConfig, parse_config
 from gateway.pipeline.reload_history import ReloadHistory
 from gateway.pipeline.runtime import RuntimeHolder
@@ -203,6 +204,9 @@ class Reloader:
                     "applied" if result.changed else "same config",
                     (time.perf_counter() - started) * 1000,
                 )
+            # Loading catches errors on its way (a plugin that could not start is refused, a failed
+            # announcement logged): a cancellation one of them was turned into must still end the watch.
+            stop_if_cancelled()
 
     async def aclose(self) -> None:
         if self._sighup:
@@ -257,6 +261,7 @@ class ConfigChannel:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: keep serving, try again later
+                stop_if_cancelled()  # redis-py may turn the cancellation of a read into ConnectionError
                 self.ready.clear()
                 log.warning("config channel %s: %s; retrying in %.1f s", self.name, exc, backoff)
                 await asyncio.sleep(backoff)

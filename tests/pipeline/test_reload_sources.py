@@ -1,6 +1,8 @@
 """Config sources the other reload tests do not drive: SIGHUP, the file watcher through a removed file
 and a refused content, an unreadable file on POST /admin/reload, announcing to other replicas (and
-failing to), and the Redis config channel's own-origin, version-mismatch and unreachable-Redis paths."""
+failing to), the Redis config channel's own-origin, version-mismatch and unreachable-Redis paths, and
+the watcher and the channel stopping when cancelled inside a call that turns the cancellation into an
+error of its own."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 import yaml
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.ops.metrics import Metrics
 from gateway.ops.settings import Settings
@@ -148,6 +151,35 @@ async def test_watcher_refuses_a_bad_content_once_and_not_again_until_it_changes
     assert outcomes == [("watch", "accepted"), ("watch", "refused")]
 
 
+async def test_watcher_cancelled_while_announcing_a_change_stops(file_reloader: Reloader) -> None:
+    """Shut down while the watcher announces a change it loaded, and the announcement's Redis call turns
+    the cancellation into an error of its own: loading logs a failed announcement and goes on, and the
+    watcher must stop there instead of polling on with the cancellation swallowed."""
+    announcing = asyncio.Event()
+    converted: list[bool] = []
+
+    async def announce(text: bytes, version: str, source: str) -> None:
+        announcing.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if converted:  # only the first: the fixture's aclose ends a watcher that did not stop
+                raise
+            converted.append(True)
+            raise RedisConnectionError("Connection closed by server.") from None
+
+    file_reloader.announce = announce
+    file_reloader.settings = Settings(config_path=file_reloader.path, config_watch_s=0.02)
+    file_reloader.start(watch=True)
+    file_reloader.path.write_bytes(config_text("announced"))
+    await asyncio.wait_for(announcing.wait(), 5)
+    (watch,) = [t for t in file_reloader._tasks if t.get_name() == "config-watch"]
+    watch.cancel()  # what aclose does, at shutdown
+    done, _ = await asyncio.wait({watch}, timeout=2)
+    assert converted, "the announcement never saw the cancellation"
+    assert done, "the watcher went on polling the file after it was cancelled"
+
+
 async def test_from_file_on_a_missing_file_is_refused_naming_the_live_version(file_reloader: Reloader) -> None:
     live = file_reloader.holder.current.version
     file_reloader.path.unlink()
@@ -269,6 +301,41 @@ async def test_channel_publishes_local_changes_but_never_echoes_channel_ones(cha
         ("v-watch", "watch", "c: 3"),
     ]
     assert {m["origin"] for m in received} == {channel.origin}
+
+
+async def test_channel_cancelled_inside_a_redis_read_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shut down while the channel waits for a message, and redis-py turns the cancellation of its read
+    into ConnectionError: the channel reconnects after Redis errors, and must stop instead."""
+    reading = asyncio.Event()
+    converted: list[bool] = []
+
+    async def cut_read(pubsub: Any, **kwargs: Any) -> None:
+        reading.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if converted:  # only the first: aclose ends a channel that did not stop
+                raise
+            converted.append(True)
+            raise RedisConnectionError("Connection closed by server.") from None
+
+    monkeypatch.setattr(aioredis.client.PubSub, "get_message", cut_read)
+    path = tmp_path / "config.yaml"
+    path.write_bytes(config_text("first"))
+    reloader = build_reloader(path, config_watch_s=0, config_channel=f"cover-{uuid.uuid4().hex}")
+    await reloader.from_file("initial")
+    reloader.start(watch=False)
+    try:
+        await asyncio.wait_for(reading.wait(), 5)
+        (listen,) = [t for t in reloader._tasks if t.get_name() == "config-channel"]
+        listen.cancel()  # what aclose does, at shutdown
+        done, _ = await asyncio.wait({listen}, timeout=2)
+        assert converted, "the read never saw the cancellation"
+        assert done, "the channel went on reconnecting after it was cancelled"
+    finally:
+        await reloader.aclose()
+        await reloader.holder.aclose()
+        await reloader.holder.services.aclose()
 
 
 async def test_channel_keeps_retrying_while_redis_is_unreachable(
