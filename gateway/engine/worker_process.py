@@ -62,6 +62,15 @@ class RestartPolicy:
         return float(min(self.max_delay_s, self.initial_delay_s * self.multiplier ** max(0, failures - 1)))
 
 
+def _stop_if_cancelled() -> None:
+    """Raise ``CancelledError`` when the current task was asked to stop: ``gateway.ops.tasks.stop_if_cancelled``,
+    which this package (the bottom layer, below ``ops``) cannot import. Called after catching an error that a
+    cancellation may have been turned into, so the loop that caught it does not go on with it swallowed."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def _level(line: str) -> int:
     head = line[:80]
     if " ERROR " in head or "Traceback" in head or " CRITICAL " in head:
@@ -194,8 +203,8 @@ class WorkerProcess:
                 try:
                     if (await client.get(self._health_url)).status_code == 200:
                         return
-                except httpx.HTTPError:
-                    pass
+                except httpx.HTTPError:  # not listening yet, or still starting up
+                    _stop_if_cancelled()  # a probe cancelled mid-request may raise httpx's error instead
                 if time.monotonic() >= deadline:
                     raise self._start_error(f"was not ready after {self._ready_timeout_s:.0f}s")
                 await procgroup.wait_exit(proc, self._poll_interval_s, interval_s=0.05)
@@ -237,6 +246,7 @@ class WorkerProcess:
             self._emit("exited")
             await procgroup.terminate_group(self._proc.pid, None, 5.0)  # its orphaned children
             await self._drain_output()
+            _stop_if_cancelled()  # _drain_output takes a CancelledError for the pump's own, so it swallows ours
             while True:
                 if self._policy.max_restarts is not None and failures > self._policy.max_restarts:
                     self.state = WorkerState.FAILED

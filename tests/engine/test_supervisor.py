@@ -197,6 +197,71 @@ async def test_cancelled_start_leaves_nothing(fake_script: Path) -> None:
     await wait_for(lambda: worker._proc is not None and group_members(worker._proc.pid) == [], 5)
 
 
+def awaiting(task: asyncio.Task[None]) -> list[str]:
+    """The coroutines ``task`` is suspended in, outermost first (where it waits now)."""
+    names: list[str] = []
+    coro: object = task.get_coro()
+    while hasattr(coro, "cr_code"):
+        names.append(coro.cr_code.co_name)  # type: ignore[attr-defined]
+        coro = coro.cr_await  # type: ignore[attr-defined]
+    return names
+
+
+async def test_a_watcher_cancelled_inside_a_restart_health_probe_stops(
+    fake_script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shut down while the watcher waits for a restarted worker, and the health probe it was in answers the
+    cancellation with httpx's own error (a read that was cut): the readiness wait probes again after
+    httpx's errors, and must stop instead of probing on with the cancellation swallowed."""
+    worker = make_worker(fake_script)
+    await worker.start()
+    watcher = worker._watcher
+    assert watcher is not None and worker.pid is not None
+    probing = asyncio.Event()
+    converted: list[bool] = []
+
+    async def cut_probe(client: httpx.AsyncClient, url: str, **kwargs: object) -> httpx.Response:
+        probing.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if converted:  # only the first: stop() ends a watcher that did not stop
+                raise
+            converted.append(True)
+            raise httpx.ReadError("connection closed") from None
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(httpx.AsyncClient, "get", cut_probe)
+    try:
+        os.kill(worker.pid, signal.SIGKILL)
+        await asyncio.wait_for(probing.wait(), 10)  # the restart's readiness wait
+        watcher.cancel()  # what stop() does first, at shutdown
+        done, _ = await asyncio.wait({watcher}, timeout=3)
+        assert converted, "the probe never saw the cancellation"
+        assert done, "the watcher went on probing the restarted worker after it was cancelled"
+    finally:
+        await worker.stop()
+
+
+async def test_a_watcher_cancelled_while_draining_a_crashed_run_s_output_stops(fake_script: Path) -> None:
+    """Shut down while the watcher waits for a crashed run's output to be relayed: that wait takes a
+    CancelledError for the output pump's own, and the watcher must not go on to restart the worker."""
+    worker = make_worker(fake_script, restart=RestartPolicy(initial_delay_s=30))  # the restart would wait
+    await worker.start()
+    watcher, pump = worker._watcher, worker._pump
+    assert watcher is not None and pump is not None and worker.pid is not None
+    worker._pump = asyncio.create_task(asyncio.sleep(30))  # output that takes its time to be relayed
+    try:
+        os.kill(worker.pid, signal.SIGKILL)
+        await wait_for(lambda: "_drain_output" in awaiting(watcher), 10)
+        watcher.cancel()  # what stop() does first, at shutdown
+        done, _ = await asyncio.wait({watcher}, timeout=2)
+        assert done, "the watcher went on to restart the worker after it was cancelled"
+    finally:
+        await worker.stop()
+        await asyncio.wait_for(pump, 5)  # the crashed run's own pump ends with its output
+
+
 def test_workers_die_with_the_gateway(fake_script: Path, tmp_path: Path) -> None:
     """SIGKILL a process that supervises a worker: the kernel SIGTERMs the worker, which takes its child."""
     port = free_port()
