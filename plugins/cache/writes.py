@@ -12,6 +12,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from gateway.ops.tasks import stop_if_cancelled
 from plugins.cache.config import CacheConfig
 from plugins.cache.keys import CacheKey
 from plugins.cache.shared import CacheShared
@@ -111,6 +112,7 @@ class CacheWrites:
                 await self.store.release(key, token)
                 return
             except RedisUnavailable:
+                stop_if_cancelled()  # drain cancelled it: a Redis read cut by that comes out as this error
                 if time.monotonic() + delay >= deadline:
                     return  # it expires by itself now
                 await asyncio.sleep(delay)
