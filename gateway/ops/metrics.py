@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -181,8 +181,13 @@ class Metrics:
         )
         self.mark_private(self.adapter_loads, self.adapter_evictions, labels=("adapter",))
 
+    # The pipeline's HookObserver (gateway.ops.tracing): gateway_plugin_hook_duration_seconds.
     def observe_hook(self, plugin: str, hook: str, outcome: str, seconds: float) -> None:
         self.hook_duration.labels(plugin, hook, outcome).observe(seconds)
+
+    def hook_recorder(self, plugin: str, hook: str) -> Callable[[float], None]:
+        observe: Callable[[float], None] = self.hook_duration.labels(plugin, hook, "ok").observe
+        return observe
 
     def set_worker_health(self, health: dict[str, bool]) -> None:
         """Export each worker's health (1/0); a worker no longer in ``health`` stops being exported

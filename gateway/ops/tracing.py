@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -29,9 +29,20 @@ if TYPE_CHECKING:
 
     from gateway.ops.settings import Settings
 
-#: Told of every plugin hook call: plugin, hook, outcome, seconds (the pipeline calls it; metrics and
-#: traces implement it).
-HookObserver = Callable[[str, str, str, float], None]
+
+class HookObserver(Protocol):
+    """Told of every plugin hook call (the pipeline calls it; metrics and traces implement it)."""
+
+    def observe_hook(self, plugin: str, hook: str, outcome: str, seconds: float) -> None:
+        """One call of ``plugin.hook`` that ended with ``outcome`` (ok, refused, timeout, error)."""
+        ...
+
+    def hook_recorder(self, plugin: str, hook: str) -> Callable[[float], None]:
+        """What ``observe_hook(plugin, hook, "ok", seconds)`` does, as a function of ``seconds`` alone:
+        the pipeline asks once per plugin and hook and calls it on every call that returned, so the
+        common outcome's label lookup is not paid per call."""
+        ...
+
 
 _PROPAGATOR = TraceContextTextMapPropagator()  # stateless, immutable
 
@@ -99,12 +110,7 @@ class Tracing:
 
     def hook_observer(self, inner: HookObserver) -> HookObserver:
         """Wrap the metrics observer so each hook call also becomes a span under the request span."""
-
-        def observe(plugin: str, hook: str, outcome: str, seconds: float) -> None:
-            inner(plugin, hook, outcome, seconds)
-            self.record(f"{plugin}.{hook}", seconds, {"gateway.plugin": plugin, "gateway.outcome": outcome})
-
-        return observe
+        return _TracedHooks(inner, self)
 
     def record(self, name: str, seconds: float, attributes: dict[str, Any], *, error: bool = False) -> None:
         end = time.time_ns()
@@ -123,3 +129,26 @@ class Tracing:
     def shutdown(self) -> None:
         """Flush what is buffered (bounded by the exporter's timeout) and stop exporting."""
         self.provider.shutdown()
+
+
+class _TracedHooks:
+    """A ``HookObserver`` that passes each call on to ``inner`` and records it as a span."""
+
+    __slots__ = ("_inner", "_tracing")
+
+    def __init__(self, inner: HookObserver, tracing: Tracing) -> None:
+        self._inner, self._tracing = inner, tracing
+
+    def observe_hook(self, plugin: str, hook: str, outcome: str, seconds: float) -> None:
+        self._inner.observe_hook(plugin, hook, outcome, seconds)
+        self._tracing.record(f"{plugin}.{hook}", seconds, {"gateway.plugin": plugin, "gateway.outcome": outcome})
+
+    def hook_recorder(self, plugin: str, hook: str) -> Callable[[float], None]:
+        inner, record = self._inner.hook_recorder(plugin, hook), self._tracing.record
+        name, attributes = f"{plugin}.{hook}", {"gateway.plugin": plugin, "gateway.outcome": "ok"}
+
+        def ok(seconds: float) -> None:
+            inner(seconds)
+            record(name, seconds, attributes)
+
+        return ok

@@ -4,19 +4,27 @@ plugin's ``on_error`` policy, every call reported to an observer (metrics, trace
 
 from __future__ import annotations
 
-import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.infra.deadlines import Deadlines
 from gateway.ops.tracing import HookObserver
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import OnError, Plugin, SideCall
 from gateway.wire.errors import GatewayError, ServiceUnavailable
 
 log = logging.getLogger("gateway.pipeline")
+
+#: Records how long a hook call that returned took (``HookObserver.hook_recorder``).
+Recorder = Callable[[float], None]
+
+
+def _unobserved(seconds: float) -> None:
+    """The recorder of a pipeline without an observer."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # identity equality: membership tests on the hot path
@@ -27,6 +35,11 @@ class BoundPlugin:
     plugin: Plugin
     on_error: OnError
     timeout_s: float | None
+    #: The time budget of each hook call, one timer for all of them (None: unbounded).
+    deadlines: Deadlines | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "deadlines", Deadlines(self.timeout_s) if self.timeout_s is not None else None)
 
 
 class Pipeline:
@@ -35,24 +48,44 @@ class Pipeline:
     def __init__(self, plugins: list[BoundPlugin], observe: HookObserver | None = None) -> None:
         self.plugins = plugins
         self._observe = observe
-        self._request_hooks = [p for p in plugins if type(p.plugin).overrides("on_request")]
-        self._model_hooks = [p for p in plugins if type(p.plugin).overrides("on_models")]
-        self._side_hooks = [p for p in plugins if type(p.plugin).overrides("on_side_request")]
-        self.chunk_plugins = [p for p in plugins if type(p.plugin).overrides("on_chunk")]
-        self.response_plugins = [p for p in plugins if type(p.plugin).overrides("on_response")]
+        # Per hook, the plugins that override it -> the recorder of their calls that return: a lookup is
+        # both the membership test and the observer's label set, resolved here once.
+        self._request_hooks = self._hooks("on_request")
+        self._model_hooks = self._hooks("on_models")
+        self._side_hooks = self._hooks("on_side_request")
+        self._chunk_hooks = self._hooks("on_chunk")
+        self._response_hooks = self._hooks("on_response")
+        self.chunk_plugins = list(self._chunk_hooks)
+        self.response_plugins = list(self._response_hooks)
         reads_text = [p for p in self.response_plugins if type(p.plugin).reads_stream_text]
         #: The plugins that make a stream be parsed chunk by chunk (when they ran and did not step aside).
         self._stream_watchers = frozenset(self.chunk_plugins + reads_text)
         #: The plugins that need only a stream's usage (``Plugin.reads_stream_text = False``).
         self._usage_watchers = frozenset(p for p in self.response_plugins if p not in self._stream_watchers)
 
+    def _hooks(self, hook: str) -> dict[BoundPlugin, Recorder]:
+        observe = self._observe
+        hooks: dict[BoundPlugin, Recorder] = {}
+        for bound in self.plugins:
+            cls = type(bound.plugin)
+            if not cls.overrides(hook):
+                continue
+            # The hook is called before the time budget and the on_error policy apply (``_call`` awaits
+            # what it returns): only a coroutine function cannot raise there.
+            if not inspect.iscoroutinefunction(getattr(cls, hook)):
+                raise TypeError(f"plugin '{bound.name}': {cls.__name__}.{hook} must be an 'async def'")
+            hooks[bound] = observe.hook_recorder(bound.name, hook) if observe is not None else _unobserved
+        return hooks
+
     async def run_request(self, ctx: RequestContext) -> ModelResponse | None:
         """``on_request`` in order. Returns an early answer or None. Records in ``ctx`` who ran and did
         not step aside: the plugins whose ``on_response`` / ``on_chunk`` this request calls."""
         ran: list[BoundPlugin] = ctx.returning
+        hooks = self._request_hooks
         for bound in self.plugins:
-            if bound in self._request_hooks:
-                early = await self._call(bound, "on_request", bound.plugin.on_request, ctx)
+            ok = hooks.get(bound)
+            if ok is not None:
+                early = await self._call(bound, "on_request", bound.plugin.on_request(ctx), ok)
                 if early is not None:
                     return early
                 aside = ctx.stepped_aside
@@ -73,69 +106,74 @@ class Pipeline:
 
     async def run_models(self, headers: dict[str, str], models: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``on_models`` in order: the model cards this caller may see."""
-        for bound in self._model_hooks:
-            models = await self._call(bound, "on_models", bound.plugin.on_models, headers, models, fallback=models)
+        for bound, ok in self._model_hooks.items():
+            models = await self._call(bound, "on_models", bound.plugin.on_models(headers, models), ok, models)
         return models
 
     async def run_side(self, call: SideCall) -> None:
         """``on_side_request`` in order: meter and bound a request to a route without inference."""
-        for bound in self._side_hooks:
-            await self._call(bound, "on_side_request", bound.plugin.on_side_request, call)
+        for bound, ok in self._side_hooks.items():
+            await self._call(bound, "on_side_request", bound.plugin.on_side_request(call), ok)
 
     async def run_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse:
         """``on_response`` in reverse order over the plugins whose ``on_request`` ran."""
         ran: list[BoundPlugin] = ctx.returning
+        hooks = self._response_hooks
         for bound in reversed(ran):
-            if bound in self.response_plugins:
-                replaced = await self._call(bound, "on_response", bound.plugin.on_response, ctx, response)
+            ok = hooks.get(bound)
+            if ok is not None:
+                replaced = await self._call(bound, "on_response", bound.plugin.on_response(ctx, response), ok)
                 if replaced is not None:
                     response = replaced
         return response
 
     async def run_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
         ran: list[BoundPlugin] = ctx.returning
+        hooks = self._chunk_hooks
         current: dict[str, Any] | None = chunk
         for bound in reversed(ran):
-            if bound not in self.chunk_plugins:
+            ok = hooks.get(bound)
+            if ok is None:
                 continue
             before = current
             assert before is not None
-            current = await self._call(bound, "on_chunk", bound.plugin.on_chunk, ctx, before, fallback=before)
+            current = await self._call(bound, "on_chunk", bound.plugin.on_chunk(ctx, before), ok, before)
             if current is None:
                 return None
         return current
 
     async def _call(
-        self,
-        bound: BoundPlugin,
-        hook: str,
-        fn: Callable[..., Awaitable[Any]],
-        *args: Any,
-        fallback: Any = None,
+        self, bound: BoundPlugin, hook: str, call: Awaitable[Any], ok: Recorder, fallback: Any = None
     ) -> Any:
+        """Await one hook call (``call``, not started yet) within ``bound``'s time budget; ``ok`` records
+        the time of a call that returned. A failure is observed and handled by ``_failed``; a cancelled
+        call (the request went away) is not observed."""
         started = time.perf_counter()
-        outcome = "ok"
+        deadlines = bound.deadlines
         try:
-            if bound.timeout_s is None:
-                return await fn(*args)
-            async with asyncio.timeout(bound.timeout_s):
-                return await fn(*args)
-        except GatewayError:
-            outcome = "refused"
-            raise
-        except TimeoutError:
-            outcome = "timeout"
-            return self._failed(bound, hook, f"ran over its {(bound.timeout_s or 0) * 1000:.0f} ms budget", fallback)
+            if deadlines is None:
+                result = await call
+            else:
+                with deadlines.bound():
+                    result = await call
         except Exception as exc:  # a plugin bug must never crash the request loop
-            outcome = "error"
-            log.exception("plugin %s.%s failed", bound.name, hook)
-            return self._failed(bound, hook, f"failed ({type(exc).__name__})", fallback)
-        finally:
-            if self._observe is not None:
-                self._observe(bound.name, hook, outcome, time.perf_counter() - started)
+            return self._failed(bound, hook, exc, time.perf_counter() - started, fallback)
+        ok(time.perf_counter() - started)
+        return result
 
-    @staticmethod
-    def _failed(bound: BoundPlugin, hook: str, what: str, fallback: Any) -> Any:
+    def _failed(self, bound: BoundPlugin, hook: str, exc: Exception, seconds: float, fallback: Any) -> Any:
+        """A hook call raised ``exc``: a refusal (``GatewayError``) goes on to the client; running over the
+        budget or any other error is the plugin's failure, answered by its ``on_error`` policy (the
+        ``fallback`` when it fails open, a 503 when it fails closed). Called in the ``except`` block."""
+        if isinstance(exc, GatewayError):
+            self._observed(bound, hook, "refused", seconds)
+            raise exc
+        if isinstance(exc, TimeoutError):
+            outcome, what = "timeout", f"ran over its {(bound.timeout_s or 0) * 1000:.0f} ms budget"
+        else:
+            outcome, what = "error", f"failed ({type(exc).__name__})"
+            log.exception("plugin %s.%s failed", bound.name, hook)
+        self._observed(bound, hook, outcome, seconds)
         if bound.on_error == "fail_open":
             log.warning("plugin %s.%s %s; continuing (fail_open)", bound.name, hook, what)
             return fallback
@@ -143,6 +181,10 @@ class Pipeline:
             f"The '{bound.name}' plugin {what} and is configured to fail closed; try again later.",
             code="plugin_unavailable",
         )
+
+    def _observed(self, bound: BoundPlugin, hook: str, outcome: str, seconds: float) -> None:
+        if self._observe is not None:
+            self._observe.observe_hook(bound.name, hook, outcome, seconds)
 
     async def aclose(self) -> None:
         for bound in reversed(self.plugins):

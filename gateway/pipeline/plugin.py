@@ -76,10 +76,14 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   logged and counted, and the request goes on as if the hook returned None); config may override it
   per plugin with ``on_error``. ``default_timeout_ms``: the time budget of each hook call (config:
   ``timeout_ms``); running over it counts as a failure under the same policy.
+- The hooks above marked ``async`` must be coroutine functions (``async def``): a config whose plugin
+  overrides one with a plain function is refused when it loads, since such a hook would run before its
+  time budget and failure policy apply.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -119,6 +123,10 @@ class SideCall:
 
 class EmptyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+#: The hooks of the contract that are coroutine functions.
+ASYNC_HOOKS = ("start", "on_request", "on_response", "on_chunk", "on_models", "on_side_request", "on_admin", "aclose")
 
 
 class Plugin:
@@ -167,3 +175,9 @@ class Plugin:
     @classmethod
     def overrides(cls, hook: str) -> bool:
         return getattr(cls, hook) is not getattr(Plugin, hook)
+
+    @classmethod
+    def plain_hooks(cls) -> list[str]:
+        """The contract's ``async`` hooks that this class overrides with a plain function (a config
+        naming such a plugin is refused)."""
+        return [h for h in ASYNC_HOOKS if cls.overrides(h) and not inspect.iscoroutinefunction(getattr(cls, h))]

@@ -74,8 +74,8 @@ async def build_snapshot(config: GatewayConfig, registry: PluginRegistry, servic
 
 
 def _hook_observer(services: Services) -> HookObserver:
-    observe = services.metrics.observe_hook
-    return observe if services.tracing is None else services.tracing.hook_observer(observe)
+    metrics = services.metrics
+    return metrics if services.tracing is None else services.tracing.hook_observer(metrics)
 
 
 class RuntimeHolder:

@@ -33,6 +33,10 @@ def resolve_plugins(config: GatewayConfig, registry: PluginRegistry) -> list[Res
         except (KeyError, TypeError, ImportError, AttributeError) as exc:
             problems.append(f"plugins[{index}].name: {exc.args[0] if exc.args else exc}")
             continue
+        plain = cls.plain_hooks()
+        if plain:
+            problems += [f"plugins[{index}].name: {cls.__name__}.{hook} must be an 'async def'" for hook in plain]
+            continue
         try:
             resolved.append(ResolvedPlugin(index, entry, cls, cls.Config.model_validate(entry.config)))
         except ValidationError as exc:
