@@ -4,7 +4,6 @@ plugin's ``on_error`` policy, every call reported to an observer (metrics, trace
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -46,6 +45,14 @@ class Pipeline:
     """Runs the hooks of an ordered list of plugins for one request at a time (stateless itself)."""
 
     def __init__(self, plugins: list[BoundPlugin], observe: HookObserver | None = None) -> None:
+        for bound in plugins:
+            # ``_call`` awaits what a hook returns, inside the time budget and the on_error policy: a hook
+            # that is not a coroutine function would run, and could raise, before either applies.
+            plain = type(bound.plugin).plain_hooks()
+            if plain:
+                raise TypeError(
+                    f"plugin '{bound.name}': {type(bound.plugin).__name__}.{plain[0]} must be an 'async def'"
+                )
         self.plugins = plugins
         self._observe = observe
         # Per hook, the plugins that override it -> the recorder of their calls that return: a lookup is
@@ -56,26 +63,19 @@ class Pipeline:
         self._chunk_hooks = self._hooks("on_chunk")
         self._response_hooks = self._hooks("on_response")
         self.chunk_plugins = list(self._chunk_hooks)
-        self.response_plugins = list(self._response_hooks)
-        reads_text = [p for p in self.response_plugins if type(p.plugin).reads_stream_text]
+        reads_text = [p for p in self._response_hooks if type(p.plugin).reads_stream_text]
         #: The plugins that make a stream be parsed chunk by chunk (when they ran and did not step aside).
         self._stream_watchers = frozenset(self.chunk_plugins + reads_text)
         #: The plugins that need only a stream's usage (``Plugin.reads_stream_text = False``).
-        self._usage_watchers = frozenset(p for p in self.response_plugins if p not in self._stream_watchers)
+        self._usage_watchers = frozenset(p for p in self._response_hooks if p not in self._stream_watchers)
 
     def _hooks(self, hook: str) -> dict[BoundPlugin, Recorder]:
         observe = self._observe
-        hooks: dict[BoundPlugin, Recorder] = {}
-        for bound in self.plugins:
-            cls = type(bound.plugin)
-            if not cls.overrides(hook):
-                continue
-            # The hook is called before the time budget and the on_error policy apply (``_call`` awaits
-            # what it returns): only a coroutine function cannot raise there.
-            if not inspect.iscoroutinefunction(getattr(cls, hook)):
-                raise TypeError(f"plugin '{bound.name}': {cls.__name__}.{hook} must be an 'async def'")
-            hooks[bound] = observe.hook_recorder(bound.name, hook) if observe is not None else _unobserved
-        return hooks
+        return {
+            bound: observe.hook_recorder(bound.name, hook) if observe is not None else _unobserved
+            for bound in self.plugins
+            if type(bound.plugin).overrides(hook)
+        }
 
     async def run_request(self, ctx: RequestContext) -> ModelResponse | None:
         """``on_request`` in order. Returns an early answer or None. Records in ``ctx`` who ran and did

@@ -20,6 +20,7 @@ from gateway.engine.launch import LaunchCommand
 from gateway.engine.procgroup import group_members
 from gateway.engine.spec import ManagedWorkerSpec
 from gateway.engine.supervisor import EngineManager, EngineStartError, RestartPolicy, WorkerProcess, WorkerStartError
+from tests.support.cancellation import CutAwait, stopped_when_cancelled
 
 # Serves /health after --ready-after seconds; /crash exits with code 3; spawns a child in its group (like
 # vLLM's EngineCore) and, like vLLM, takes that child down on SIGTERM unless --ignore-term.
@@ -217,27 +218,13 @@ async def test_a_watcher_cancelled_inside_a_restart_health_probe_stops(
     await worker.start()
     watcher = worker._watcher
     assert watcher is not None and worker.pid is not None
-    probing = asyncio.Event()
-    converted: list[bool] = []
-
-    async def cut_probe(client: httpx.AsyncClient, url: str, **kwargs: object) -> httpx.Response:
-        probing.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            if converted:  # only the first: stop() ends a watcher that did not stop
-                raise
-            converted.append(True)
-            raise httpx.ReadError("connection closed") from None
-        raise AssertionError("not reached")
-
+    cut_probe = CutAwait(lambda: httpx.ReadError("connection closed"))
     monkeypatch.setattr(httpx.AsyncClient, "get", cut_probe)
     try:
         os.kill(worker.pid, signal.SIGKILL)
-        await asyncio.wait_for(probing.wait(), 10)  # the restart's readiness wait
-        watcher.cancel()  # what stop() does first, at shutdown
-        done, _ = await asyncio.wait({watcher}, timeout=3)
-        assert converted, "the probe never saw the cancellation"
+        await asyncio.wait_for(cut_probe.entered.wait(), 10)  # the restart's readiness wait
+        done = await stopped_when_cancelled(watcher, 3)  # what stop() does first, at shutdown
+        assert cut_probe.converted, "the probe never saw the cancellation"
         assert done, "the watcher went on probing the restarted worker after it was cancelled"
     finally:
         await worker.stop()
@@ -254,8 +241,7 @@ async def test_a_watcher_cancelled_while_draining_a_crashed_run_s_output_stops(f
     try:
         os.kill(worker.pid, signal.SIGKILL)
         await wait_for(lambda: "_drain_output" in awaiting(watcher), 10)
-        watcher.cancel()  # what stop() does first, at shutdown
-        done, _ = await asyncio.wait({watcher}, timeout=2)
+        done = await stopped_when_cancelled(watcher, 2)  # what stop() does first, at shutdown
         assert done, "the watcher went on to restart the worker after it was cancelled"
     finally:
         await worker.stop()

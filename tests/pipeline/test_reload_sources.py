@@ -30,6 +30,7 @@ from gateway.pipeline.runtime import RuntimeHolder
 from gateway.pipeline.services import Services
 from gateway.upstream.client import UpstreamClient, UpstreamConfig
 from gateway.upstream.workers import WorkerTable
+from tests.support.cancellation import CutAwait, stopped_when_cancelled
 from tests.support.fakes import FakeUpstream
 from tests.support.gateways import GatewayFactory, base_config
 from tests.wire.test_error_shape import CHAT, assert_error_shape
@@ -155,28 +156,15 @@ async def test_watcher_cancelled_while_announcing_a_change_stops(file_reloader: 
     """Shut down while the watcher announces a change it loaded, and the announcement's Redis call turns
     the cancellation into an error of its own: loading logs a failed announcement and goes on, and the
     watcher must stop there instead of polling on with the cancellation swallowed."""
-    announcing = asyncio.Event()
-    converted: list[bool] = []
-
-    async def announce(text: bytes, version: str, source: str) -> None:
-        announcing.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            if converted:  # only the first: the fixture's aclose ends a watcher that did not stop
-                raise
-            converted.append(True)
-            raise RedisConnectionError("Connection closed by server.") from None
-
+    announce = CutAwait(lambda: RedisConnectionError("Connection closed by server."))
     file_reloader.announce = announce
     file_reloader.settings = Settings(config_path=file_reloader.path, config_watch_s=0.02)
     file_reloader.start(watch=True)
     file_reloader.path.write_bytes(config_text("announced"))
-    await asyncio.wait_for(announcing.wait(), 5)
+    await asyncio.wait_for(announce.entered.wait(), 5)
     (watch,) = [t for t in file_reloader._tasks if t.get_name() == "config-watch"]
-    watch.cancel()  # what aclose does, at shutdown
-    done, _ = await asyncio.wait({watch}, timeout=2)
-    assert converted, "the announcement never saw the cancellation"
+    done = await stopped_when_cancelled(watch, 2)  # what aclose does, at shutdown
+    assert announce.converted, "the announcement never saw the cancellation"
     assert done, "the watcher went on polling the file after it was cancelled"
 
 
@@ -306,19 +294,7 @@ async def test_channel_publishes_local_changes_but_never_echoes_channel_ones(cha
 async def test_channel_cancelled_inside_a_redis_read_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Shut down while the channel waits for a message, and redis-py turns the cancellation of its read
     into ConnectionError: the channel reconnects after Redis errors, and must stop instead."""
-    reading = asyncio.Event()
-    converted: list[bool] = []
-
-    async def cut_read(pubsub: Any, **kwargs: Any) -> None:
-        reading.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            if converted:  # only the first: aclose ends a channel that did not stop
-                raise
-            converted.append(True)
-            raise RedisConnectionError("Connection closed by server.") from None
-
+    cut_read = CutAwait(lambda: RedisConnectionError("Connection closed by server."))
     monkeypatch.setattr(aioredis.client.PubSub, "get_message", cut_read)
     path = tmp_path / "config.yaml"
     path.write_bytes(config_text("first"))
@@ -326,11 +302,10 @@ async def test_channel_cancelled_inside_a_redis_read_stops(tmp_path: Path, monke
     await reloader.from_file("initial")
     reloader.start(watch=False)
     try:
-        await asyncio.wait_for(reading.wait(), 5)
+        await asyncio.wait_for(cut_read.entered.wait(), 5)
         (listen,) = [t for t in reloader._tasks if t.get_name() == "config-channel"]
-        listen.cancel()  # what aclose does, at shutdown
-        done, _ = await asyncio.wait({listen}, timeout=2)
-        assert converted, "the read never saw the cancellation"
+        done = await stopped_when_cancelled(listen, 2)  # what aclose does, at shutdown
+        assert cut_read.converted, "the read never saw the cancellation"
         assert done, "the channel went on reconnecting after it was cancelled"
     finally:
         await reloader.aclose()

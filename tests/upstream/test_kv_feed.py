@@ -14,6 +14,7 @@ import pytest
 from gateway.upstream.kv_feed import FeedSettings, KvFeed, KvSource, source_from_discovery
 from gateway.upstream.kv_wire import Cleared, Removed, Stored, decode_payload
 from gateway.upstream.workers import WorkerTable
+from tests.support.cancellation import CutAwait, stopped_when_cancelled
 from tests.support.kv_publisher import CLEARED, FakePublisher, removed, stored
 
 URL = "http://127.0.0.1:9"
@@ -235,29 +236,14 @@ async def test_a_feed_cancelled_while_asking_where_a_worker_publishes_stops() ->
     """Shut down while a worker is still starting: its feed task is in discovery, and the fetch it was in
     answers the cancellation with an error of its own (an HTTP client whose read was cut). Discovery asks
     again after any error; the task must stop instead of asking on with the cancellation swallowed."""
-    asking = asyncio.Event()
-    converted: list[bool] = []
-
-    async def fetch(url: str, timeout_s: float) -> tuple[int, bytes]:
-        asking.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            if converted:  # only the first: a second cancellation ends a feed that did not stop
-                raise
-            converted.append(True)
-            raise ConnectionResetError("connection closed") from None
-        return 404, b""
-
+    fetch = CutAwait(lambda: ConnectionResetError("connection closed"))
     url = "http://10.1.2.3:8000"
     feed = KvFeed()
     await feed.follow([url], {}, fetch, FeedSettings(discover_interval_s=0.01))
     try:
-        await asyncio.wait_for(asking.wait(), 5)
-        task = feed._tasks[url]
-        task.cancel()  # what aclose does, at shutdown
-        done, _ = await asyncio.wait({task}, timeout=2)
-        assert converted, "the fetch never saw the cancellation"
+        await asyncio.wait_for(fetch.entered.wait(), 5)
+        done = await stopped_when_cancelled(feed._tasks[url], 2)  # what aclose does, at shutdown
+        assert fetch.converted, "the fetch never saw the cancellation"
         assert done, "the feed went on asking where the worker publishes after it was cancelled"
     finally:
         await feed.aclose()

@@ -4,6 +4,7 @@ lock's release still retrying at shutdown stops when cancelled."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -21,6 +22,7 @@ from plugins.cache.shared import CacheShared
 from plugins.cache.store import CacheStore
 from plugins.cache.writes import CacheWrites
 from tests.support.cache import MESSAGES, PLUGINS, cache_gateway_config, namespace, redis_client
+from tests.support.cancellation import CutAwait, stopped_when_cancelled
 from tests.support.fakes import FakeUpstream
 from tests.support.gateways import GatewayFactory
 
@@ -155,39 +157,21 @@ async def test_a_lookup_that_timed_out_after_taking_the_lock_does_not_strand_fol
         assert coalesced(app, "timeout") == 0
 
 
-class _CutPipeline:
-    """The batched commands' ``evalsha`` whose reply, cancelled, fails with redis' own error instead."""
-
-    def __init__(self) -> None:
-        self.sent = asyncio.Event()
-        self.converted = False
-
-    async def evalsha(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
-        self.sent.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            if self.converted:  # only the first: a second cancellation ends a release that did not stop
-                raise
-            self.converted = True
-            raise RedisConnectionError("Connection closed by server.") from None
-
-
 async def test_a_release_cancelled_inside_a_redis_call_stops() -> None:
     """``drain`` cancels the releases still retrying at shutdown; one whose Redis call turns the
     cancellation into redis' own error (which the store reports as Redis unavailable, what a release
     retries after) must stop instead of retrying on until the lock expires."""
     client = aioredis.Redis.from_url("redis://127.0.0.1:6379")  # never connected: it only registers scripts
-    pipeline = _CutPipeline()
+    evalsha = CutAwait(lambda: RedisConnectionError("Connection closed by server."))
+    pipeline = SimpleNamespace(evalsha=evalsha)  # the batched commands' evalsha
     store = CacheStore(client, pipeline, client, CircuitBreaker(3, 1.0), 5.0, on_error=lambda op: None)  # type: ignore[arg-type]
     writes = CacheWrites(CacheConfig(), store, CacheShared(CacheMetrics(CollectorRegistry()), store.breaker))
     writes.release_soon(CacheKey("d", "gw:cache:cut:entry", "gw:cache:cut:lock"), b"token", local_leader=False)
     (release,) = writes._tasks
     try:
-        await asyncio.wait_for(pipeline.sent.wait(), 5)
-        release.cancel()  # what drain does to a release still under way
-        done, _ = await asyncio.wait({release}, timeout=2)
-        assert pipeline.converted, "the Redis call never saw the cancellation"
+        await asyncio.wait_for(evalsha.entered.wait(), 5)
+        done = await stopped_when_cancelled(release, 2)  # what drain does to a release still under way
+        assert evalsha.converted, "the Redis call never saw the cancellation"
         assert done, "the release went on retrying after it was cancelled"
     finally:
         release.cancel()
