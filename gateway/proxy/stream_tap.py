@@ -50,9 +50,14 @@ def output_events(piece: bytes) -> int:
     when the piece can hold it (a token event holds none)."""
     count = piece.count
     calls = count(b'"tool_calls":[')
-    found = count(b'"content":"') + count(b'"text":"') + count(b'"reasoning_content":"') + calls
+    found = count(b'"content":"') + count(b'"text":"') + calls
+    reasoning = piece.find(b'"reasoning') >= 0  # either name (gateway.wire.streaming.REASONING_FIELDS)
+    if reasoning:
+        found += count(b'"reasoning":"') + count(b'"reasoning_content":"')
     if found and piece.find(b'":""') >= 0:  # every empty text member has this
-        found -= count(b'"content":""') + count(b'"text":""') + count(b'"reasoning_content":""')
+        found -= count(b'"content":""') + count(b'"text":""')
+        if reasoning:
+            found -= count(b'"reasoning":""') + count(b'"reasoning_content":""')
     if calls:
         found -= count(b'"tool_calls":[]')
     return found

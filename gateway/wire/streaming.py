@@ -51,9 +51,14 @@ def delta_tokens(chunk: dict[str, Any]) -> int:
         delta = choice.get("delta")
         if delta is None:
             count += 1 if choice.get("text") else 0
-        elif delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+        elif delta.get("content") or delta.get("tool_calls") or any(delta.get(name) for name in REASONING_FIELDS):
             count += 1
     return count
+
+
+#: The members that carry a chat answer's reasoning: ``reasoning`` is what vLLM writes (0.32, installed here),
+#: ``reasoning_content`` what earlier releases and other OpenAI-style servers write. Both are kept as sent.
+REASONING_FIELDS = ("reasoning", "reasoning_content")
 
 
 _DATA = b"data: "
@@ -189,8 +194,9 @@ class StreamAssembler:
             if is_chat:
                 content = _joined(acc.get("content"))
                 message: dict[str, Any] = {"role": acc.get("role", "assistant"), "content": content}
-                if acc.get("reasoning_content"):
-                    message["reasoning_content"] = _joined(acc["reasoning_content"])
+                for name in REASONING_FIELDS:
+                    if acc.get(name):
+                        message[name] = _joined(acc[name])
                 if acc.get("tool_calls"):
                     message["tool_calls"] = [_tool_call(acc["tool_calls"][i]) for i in sorted(acc["tool_calls"])]
                 choice: dict[str, Any] = {"index": index, "message": message}
@@ -234,9 +240,10 @@ def _merge_delta(acc: dict[str, Any], delta: dict[str, Any]) -> None:
         _pieces(acc, "content").append(piece)
     elif "content" in delta and "content" not in acc:
         acc["content"] = piece
-    piece = delta.get("reasoning_content")
-    if piece:
-        _pieces(acc, "reasoning_content").append(piece)
+    for name in REASONING_FIELDS:
+        piece = delta.get(name)
+        if piece:
+            _pieces(acc, name).append(piece)
     for call in delta.get("tool_calls") or ():
         calls = acc.setdefault("tool_calls", {})
         slot = calls.setdefault(call.get("index", len(calls)), {"type": "function", "function": {"arguments": []}})
@@ -300,8 +307,9 @@ def _chat_events(base: dict[str, Any], choice: dict[str, Any]) -> Iterator[bytes
     role = {"index": index, "delta": {"role": msg.get("role", "assistant"), "content": ""}}
     yield encode_event({**base, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
     delta: dict[str, Any] = {}
-    if msg.get("reasoning_content"):
-        delta["reasoning_content"] = msg["reasoning_content"]
+    for name in REASONING_FIELDS:
+        if msg.get(name):
+            delta[name] = msg[name]
     if msg.get("content"):
         delta["content"] = msg["content"]
     if msg.get("tool_calls"):

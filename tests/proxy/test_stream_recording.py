@@ -166,7 +166,7 @@ def test_a_settlement_is_taken_once() -> None:
     assert tap.settlement(completed=True).recorded is None  # the events were handed over and let go
 
 
-_MEMBERS = ("content", "reasoning_content", "tool_calls")
+_MEMBERS = ("content", "reasoning", "reasoning_content", "tool_calls")
 
 
 @settings(max_examples=300, deadline=None)
@@ -215,3 +215,29 @@ def test_the_recordings_payloads_are_what_the_sse_parser_finds(events: list[byte
     assert lines is None or lines == b"\n".join(SSEParser().feed(whole))
     worker_form = all(e.startswith(b"data: ") and b"\n" not in e for e in events) and end == b"\n\n"
     assert (lines is not None) == (worker_form and bool(events))
+
+
+def reasoning_stream(thoughts: list[str], words: list[str]) -> list[dict[str, Any]]:
+    """A reasoning model's stream as vLLM (0.32, installed here) writes it: the reasoning in deltas of
+    their own under ``reasoning``, then the answer's content."""
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    chunks += [chunk({"reasoning": t}) for t in thoughts]
+    chunks += [chunk({"content": w}) for w in words]
+    return [*chunks, chunk({}, "stop")]
+
+
+@pytest.mark.parametrize("read_size", [9, 100_000])
+def test_a_reasoning_stream_is_counted_kept_to_its_limit_and_recorded_with_its_reasoning(read_size: int) -> None:
+    """Each reasoning delta is a generated token: counted against the limit and for the bill, and kept
+    in the recorded answer under the name the worker used."""
+    raw = b"".join(event(c) for c in reasoning_stream(["Let", " me", " see"], ["4", "2"])) + b"data: [DONE]\n\n"
+    tap = StreamTap(strip=True, limit=5, record=1 << 20)
+    feed_torn(tap, raw, read_size)
+    assert not tap.limited and tap.completion_tokens() == 5
+    message = tap.settlement(completed=True).json["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "42", "reasoning": "Let me see"}
+
+    cut = StreamTap(strip=True, limit=2, record=1 << 20)
+    out, _ = feed_torn(cut, raw, read_size)
+    assert cut.limited and cut.completion_tokens() == 2
+    assert b'"content":"4"' not in out and b'"finish_reason":"length"' in out

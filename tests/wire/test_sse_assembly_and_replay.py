@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.wire.streaming import DONE, SSEParser, StreamAssembler, encode_event, replay
+from gateway.wire.streaming import DONE, SSEParser, StreamAssembler, delta_tokens, encode_event, replay
 
 
 def _assemble(events: list[bytes]) -> StreamAssembler:
@@ -325,3 +325,28 @@ def test_a_chunk_that_is_not_only_a_token_takes_the_general_path(near_miss: dict
         general.add(copy.deepcopy(chunk))
         fast.add(copy.deepcopy(chunk))
     assert fast.result() == general.result()
+
+
+@pytest.mark.parametrize("name", ["reasoning", "reasoning_content"])
+def test_reasoning_is_assembled_replayed_and_counted_under_either_name(name: str) -> None:
+    """vLLM 0.32 (installed here) streams a reasoning model's thinking as ``reasoning``; earlier releases
+    and other servers as ``reasoning_content``. Either is kept under its own name, replayed, and counted
+    as generated tokens."""
+    chunks = [
+        _chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}}]),
+        _chunk([{"index": 0, "delta": {name: "think "}}]),
+        _chunk([{"index": 0, "delta": {name: "more"}}]),
+        _chunk([{"index": 0, "delta": {"content": "42"}}]),
+        _chunk([{"index": 0, "delta": {}, "finish_reason": "stop"}]),
+    ]
+    assembler = StreamAssembler()
+    for c in chunks:
+        assembler.add(c)
+    answer = assembler.result()
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": "42", name: "think more"}
+    assert [delta_tokens(c) for c in chunks] == [0, 1, 1, 1, 0]
+    again = StreamAssembler()
+    for event in replay(answer, include_usage=False):
+        if event != DONE:
+            again.add(orjson.loads(event[len(b"data: ") :]))
+    assert again.result()["choices"][0]["message"] == answer["choices"][0]["message"]
