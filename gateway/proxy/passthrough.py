@@ -133,7 +133,9 @@ class PassThrough:
         self._seen(chunk)
         tap = self._tap
         if tap is not None:
-            chunk = self._tapped(chunk)
+            chunk, done = tap.feed(chunk)  # _tapped, written out: once per read of every billed stream
+            if done:
+                self._done = done
             if tap.limited:  # at the request's limit: stop reading the worker (its connection is closed)
                 assert self._writer is not None
                 self._writer.write(chunk)

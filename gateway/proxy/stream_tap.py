@@ -83,21 +83,25 @@ class StreamTap:
         """(whole events to send now, the ``[DONE]`` part held back until the usage plugins ran). The
         torn end of a read waits for the next one."""
         if self._held:
-            piece = self._held + piece
-        cut = piece.rfind(b"\n\n") + 2
-        if cut < 2:
-            self._held = piece
-            return b"", b""
-        if cut == len(piece):
-            self._held = b""
-        else:
+            piece, self._held = self._held + piece, b""
+        if piece[-2:] != b"\n\n":  # torn inside an event (a read ends at an event's end most of the time)
+            cut = piece.rfind(b"\n\n") + 2
+            if cut < 2:
+                self._held = piece
+                return b"", b""
             piece, self._held = piece[:cut], piece[cut:]
         done = b""
         mark = piece.find(_DONE)
         if mark >= 0:
             piece, done = piece[:mark], piece[mark:]
-        if self._recording is not None:
-            self._recording.add(piece)
+        recording = self._recording
+        if recording is not None:
+            room = recording.room - len(piece)
+            if room >= 0 and recording.pieces is not None:  # _Recording.add's common case, without the call
+                recording.room = room
+                recording.pieces.append(piece)
+            else:
+                recording.add(piece)
         if piece.find(USAGE_MEMBER) >= 0:
             piece = self._take_usage(piece)
         tokens = output_events(piece)
@@ -188,23 +192,24 @@ class _Recording:
     once at the end; past the budget only added up as they come (an answer too long to keep with its
     events is still kept as an answer, as on the parsed path)."""
 
-    __slots__ = ("_assembler", "_broken", "_pieces", "_room")
+    __slots__ = ("_assembler", "_broken", "pieces", "room")
 
     def __init__(self, budget: int) -> None:
-        self._pieces: list[bytes] | None = []
-        self._room = budget
+        self.pieces: list[bytes] | None = []  # None once past the budget, or broken
+        self.room = budget
         self._assembler = StreamAssembler()
         self._broken = False  # an event that is not JSON, or an error event: nothing to keep
 
     def add(self, events: bytes) -> None:
+        """Keep ``events`` (whole events). ``StreamTap.feed`` appends to ``pieces`` itself while they fit."""
         if self._broken:
             return
-        if self._pieces is not None:
-            self._room -= len(events)
-            if self._room >= 0:
-                self._pieces.append(events)
+        if self.pieces is not None:
+            self.room -= len(events)
+            if self.room >= 0:
+                self.pieces.append(events)
                 return
-            events, self._pieces = b"".join(self._pieces) + events, None
+            events, self.pieces = b"".join(self.pieces) + events, None
         self._broken = not _add_up(self._assembler, events, None)
 
     def answer(self, usage_only: dict[str, Any]) -> ModelResponse | None:
@@ -214,10 +219,10 @@ class _Recording:
         was not recorded. ``recorded_events`` holds them unparsed, unless one holds an error."""
         if self._broken:
             return None
-        if self._pieces is None:  # past the budget: added up as they came
+        if self.pieces is None:  # past the budget: added up as they came
             return ModelResponse(json=self._assembler.result())
-        events = b"".join(self._pieces)
-        self._pieces = None
+        events = b"".join(self.pieces)
+        self.pieces = None
         assembler = self._assembler
 
         def assemble() -> tuple[dict[str, Any], list[dict[str, Any]] | None]:

@@ -102,9 +102,10 @@ def events_complete(events: bytes, choices: int) -> bool | None:
     line), parsing only the events that finish a choice (found from the end, where they are): every choice
     0 .. choices-1 finished normally. None when its events carry no compact ``"finish_reason":`` member
     (assemble them instead). Only the members can match: inside a string value every quote is escaped."""
-    left = events.count(_FINISH) - events.count(_NOT_FINISHED)  # the members that are not null
-    if not events.count(_FINISH):
+    members = events.count(_FINISH)
+    if not members:
         return None
+    left = members - events.count(_NOT_FINISHED)  # the members that are not null
     finished: dict[int, Any] = {}  # read from the end: the first reason found for a choice is its last
     end = len(events)
     while left > 0:

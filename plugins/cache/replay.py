@@ -77,8 +77,10 @@ def marked_events(events: bytes) -> tuple[bytes, str] | None:
     marked, ids = _replace_counted(events, id_member, _EVENT_ID_BYTES)
     # the whole number: not the start of a longer one
     marked, stamps = _replace_counted(marked, stamp + b",", _EVENT_CREATED_BYTES + b",")
-    marked, last = _replace_counted(marked, stamp + b"}", _EVENT_CREATED_BYTES + b"}")
-    if ids != lines or stamps + last != lines:
+    if stamps != lines:  # some event has created last (vLLM writes it third): another pass for those
+        marked, last = _replace_counted(marked, stamp + b"}", _EVENT_CREATED_BYTES + b"}")
+        stamps += last
+    if ids != lines or stamps != lines:
         return None
     return marked, _id_prefix(original)
 

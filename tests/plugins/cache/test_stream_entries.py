@@ -245,6 +245,20 @@ def test_completeness_from_the_finishing_events_is_the_assembled_answers(stream:
     assert events_complete(_blob(chunks), choices) is is_complete(_assembled(chunks))
 
 
+@pytest.mark.parametrize("last", [(0, 1, 2), (1,), ()])
+def test_events_with_created_as_their_last_member_are_marked_too(last: tuple[int, ...]) -> None:
+    """Another server's member order (created last, before the closing brace) in every event, some or
+    none: each event's created is marked all the same."""
+    chunks = [_chunk(0, {"role": "assistant", "content": ""}, None), _chunk(0, {"content": "a"}, None)]
+    chunks.append(_chunk(0, {}, "stop"))
+    reordered = [
+        {**{k: v for k, v in c.items() if k != "created"}, "created": c["created"]} if i in last else c
+        for i, c in enumerate(chunks)
+    ]
+    events, _ = _marked(reordered)
+    assert [orjson.loads(line) for line in events.split(b"\n")] == [orjson.loads(recorded_event(c)) for c in chunks]
+
+
 def test_the_choices_a_stream_must_finish_are_known_only_for_one_prompt() -> None:
     assert stream_choices("chat/completions", {"n": 3}) == 3
     assert stream_choices("chat/completions", {"n": True}) == 1
