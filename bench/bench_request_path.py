@@ -93,9 +93,34 @@ class _Answer:
     async def relay(
         self, sink: Callable[[bytes], bool], drained: Callable[[], Awaitable[None]], idle_s: float | None
     ) -> None:
-        while piece := await self.chunk(idle_s):
-            if not sink(piece):
-                await drained()
+        """As ``gateway/infra/http1.py`` relays: each read handed to ``sink`` from a loop callback (there,
+        the connection's ``data_received``), a loop turn apart, while the relaying task sleeps until the
+        end, a failure of the sink, or a full sink; not one wake-up of the whole request's task per read."""
+        loop = asyncio.get_running_loop()
+        while True:
+            paused = loop.create_future()  # True: the sink is full; False: the body ended
+
+            def push(paused: asyncio.Future[bool] = paused) -> None:
+                if paused.done():  # the relay was cancelled (the client went away)
+                    return
+                piece = next(self._pieces, b"")
+                if not piece:
+                    paused.set_result(False)
+                    return
+                try:
+                    room = sink(piece)
+                except Exception as exc:  # as the connection does: the sink's failure ends the relay
+                    paused.set_exception(exc)
+                    return
+                if room:
+                    loop.call_soon(push)
+                else:
+                    paused.set_result(True)
+
+            loop.call_soon(push)
+            if not await paused:
+                return
+            await drained()
 
     def close(self) -> None:
         return None
