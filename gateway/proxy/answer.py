@@ -51,7 +51,7 @@ class AnswerStream:
         self._resumer = resumer
         self._held = b""  # resumable: the start of an event not yet complete
         self._sent: list[bytes] = []  # resumable: the whole events that went out
-        self._tail = b""
+        self._tail = b"\n"  # the stream's start counts as a line's start
         self.ok = False
 
     async def pieces(self) -> AsyncIterator[bytes]:
@@ -120,7 +120,10 @@ class AnswerStream:
         return whole
 
     def _ended_well(self) -> bool:
-        if self._tail.find(_DONE_MARK) >= 0:
+        """Whether the stream ended with the ``[DONE]`` event: the mark at a line's start (the tail starts
+        with a line feed standing for the stream's start), not the same words inside an event's text."""
+        tail = self._tail
+        if tail.find(b"\n" + _DONE_MARK) >= 0 or tail.find(b"\r" + _DONE_MARK) >= 0:
             self.ok = True
         return self.ok
 

@@ -38,6 +38,7 @@ from gateway.proxy.token_limit import length_end
 from gateway.wire.streaming import USAGE_MEMBER, StreamAssembler, payload_lines, whole_payloads
 
 _DONE = b"data: [DONE]"
+_LINE_ENDS = (10, 13)  # the bytes before a line's start: a line feed, a carriage return
 _EVENT = b"data:"
 _DONE_EVENT = b"data: [DONE]\n\n"
 _ERROR = b'"error":'
@@ -92,6 +93,11 @@ class StreamTap:
             piece, self._held = piece[:cut], piece[cut:]
         done = b""
         mark = piece.find(_DONE)
+        # Only the mark that starts a line is the event (a piece starts at an event's start, and no line
+        # feed is inside an event's JSON); an answer's text may say "data: [DONE]" too (several tokens in
+        # one delta can).
+        while mark > 0 and piece[mark - 1] not in _LINE_ENDS:
+            mark = piece.find(_DONE, mark + 1)
         if mark >= 0:
             piece, done = piece[:mark], piece[mark:]
         recording = self._recording

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 import pytest
 
 from gateway.proxy.answer import AnswerFailed, AnswerStream
@@ -63,4 +64,29 @@ async def test_the_done_mark_split_across_reads_is_seen() -> None:
     torn = [events[:-8], events[-8:]]  # "data: [DONE]" arrives in two reads
     answer = AnswerStream(await open_script(Scripted(pieces=torn)), None)
     assert await pulled(answer) == events
+    assert answer.ok
+
+
+def _said(text: str) -> bytes:
+    """A content event whose text is ``text`` (one delta can carry several tokens: speculative decoding,
+    a stream interval)."""
+    chunk = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1, "model": "m1"}
+    chunk["choices"] = [{"index": 0, "delta": {"content": text}, "finish_reason": None}]
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+@pytest.mark.parametrize("read", [pulled, pushed])
+async def test_a_stream_cut_after_its_text_says_done_is_still_cut(read: object) -> None:
+    """An answer that explains SSE ends its last event with the words "data: [DONE]": the worker that
+    went away there did not finish it."""
+    events = [*chat_events("one")[:2], _said("The stream ends with data: [DONE]")]
+    answer = AnswerStream(await open_script(Scripted(pieces=events)), None)
+    with pytest.raises(AnswerFailed) as failed:
+        await read(answer)  # type: ignore[operator]
+    assert failed.value.error.code == "stream_incomplete" and not answer.ok
+
+
+async def test_a_stream_that_is_only_the_done_event_ended_well() -> None:
+    answer = AnswerStream(await open_script(Scripted(pieces=[b"data: [DONE]\n\n"])), None)
+    assert await pulled(answer) == b"data: [DONE]\n\n"
     assert answer.ok

@@ -135,6 +135,26 @@ def test_a_cacheable_stream_that_is_parsed_anyway_is_stored_from_its_chunks(
     assert stream_content(again) == stream_content(body) == worker.behavior.text
 
 
+def test_an_answer_whose_text_says_done_passes_through_whole_and_is_stored(
+    gateway_factory: GatewayFactory,
+    worker: FakeUpstream,
+    upstream_url: str,
+    namespace: str,
+    redis_client: redis.Redis,
+) -> None:
+    """A model explaining SSE writes "data: [DONE]" in its answer, whole in one delta (several tokens per
+    delta: speculative decoding, a stream interval). The tapped byte relay sends each event whole and in
+    place, the stream ends with the worker's own [DONE], and the answer is stored and served again."""
+    worker.behavior.text, worker.behavior.chunks = "data: [DONE]" * 3, 3
+    (body, headers), (again, again_headers) = miss_then_hit(
+        gateway_factory, default_set(upstream_url, namespace), redis_client, namespace
+    )
+    assert headers["x-cache"] == "miss" and body.startswith(COMMENT)  # the byte relay, tapped
+    assert body.endswith(b"}\n\ndata: [DONE]\n\n") and body.count(b"\n\ndata: [DONE]\n\n") == 1
+    assert again_headers["x-cache"] == "hit"
+    assert stream_content(again) == stream_content(body) == "data: [DONE]" * 3
+
+
 def test_a_constrained_stream_is_parsed_so_its_answer_can_be_validated(
     gateway_factory: GatewayFactory, worker: FakeUpstream, upstream_url: str, namespace: str
 ) -> None:

@@ -241,3 +241,16 @@ def test_a_reasoning_stream_is_counted_kept_to_its_limit_and_recorded_with_its_r
     out, _ = feed_torn(cut, raw, read_size)
     assert cut.limited and cut.completion_tokens() == 2
     assert b'"content":"4"' not in out and b'"finish_reason":"length"' in out
+
+
+@pytest.mark.parametrize("read_size", [5, 64, 100_000])
+def test_text_that_says_done_goes_out_as_the_worker_wrote_it(read_size: int) -> None:
+    """The words "data: [DONE]" inside an event's text are not the end of the stream: the event goes out
+    whole and in place, and only the worker's own [DONE] event is held for the settlement."""
+    chunks = worker_stream(["SSE ends with data: [DONE]", " then", " data: [DONE]"])
+    events = b"".join(event(c) for c in chunks)
+    tap = StreamTap(strip=False, record=1 << 20)
+    out, done = feed_torn(tap, events + b"data: [DONE]\n\n", read_size)
+    assert out == events and done == b"data: [DONE]\n\n"
+    answer = tap.settlement(completed=True).json["choices"][0]["message"]
+    assert answer["content"] == "SSE ends with data: [DONE] then data: [DONE]"
