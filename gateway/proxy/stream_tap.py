@@ -201,7 +201,7 @@ class _Recording:
     __slots__ = ("_assembler", "_broken", "pieces", "room")
 
     def __init__(self, budget: int) -> None:
-        self.pieces: list[bytes] | None = []  # None once past the budget, or broken
+        self.pieces: list[bytes] | None = []  # None once past the budget (then added up as they come)
         self.room = budget
         self._assembler = StreamAssembler()
         self._broken = False  # an event that is not JSON, or an error event: nothing to keep
