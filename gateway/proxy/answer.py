@@ -23,9 +23,8 @@ import orjson
 from gateway.proxy.resume import Continuation, Resumer, reason_of
 from gateway.upstream.client import UpstreamFailure, UpstreamResponse
 from gateway.wire.errors import BadGateway, GatewayError, from_upstream
-from gateway.wire.streaming import DONE, SSEParser, encode_event
+from gateway.wire.streaming import DONE, SSEParser, done_event_at, encode_event
 
-_DONE_MARK = b"data: [DONE]"
 _TAIL = 64  # bytes kept from the end of the stream to find the marker across read boundaries
 
 Sink = Callable[[bytes], bool]
@@ -120,10 +119,10 @@ class AnswerStream:
         return whole
 
     def _ended_well(self) -> bool:
-        """Whether the stream ended with the ``[DONE]`` event: the mark at a line's start (the tail starts
-        with a line feed standing for the stream's start), not the same words inside an event's text."""
-        tail = self._tail
-        if tail.find(b"\n" + _DONE_MARK) >= 0 or tail.find(b"\r" + _DONE_MARK) >= 0:
+        """Whether the stream ended with the ``[DONE]`` event, not the same words inside an event's text.
+        Looked for past the tail's first byte, whose line may have begun before the tail (a line feed
+        stands for the stream's start)."""
+        if done_event_at(self._tail, 1) >= 0:
             self.ok = True
         return self.ok
 

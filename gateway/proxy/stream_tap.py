@@ -35,10 +35,15 @@ import orjson
 from gateway.pipeline.context import ModelResponse
 from gateway.proxy.answer import is_error_event
 from gateway.proxy.token_limit import length_end
-from gateway.wire.streaming import USAGE_MEMBER, StreamAssembler, payload_lines, whole_payloads
+from gateway.wire.streaming import (
+    DONE_MARK,
+    USAGE_MEMBER,
+    StreamAssembler,
+    done_event_at,
+    payload_lines,
+    whole_payloads,
+)
 
-_DONE = b"data: [DONE]"
-_LINE_ENDS = (10, 13)  # the bytes before a line's start: a line feed, a carriage return
 _EVENT = b"data:"
 _DONE_EVENT = b"data: [DONE]\n\n"
 _ERROR = b'"error":'
@@ -92,12 +97,9 @@ class StreamTap:
                 return b"", b""
             piece, self._held = piece[:cut], piece[cut:]
         done = b""
-        mark = piece.find(_DONE)
-        # Only the mark that starts a line is the event (a piece starts at an event's start, and no line
-        # feed is inside an event's JSON); an answer's text may say "data: [DONE]" too (several tokens in
-        # one delta can).
-        while mark > 0 and piece[mark - 1] not in _LINE_ENDS:
-            mark = piece.find(_DONE, mark + 1)
+        mark = piece.find(DONE_MARK)  # a piece starts at an event's start
+        if mark > 0:  # rare: the event, or the same words in an answer's text
+            mark = done_event_at(piece, mark)
         if mark >= 0:
             piece, done = piece[:mark], piece[mark:]
         recording = self._recording

@@ -18,6 +18,20 @@ from typing import Any
 import orjson
 
 DONE = b"data: [DONE]\n\n"
+DONE_MARK = b"data: [DONE]"
+_LINE_ENDS = (10, 13)  # the bytes before a line's start: a line feed, a carriage return
+
+
+def done_event_at(data: bytes, start: int = 0) -> int:
+    """Where the ``[DONE]`` event starts in ``data`` (which starts a line), looking from ``start``: the
+    mark at a line's start, not the same words inside an event's text (an answer may say them, several
+    tokens in one delta can), since no line break is inside an event's JSON; -1 when there is none."""
+    at = data.find(DONE_MARK, start)
+    while at > 0 and data[at - 1] not in _LINE_ENDS:
+        at = data.find(DONE_MARK, at + 1)
+    return at
+
+
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
