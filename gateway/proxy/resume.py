@@ -22,9 +22,12 @@ What is not continued (the stream ends as before, with one error event and ``[DO
 ``best_of``, beam search, ``echo``/``suffix``, legacy-completion ``logprobs`` (their text offsets),
 ``prompt_logprobs``, prompts given as token ids or several prompts, guided decoding (including
 ``tool_choice`` ``"required"`` or a named function, which vLLM enforces that way; the engine applies a
-grammar to generated tokens only, so a continuation would start the grammar over), and a stream that was
-already sending tool-call deltas. Errors are passed around as data (reason strings and ``GatewayError``
-values that are not raised from a frame), never as exception objects kept in long-lived structures.
+grammar to generated tokens only, so a continuation would start the grammar over), a stream that was
+already sending tool-call deltas, and one that was already sending a reasoning model's thinking (the
+partial assistant message cannot carry it back: the chat template renders it without the thinking, or
+drops it, and vLLM's reasoning parser would take the continuation's text for thinking again). Errors are
+passed around as data (reason strings and ``GatewayError`` values that are not raised from a frame),
+never as exception objects kept in long-lived structures.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from gateway.ops.metrics import Metrics
 from gateway.pipeline.context import RequestContext
 from gateway.upstream.client import UpstreamClient, UpstreamResponse
 from gateway.wire.errors import GatewayError
-from gateway.wire.streaming import SSEParser, wants_usage
+from gateway.wire.streaming import REASONING_FIELDS, SSEParser, wants_usage
 
 log = logging.getLogger("gateway.proxy")
 
@@ -110,13 +113,16 @@ def resumable(ctx: RequestContext, limit: int, has_alternative: bool) -> bool:
 class Progress:
     """What the client has been sent so far of one stream (one choice)."""
 
-    __slots__ = ("chat", "created", "finished", "id", "model", "pieces", "tokens", "tool_calls")
+    __slots__ = ("chat", "created", "finished", "id", "model", "pieces", "thinking", "tokens", "tool_calls")
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
         self.pieces: list[str] = []
-        self.tokens = 0  # chunks that carried generated text: vLLM sends one per decoding step
+        # chunks that carried generated text: vLLM sends one per decoding step (a stream that sent tool
+        # calls or thinking is not continued, so only its text needs counting)
+        self.tokens = 0
         self.tool_calls = False
+        self.thinking = False  # a reasoning model's thinking went out
         self.finished = False
         self.id: Any = None
         self.created: Any = None
@@ -139,6 +145,9 @@ class Progress:
                 piece = delta.get("content")
                 if delta.get("tool_calls"):
                     self.tool_calls = True
+                for name in REASONING_FIELDS:
+                    if delta.get(name):
+                        self.thinking = True
             else:
                 piece = choice.get("text")
             if piece:
@@ -287,7 +296,7 @@ class Resumer:
         (the token limit was reached: ``continuation.length_end()``); (None, None) when it cannot be
         continued (the caller ends the stream with ``error`` as before)."""
         ctx, progress = self._ctx, self.progress
-        if ctx.resumed >= self._limit or progress.finished or progress.tool_calls:
+        if ctx.resumed >= self._limit or progress.finished or progress.tool_calls or progress.thinking:
             return None, None
         body = continuation_body(ctx, progress)
         if body is None:

@@ -348,26 +348,40 @@ def test_requests_a_continuation_would_change_end_as_before(
     assert survivor.requests == []
 
 
-def test_tool_call_deltas_midstream_end_as_before(
+_TOOL_CALL = {"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}]}
+
+
+@pytest.mark.parametrize(
+    "delta",
+    [_TOOL_CALL, {"reasoning": "Let me think"}, {"reasoning_content": "Let me think"}],
+    ids=["tool-call", "reasoning", "reasoning_content"],
+)
+@pytest.mark.parametrize("parsed", [False, True], ids=["passthrough", "parsed"])
+def test_tool_call_or_thinking_deltas_midstream_end_as_before(
     gateway_factory: GatewayFactory,
     survivor: FakeUpstream,
     survivor_server: tuple[FakeUpstream, ServerThread],
+    delta: dict[str, Any],
+    parsed: bool,
 ) -> None:
-    """A stream already sending tool-call deltas is not continued (the partial call cannot be handed back
-    as an assistant prefill): one error event, as before."""
-    events = _scripted_tool_call_stream(gateway_factory, survivor_server[1].url)
+    """A stream already sending tool-call deltas, or a reasoning model's thinking (vLLM 0.32 writes
+    ``reasoning``, earlier releases ``reasoning_content``), is not continued: neither the partial call nor
+    the thinking can be handed back as an assistant prefill. One error event, as before."""
+    events = _scripted_stream(gateway_factory, survivor_server[1].url, delta, parsed)
     assert len([e for e in events[:-1] if "error" in e]) == 1
     assert survivor.requests == []
 
 
-def _scripted_tool_call_stream(gateway_factory: GatewayFactory, survivor_url: str) -> list[Any]:
-    """A worker on a raw socket that sends a role chunk and one tool-call delta, then drops the connection."""
+def _scripted_stream(
+    gateway_factory: GatewayFactory, survivor_url: str, delta: dict[str, Any], parsed: bool
+) -> list[Any]:
+    """A worker on a raw socket that sends a role chunk and one chunk with ``delta``, then drops the
+    connection; the gateway relays it parsed or passed through."""
     import socket
     import threading
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    delta = {"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}]}
     events = [
         {"id": "x", "created": 1, "model": "m1", "object": "chat.completion.chunk", "choices": [ch]}
         for ch in (
@@ -405,7 +419,7 @@ def _scripted_tool_call_stream(gateway_factory: GatewayFactory, survivor_url: st
     thread.start()
     try:
         urls = [f"http://127.0.0.1:{port}", survivor_url]
-        with gateway_factory(config(urls, parsed=False), plugins={"inspect": Inspect}) as (_, server):
+        with gateway_factory(config(urls, parsed=parsed), plugins={"inspect": Inspect}) as (_, server):
             tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
             return post_stream(server.url, "/v1/chat/completions", {**CHAT, "tools": tools})
     finally:
