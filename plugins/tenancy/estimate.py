@@ -1,13 +1,17 @@
 """Token counts for limits: estimated from the request on admission, taken from usage afterwards.
 
 The admission estimate is characters / 4 (OpenAI's rule of thumb) over the text the model will read,
-plus a few tokens per chat message for the template. It runs on the event loop, so it only walks the
-parsed body: no tokenizer. The estimate is corrected when the worker reports ``usage``.
+plus a few tokens per chat message for the template. A chat request's tool definitions and an assistant
+turn's tool calls are part of that text (chat templates render them as JSON), counted by their JSON's
+length. It runs on the event loop, so it only walks the parsed body: no tokenizer. The estimate is
+corrected when the worker reports ``usage``.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import orjson
 
 from gateway.wire.protocol import requested_completion_tokens
 
@@ -34,13 +38,27 @@ def _text_chars(value: Any) -> int:
     return 0
 
 
+def _json_chars(value: Any) -> int:
+    """The length of ``value`` as JSON: how a chat template renders tool definitions and tool calls."""
+    if not value:
+        return 0
+    try:
+        return len(orjson.dumps(value))
+    except TypeError:  # not JSON (a plugin's object): nothing to count
+        return 0
+
+
 def prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
     """An estimate of the prompt's tokens (at least 1)."""
     if endpoint == "chat/completions":
-        chars, overhead = 0, 0
+        # Tools count: without them, a request whose prompt is mostly tool definitions would reserve
+        # almost nothing, and concurrent ones could spend far past a limit before their usage is charged.
+        chars, overhead = _json_chars(body.get("tools")), 0
         for message in body.get("messages") or ():
             if isinstance(message, dict):
                 chars += _text_chars(message.get("content"))
+                if "tool_calls" in message:
+                    chars += _json_chars(message["tool_calls"])
                 overhead += _PER_MESSAGE
         return max(1, -(-chars // 4) + overhead)
     if endpoint in _SCORING:  # a query and its documents, or pairs of texts

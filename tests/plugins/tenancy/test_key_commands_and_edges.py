@@ -210,6 +210,13 @@ def test_tenancy_config_refusals(config: dict[str, Any], message: str) -> None:
         ("chat/completions", {"messages": [{"role": "user", "content": "x" * 40}]}, 10 + 4),
         ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 8}]}]}, 2 + 4),
         ("chat/completions", {"messages": ["junk", {"role": "user", "content": None}]}, 4),
+        # tool definitions and an assistant's tool calls are rendered into the prompt: their JSON counts
+        ("chat/completions", {"messages": [], "tools": [{"d": "x" * 390}]}, 100),  # 400 JSON characters
+        (
+            "chat/completions",
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"a": "x" * 30}]}]},
+            10 + 4,
+        ),
         ("completions", {"prompt": "x" * 9}, 3),
         ("completions", {"prompt": [[1, 2, 3], [4, 5]]}, 5),  # token ids count one each
         ("completions", {"prompt": [7, 8, 9, 10]}, 4),

@@ -121,6 +121,27 @@ def test_request_larger_than_the_token_limit_is_refused(
     assert upstream.requests == []
 
 
+def test_tool_definitions_count_toward_the_reservation(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    """A request whose prompt is mostly tool definitions reserves them: 100 tools of 40 characters each
+    are about 1,000 tokens, more than the key's 500 a minute, so it is refused before a worker sees it
+    (a short message and max_tokens alone would fit)."""
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{i}", "description": "x" * 40, "parameters": {}}}
+        for i in range(100)
+    ]
+    body = {**BODY, "max_tokens": 10}
+    with gateway_factory(tenancy(prefix, upstream_url, {"tokens_per_minute": 500})) as (_, server):
+        url = server.url + "/v1/chat/completions"
+        refused = httpx.post(url, json={**body, "tools": tools}, headers=HEADERS)
+        allowed = httpx.post(url, json=body, headers=HEADERS)
+    assert refused.status_code == 429
+    assert "Request too large for tokens per min (TPM)" in refused.json()["error"]["message"]
+    assert allowed.status_code == 200
+    assert len(upstream.requests) == 1
+
+
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_completion_tokens_are_charged_when_known(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str, include_usage: bool
