@@ -228,7 +228,7 @@ def _tool_choice(choice: object, tools: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if kind == "tool":
         name = choice.get("name")
-        if name not in {t["function"]["name"] for t in tools}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise bad(f"tool_choice.name: {name!r} is not one of the request's tools", "tool_choice.name")
         out["tool_choice"] = {"type": "function", "function": {"name": name}}
     else:

@@ -211,6 +211,8 @@ TOOL_ROLE = {"role": "tool", "content": "x"}
         ({"model": "m1", "max_tokens": 8, "messages": USER, "priority": 5}, 400, "invalid_request_error"),
         ({"model": "m1", "max_tokens": 8, "messages": USER, "tools": [{"type": "web_search_20250305", "name": "w"}]},
          400, "invalid_request_error"),
+        ({"model": "m1", "max_tokens": 8, "messages": USER, "tools": [WEATHER],
+          "tool_choice": {"type": "tool", "name": ["get_weather"]}}, 400, "invalid_request_error"),
         ({"model": "nope", "max_tokens": 8, "messages": USER}, 404, "not_found_error"),
     ],
 )  # fmt: skip
