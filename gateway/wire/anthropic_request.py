@@ -324,8 +324,10 @@ def _tool_message(block: dict[str, Any], where: str) -> dict[str, Any]:
         text = ""
     elif isinstance(content, str):
         text = content
-    elif isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        text = "\n".join(str(p.get("text") or "") for p in content)
+    elif isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        text = "\n".join(p["text"] for p in content)
     else:
         raise bad(f"{where}.content: a tool result must be a string or text blocks", f"{where}.content")
     if block.get("is_error") is True:

@@ -213,6 +213,9 @@ TOOL_ROLE = {"role": "tool", "content": "x"}
          400, "invalid_request_error"),
         ({"model": "m1", "max_tokens": 8, "messages": USER, "tools": [WEATHER],
           "tool_choice": {"type": "tool", "name": ["get_weather"]}}, 400, "invalid_request_error"),
+        ({"model": "m1", "max_tokens": 8, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "c1", "content": [{"type": "text", "text": {"city": "Paris"}}]},
+        ]}]}, 400, "invalid_request_error"),
         ({"model": "nope", "max_tokens": 8, "messages": USER}, 404, "not_found_error"),
     ],
 )  # fmt: skip
