@@ -36,6 +36,7 @@ class WorkerAdapters:
 
     held: dict[str, float] = field(default_factory=dict)  # name -> last use (monotonic)
     learnt: dict[str, float] = field(default_factory=dict)  # name -> when the gateway learnt it held it
+    paths: dict[str, str] = field(default_factory=dict)  # name -> the path this gateway loaded it from
     loading: set[str] = field(default_factory=set)
     unloading: set[str] = field(default_factory=set)  # not held, though the worker may list them a while
     pinned: set[str] = field(default_factory=set)
@@ -47,20 +48,27 @@ class WorkerAdapters:
         return name in self.held or name in self.loading
 
     def occupied(self) -> int:
-        return len(self.held) + len(self.loading)
+        return len(self.held.keys() | self.loading)  # an adapter reloaded in place is in both
+
+    def holds_from(self, name: str, path: str) -> bool:
+        """Held, and not known to be loaded from another path (one learnt from the worker is taken as is)."""
+        return name in self.held and self.paths.get(name, path) == path
 
     def touch(self, name: str, now: float) -> None:
         if name in self.held:
             self.held[name] = now
 
-    def added(self, name: str, now: float) -> None:
+    def added(self, name: str, now: float, path: str | None = None) -> None:
         self.loading.discard(name)
         self.held[name] = now
         self.learnt[name] = now
+        if path is not None:
+            self.paths[name] = path
 
     def removed(self, name: str) -> None:
         self.held.pop(name, None)
         self.learnt.pop(name, None)
+        self.paths.pop(name, None)
 
     def lru_victim(self) -> str | None:
         """The least recently used adapter that may be unloaded: not pinned, no request using it."""
@@ -100,6 +108,7 @@ class WorkerAdapters:
         """The worker may have restarted: what it held is unknown until the next read."""
         self.held.clear()
         self.learnt.clear()
+        self.paths.clear()
         self.synced_at = 0.0
 
     def reconcile(self, listed: Iterable[str], asked_at: float, now: float) -> tuple[list[str], list[str]]:

@@ -59,18 +59,18 @@ class AdapterLoader:
         sees the worker as loading it."""
         state = worker.adapters
         name = adapter.upstream_name
-        if name in state.held:
-            state.touch(name, self._clock())
-            return
         key = (worker.url, name)
-        flight = self._flights.get(key)
-        if flight is None:
-            state.loading.add(name)
-            flight = asyncio.create_task(self._load(worker, adapter, settings), name=f"lora-load {name}")
-            self._flights[key] = flight
-            flight.add_done_callback(lambda task: self._landed(key, task))
-        # Shielded: a client that goes away must not cancel a load other requests are waiting for.
-        await asyncio.shield(flight)
+        # Held from another path (the adapter's path changed in a reload): loaded again, in place. A load
+        # joined here may be one from the old path: looked at again once it lands.
+        while not state.holds_from(name, adapter.path):
+            flight = self._flights.get(key)
+            if flight is None:
+                state.loading.add(name)
+                flight = asyncio.create_task(self._load(worker, adapter, settings), name=f"lora-load {name}")
+                self._flights[key] = flight
+                flight.add_done_callback(lambda task: self._landed(key, task))
+            # Shielded: a client that goes away must not cancel a load other requests are waiting for.
+            await asyncio.shield(flight)
         state.touch(name, self._clock())
 
     def _landed(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
@@ -95,13 +95,16 @@ class AdapterLoader:
                         break
                     await self.unload(worker, victim, "lru")
                 started = self._clock()
-                status, body = await self._post(worker.url, LOAD_PATH, {"lora_name": name, "lora_path": adapter.path})
+                payload: dict[str, object] = {"lora_name": name, "lora_path": adapter.path}
+                if name in state.held:  # from another path: vLLM replaces it only when asked to
+                    payload["load_inplace"] = True
+                status, body = await self._post(worker.url, LOAD_PATH, payload)
                 # A load that finds the adapter there (another replica, a state forgotten on a health flap)
                 # is as good as done.
                 if status != 200 and not (status == 400 and body.find(b"already") >= 0):
                     self.metrics.adapter_loads.labels(worker.url, name, "error").inc()
                     raise load_refused(name, worker.url, status, body)
-                state.added(name, self._clock())
+                state.added(name, self._clock(), adapter.path)
                 self.metrics.adapter_loads.labels(worker.url, name, "ok").inc()
                 self.metrics.adapter_load_seconds.labels(worker.url).observe(self._clock() - started)
                 log.info("loaded adapter %s on %s", name, worker.url)
@@ -112,7 +115,7 @@ class AdapterLoader:
         """Unload ``name`` from ``worker`` (call with ``lock(worker.url)`` held); an adapter the worker
         does not know is gone already."""
         state = worker.adapters
-        last_use = state.held.get(name)
+        last_use, path = state.held.get(name), state.paths.get(name)
         # Not held from now on: a request arriving during the unload loads it again (after this one, on
         # the worker's lock) instead of being sent to a worker about to drop it.
         state.removed(name)
@@ -126,12 +129,12 @@ class AdapterLoader:
         finally:
             state.unloading.discard(name)
             if not gone and last_use is not None:  # not known to be gone: held as before
-                state.added(name, last_use)
+                state.added(name, last_use, path)
         state.pinned.discard(name)
         self.metrics.adapter_evictions.labels(worker.url, name, reason).inc()
         log.info("unloaded adapter %s from %s (%s)", name, worker.url, reason)
 
-    async def _post(self, url: str, path: str, payload: dict[str, str]) -> tuple[int, bytes]:
+    async def _post(self, url: str, path: str, payload: dict[str, object]) -> tuple[int, bytes]:
         try:
             async with asyncio.timeout(self.timeout_s):
                 response = await self.upstream.open(url, path, orjson.dumps(payload))

@@ -277,7 +277,7 @@ class FakeUpstream:
         self.lora_calls.append(("load", body))
         if self.lora_hold is not None:
             await asyncio.to_thread(self.lora_hold.wait, 30)
-        if name in self.adapters:
+        if name in self.adapters and not body.get("load_inplace"):
             message = f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place,"
             await _send_json(send, 400, _vllm_error(message + " set 'load_inplace' to True.", "BadRequestError", 400))
         elif body.get("lora_path") in self.lora_missing:

@@ -195,6 +195,26 @@ def test_a_reload_adds_an_adapter_without_touching_the_workers(gateway_factory: 
         assert loads(workers[0][0]) == ["fresh"]
 
 
+def test_a_reload_that_gives_an_adapter_a_new_path_loads_the_new_weights(gateway_factory: GatewayFactory) -> None:
+    """docs/adapters.md: to change an adapter's weights, give it a new path. A worker that holds the
+    adapter from its old path must load it again, in place, from the new one before it serves it."""
+    with fleet(1) as workers, gateway_factory(lora_config(workers), admin_token=ADMIN_TOKEN) as (_, gw):
+        fake = workers[0][0]
+        ask(gw, "sql")
+        assert fake.adapters == {"sql": "/adapters/sql"}
+        config = lora_config(workers)
+        config["models"][0]["adapters"] = [{"name": "sql", "path": "/adapters/sql-v2"}, *ADAPTERS[1:]]
+        reply = httpx.put(gw.url + "/admin/config", headers=ADMIN, content=orjson.dumps(config), timeout=10)
+        assert reply.status_code == 200, reply.text
+        ask(gw, "sql")
+        assert fake.adapters == {"sql": "/adapters/sql-v2"}
+        assert fake.lora_calls[-1] == (
+            "load", {"lora_name": "sql", "lora_path": "/adapters/sql-v2", "load_inplace": True}
+        )  # fmt: skip
+        ask(gw, "sql")  # held from the new path now: no further load
+        assert loads(fake) == ["sql", "sql"]
+
+
 def admin(gw: ServerThread, action: str, **body: str) -> httpx.Response:
     return httpx.post(f"{gw.url}/admin/plugins/routing/{action}", headers=ADMIN, json=body, timeout=10)
 
