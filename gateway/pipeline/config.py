@@ -240,6 +240,7 @@ class GatewayConfig(StrictModel):
     @model_validator(mode="after")
     def _check_references(self) -> GatewayConfig:
         seen: dict[str, str] = {}
+        lora_names: dict[str, AdapterModel] = {}  # served name -> the first adapter served under it
         for model in self.served_models:
             for name in (model.name, *model.aliases):
                 if name in seen:
@@ -247,6 +248,15 @@ class GatewayConfig(StrictModel):
                 seen[name] = model.name
             if isinstance(model, AdapterModel) and model.upstream_name in {m.upstream_name for m in self.models}:
                 raise ValueError(f"adapter '{model.name}' is served under a base model's name ({model.upstream_name})")
+            if isinstance(model, AdapterModel):
+                # Workers know an adapter by this name alone: a second path under it would be served the
+                # first one's weights wherever the first was loaded.
+                first = lora_names.setdefault(model.upstream_name, model)
+                if first.adapter.path != model.adapter.path:
+                    raise ValueError(
+                        f"adapters '{first.name}' and '{model.name}' are both served as '{model.upstream_name}'"
+                        " (lora_name) from different paths: give one a served_name of its own"
+                    )
         managed = {w.name for w in self.engine.workers}
         for model in self.models:
             for ref in model.workers:

@@ -50,6 +50,11 @@ def test_an_adapter_resolves_to_a_model_of_its_own_on_the_base_models_workers() 
         ([{"name": "x", "path": "/x"}, {"name": "x", "path": "/y"}], {}, "'x' is used twice"),
         ([{"name": "x", "path": "relative/dir"}], {}, "must be absolute"),
         ([{"name": "x", "path": "/x", "served_name": "base"}], {}, "served under a base model's name"),
+        (
+            [{"name": "x", "path": "/x"}, {"name": "y", "path": "/y", "served_name": "x"}],
+            {},
+            "adapters 'x' and 'y' are both served as 'x' (lora_name) from different paths",
+        ),
         ([{"name": "x", "path": "/x"}], {"lora": {"max_lora_rank": 12}}, "max_lora_rank must be one of"),
         ([{"name": "x", "path": "/x", "weights": 1}], {}, "Extra inputs are not permitted"),
     ],
