@@ -54,15 +54,17 @@ class AdapterAdmin:
         elif action == "unpin_adapter":
             state.pinned.discard(name)
         else:
-            busy = state.active.get(name, 0)
-            if busy:
-                raise GatewayError(
-                    f"Adapter '{model.name}' is in use by {busy} request(s) on {worker.url}; try again when they end.",
-                    code="adapter_in_use",
-                    status=409,
-                )
             loader = self._loader()
             async with loader.lock(worker.url):
+                # Counted once the lock is held: a request may have begun while a load held it.
+                busy = state.active.get(name, 0)
+                if busy:
+                    raise GatewayError(
+                        f"Adapter '{model.name}' is in use by {busy} request(s) on {worker.url}; try again when"
+                        " they end.",
+                        code="adapter_in_use",
+                        status=409,
+                    )
                 await loader.unload(worker, name, "admin")
         return {"worker": worker.url, "adapters": state.describe(time.monotonic())}
 

@@ -17,6 +17,7 @@ import pytest
 
 from gateway.server.app import GatewayApp
 from gateway.upstream.workers import Worker
+from plugins.routing.telemetry import RoutingShared
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.faults import wait_for
 from tests.support.gateways import GatewayFactory, base_config
@@ -297,3 +298,31 @@ def test_an_adapter_in_use_is_neither_evicted_nor_unloaded(gateway_factory: Gate
             hold.set()
             assert busy.result(timeout=30) and other.result(timeout=30)
         assert ("unload", {"lora_name": "sql"}) not in fake.lora_calls
+
+
+def test_an_unload_waiting_for_the_workers_lock_spares_a_request_that_began_meanwhile(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """The operator's unload waits for a load running on the worker; a request for the adapter that starts
+    meanwhile finds it held and goes to the worker. The unload must then see it in use (409), not pull the
+    adapter from under that request."""
+    with fleet(1) as workers, gateway_factory(lora_config(workers), admin_token=ADMIN_TOKEN) as (app, gw):
+        fake, server = workers[0]
+        ask(gw, "sql")
+        lock = RoutingShared.of(app.state.services).loader(60.0).lock(server.url)
+        loading, hold = threading.Event(), threading.Event()
+        fake.lora_hold = loading
+        with ThreadPoolExecutor(3) as pool:
+            other = pool.submit(ask, gw, "support")  # its load holds the worker's lock
+            wait_for(lambda: loads(fake) == ["sql", "support"], 10, "support's load to reach the worker")
+            unload = pool.submit(admin, gw, "unload_adapter", adapter="sql", worker=server.url)
+            wait_for(lambda: len(getattr(lock, "_waiters", None) or ()) == 1, 10, "the unload to wait for the lock")
+            fake.behavior.hold = hold
+            busy = pool.submit(ask, gw, "sql")
+            wait_for(lambda: len(fake.requests) == 2, 10, "the sql request to reach the worker")
+            loading.set()
+            refused = unload.result(timeout=30)
+            hold.set()
+            assert busy.result(timeout=30) and other.result(timeout=30)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "adapter_in_use"
+        assert ("unload", {"lora_name": "sql"}) not in fake.lora_calls and "sql" in fake.adapters
