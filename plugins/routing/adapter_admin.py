@@ -49,8 +49,16 @@ class AdapterAdmin:
         name = model.upstream_name
         state = worker.adapters
         if action == "pin_adapter":
-            await self._loader().ensure(worker, model.adapter, self._lora[model.base])
+            # Pinned from before the load is awaited: a load queued behind it on the worker runs before this
+            # resumes, and must not evict it.
+            was_pinned = name in state.pinned
             state.pinned.add(name)
+            try:
+                await self._loader().ensure(worker, model.adapter, self._lora[model.base])
+            except BaseException:
+                if not was_pinned:
+                    state.pinned.discard(name)
+                raise
         elif action == "unpin_adapter":
             state.pinned.discard(name)
         else:

@@ -326,3 +326,26 @@ def test_an_unload_waiting_for_the_workers_lock_spares_a_request_that_began_mean
             assert busy.result(timeout=30) and other.result(timeout=30)
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "adapter_in_use"
         assert ("unload", {"lora_name": "sql"}) not in fake.lora_calls and "sql" in fake.adapters
+
+
+def test_an_adapter_pinned_while_a_load_waits_for_the_worker_is_not_evicted_by_that_load(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """pin_adapter loads sql (one slot) while a request for support waits for the worker's lock behind that
+    load. When sql lands, the support load runs before the pin resumes: it must find sql pinned already
+    and load beside it, not evict it and leave the operator a pin on an adapter the worker dropped."""
+    with fleet(1) as workers, gateway_factory(lora_config(workers, max_loras=1), admin_token=ADMIN_TOKEN) as (app, gw):
+        fake, server = workers[0]
+        release = threading.Event()
+        fake.lora_hold = release
+        with ThreadPoolExecutor(2) as pool:
+            pin = pool.submit(admin, gw, "pin_adapter", adapter="sql", worker=server.url)
+            wait_for(lambda: loads(fake) == ["sql"], 10, "sql's load to reach the worker")
+            other = pool.submit(ask, gw, "support")
+            wait_for(lambda: ("support", "loading") in _states(app, server), 10, "support's load to be queued")
+            release.set()
+            assert pin.result(timeout=30).status_code == 200
+            assert other.result(timeout=30)
+        assert ("unload", {"lora_name": "sql"}) not in fake.lora_calls
+        assert sorted(fake.adapters) == ["sql", "support"]
+        assert ("sql", "held") in _states(app, server) and "sql" in worker(app, server).adapters.pinned
