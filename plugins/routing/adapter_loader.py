@@ -140,15 +140,18 @@ class AdapterLoader:
                 response = await self.upstream.open(url, path, orjson.dumps(payload))
                 return response.status, await response.read()
         except TimeoutError:
+            log.warning("%s on %s took longer than %g s", path, url, self.timeout_s)
             raise GatewayTimeout(
-                f"Loading a LoRA adapter on {url} took longer than {self.timeout_s:g} s.", code="adapter_load_timeout"
+                f"Loading a LoRA adapter on a model worker took longer than {self.timeout_s:g} s.",
+                code="adapter_load_timeout",
             ) from None
         except UpstreamFailure:
             raise  # unreachable worker: the core counts it against the worker and tries another
 
 
 def load_refused(name: str, url: str, status: int, body: bytes, action: str = "load") -> GatewayError:
-    """A worker's refusal to load (or unload) an adapter, as an error that says what to fix."""
+    """A worker's refusal to load (or unload) an adapter, as an error that says what to fix. The worker's
+    address is logged, not told to the client (the public port names no worker)."""
     worker_says = from_upstream(status, body).message
     if status in (404, 405) and worker_says in ("Not Found", "Method Not Allowed"):  # no such route
         hint = (
@@ -159,5 +162,6 @@ def load_refused(name: str, url: str, status: int, body: bytes, action: str = "l
         hint = "the worker cannot find the adapter's files: check the adapter's path in config.yaml"
     else:
         hint = worker_says
-    message = f"LoRA adapter '{name}' could not be {action}ed on worker {url}: {hint}"
+    log.warning("worker %s refused to %s adapter %s: %s %s", url, action, name, status, worker_says)
+    message = f"LoRA adapter '{name}' could not be {action}ed on a model worker: {hint}"
     return BadGateway(message, code="adapter_load_failed")

@@ -152,7 +152,7 @@ def test_adapters_loaded_elsewhere_are_learnt_from_the_worker(gateway_factory: G
 
 def test_load_errors_are_clear_openai_errors(gateway_factory: GatewayFactory) -> None:
     with fleet(1) as workers, gateway_factory(lora_config(workers)) as (_, gw):
-        fake = workers[0][0]
+        fake, server = workers[0]
         fake.lora_missing.add("/adapters/sql")
         with pytest.raises(openai.APIStatusError) as caught:
             ask(gw, "sql")
@@ -160,10 +160,12 @@ def test_load_errors_are_clear_openai_errors(gateway_factory: GatewayFactory) ->
         error = caught.value.body
         assert isinstance(error, dict) and error["code"] == "adapter_load_failed"
         assert "check the adapter's path" in error["message"] and fake.requests == []
+        assert server.url not in error["message"]  # worker addresses are for the operator's logs, not clients
         fake.lora = False  # a worker started without run-time adapter loading: no such route
         reply = httpx.post(gw.url + "/v1/chat/completions", json={"model": "support", "messages": CHAT})
         assert reply.status_code == 502
         assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in reply.json()["error"]["message"]
+        assert server.url not in reply.text
         assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
 
 
