@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -111,10 +111,14 @@ class WorkerAdapters:
         self.paths.clear()
         self.synced_at = 0.0
 
-    def reconcile(self, listed: Iterable[str], asked_at: float, now: float) -> tuple[list[str], list[str]]:
+    def reconcile(
+        self, listed: Iterable[str] | Mapping[str, str | None], asked_at: float, now: float
+    ) -> tuple[list[str], list[str]]:
         """Match the worker's own list, read by a request sent at ``asked_at``: adapters it no longer lists
         are dropped (unless learnt after the request was sent: a load that raced the read), ones it lists
-        that were unknown are added as least recently used. Returns (added, dropped)."""
+        that were unknown are added as least recently used, with the path the worker says it read each
+        from when ``listed`` maps names to paths. Returns (added, dropped)."""
+        roots = listed if isinstance(listed, Mapping) else {}
         listed = set(listed)
         dropped = [n for n in self.held if n not in listed and self.learnt.get(n, 0.0) <= asked_at]
         for name in dropped:
@@ -123,20 +127,27 @@ class WorkerAdapters:
         for name in added:
             self.held[name] = 0.0
             self.learnt[name] = now
+            root = roots.get(name)
+            if root:  # loaded from another path than the configured one: loaded again before use
+                self.paths[name] = root
         self.synced_at = now
         return added, dropped
 
 
-def listed_adapters(body: bytes) -> list[str] | None:
-    """The adapter names in a vLLM ``/v1/models`` answer (cards with a ``parent``: the base model
-    they adapt); None when the body is not such an answer."""
+def listed_adapters(body: bytes) -> dict[str, str | None] | None:
+    """The adapters in a vLLM ``/v1/models`` answer (cards with a ``parent``: the base model they adapt),
+    each with its ``root``, the path the worker read it from; None when the body is not such an answer."""
     try:
         data = orjson.loads(body).get("data")
     except (orjson.JSONDecodeError, AttributeError):
         return None
     if not isinstance(data, list):
         return None
-    return [c["id"] for c in data if isinstance(c, dict) and c.get("parent") and isinstance(c.get("id"), str)]
+    return {
+        c["id"]: c["root"] if isinstance(c.get("root"), str) else None
+        for c in data
+        if isinstance(c, dict) and c.get("parent") and isinstance(c.get("id"), str)
+    }
 
 
 class HoldsAdapters(Protocol):

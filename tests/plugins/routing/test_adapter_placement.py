@@ -77,8 +77,8 @@ def test_reconcile_drops_what_the_worker_lost_but_not_a_load_that_raced_the_read
 
 
 def test_listed_adapters_reads_cards_with_a_parent_only() -> None:
-    body = b'{"object":"list","data":[{"id":"base","parent":null},{"id":"sql","parent":"base"},{"id":3}]}'
-    assert listed_adapters(body) == ["sql"]
+    body = b'{"data":[{"id":"base","parent":null},{"id":"sql","parent":"base","root":"/a/sql"},{"id":3}]}'
+    assert listed_adapters(body) == {"sql": "/a/sql"}
     assert listed_adapters(b"not json") is None
     assert listed_adapters(b'{"detail":"x"}') is None
 

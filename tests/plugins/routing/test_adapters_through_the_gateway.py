@@ -150,6 +150,24 @@ def test_adapters_loaded_elsewhere_are_learnt_from_the_worker(gateway_factory: G
         assert [r.body["model"] for r in fake1.requests] == ["support"]
 
 
+def test_an_adapter_a_worker_holds_from_another_path_is_loaded_again_from_the_configured_one(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """A gateway started with a config whose adapter has a new path, beside workers that kept it from an
+    earlier run with the old one: the worker's list says where it came from, and the first request there
+    loads the configured weights in place."""
+    with fleet(1) as workers:
+        fake, server = workers[0]
+        fake.adapters["sql"] = "/adapters/sql-old"
+        with gateway_factory(lora_config(workers)) as (app, gw):
+            wait_for(lambda: "sql" in worker(app, server).adapters.held, 5, "the sync to learn it")
+            ask(gw, "sql")
+            assert fake.adapters == {"sql": "/adapters/sql"}
+            assert loads(fake) == ["sql"]
+            ask(gw, "sql")
+            assert loads(fake) == ["sql"]
+
+
 def test_load_errors_are_clear_openai_errors(gateway_factory: GatewayFactory) -> None:
     with fleet(1) as workers, gateway_factory(lora_config(workers)) as (_, gw):
         fake, server = workers[0]
