@@ -12,7 +12,9 @@ reaches the model the same through the gateway as on a worker's ``/v1/messages``
   dropped (the served models do not read them); ``image`` blocks become ``image_url`` parts;
 - ``tools`` become functions (``input_schema`` as ``parameters``); ``tool_choice`` auto / any / tool / none
   becomes auto / required / a named function / none, ``disable_parallel_tool_use`` ``parallel_tool_calls``;
-- ``stop_sequences`` becomes ``stop``, ``metadata.user_id`` the chat ``user``; a stream asks for usage.
+- ``stop_sequences`` becomes ``stop``, ``metadata.user_id`` the chat ``user``; a stream asks for usage;
+- a final assistant turn (Anthropic's prefill) is continued: ``continue_final_message`` without a
+  generation prompt. vLLM's own entrypoint starts a new turn after it instead.
 
 Pure functions: no I/O.
 """
@@ -92,10 +94,25 @@ def parse_request(body: dict[str, Any], *, count_tokens: bool = False) -> Messag
     messages = _system(body.get("system"))
     for i, message in enumerate(_list(body.get("messages"), "messages", required=True)):
         _append_turn(messages, message, f"messages.{i}")
+    options.update(_prefill(messages))
     if stream:
         options["stream"] = True
         options["stream_options"] = {"include_usage": True}
     return MessagesRequest(model=model, stream=stream, messages=messages, options=options)
+
+
+def _prefill(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """A final assistant turn is the start of the answer (Anthropic's prefill): the model continues it
+    instead of starting a turn of its own, which vLLM does with ``continue_final_message`` and no
+    generation prompt. Anthropic refuses such a turn that ends with whitespace; so does the gateway."""
+    last = messages[-1] if messages else None
+    if last is None or last["role"] != "assistant" or last.get("tool_calls"):
+        return {}
+    content = last["content"]
+    text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+    if text != text.rstrip():
+        raise bad("messages: final assistant content cannot end with trailing whitespace", "messages")
+    return {"continue_final_message": True, "add_generation_prompt": False}
 
 
 def chat_request(req: MessagesRequest, upstream_model: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ the cache on -> the real vLLM CPU worker (the shared session worker, ``real_work
 - a tool round trip (``tool_use`` from ``tool_choice: any``, a ``tool_result`` turn, an answer), and a
   named tool streamed as ``input_json_delta`` events;
 - ``count_tokens`` counts what the worker then reads as the prompt;
+- a final assistant turn (a prefill) is continued as the worker's chat completions continue it;
 - the cache serves a tenant's repeated greedy request without the worker, and never another tenant's;
   safety refuses an injection in Anthropic's error shape; no key is a 401.
 """
@@ -105,6 +106,30 @@ def test_create_stream_and_count_tokens(gateway: ServerThread, real_worker: Real
         final = stream.get_final_message()
     assert deltas and "".join(deltas) == final.content[0].text  # type: ignore[union-attr]
     assert final.usage.input_tokens > 5 and 0 < final.usage.output_tokens <= 24
+
+
+def test_a_prefill_is_continued_by_the_worker(gateway: ServerThread, real_worker: RealEngine) -> None:
+    """A final assistant turn is continued: the answer is what the worker's chat completions give for the
+    same conversation with ``continue_final_message`` (greedy), and count_tokens counts the prompt the
+    worker read for it."""
+    messages = [
+        {"role": "user", "content": "List three primary colors."},
+        {"role": "assistant", "content": "The three primary colors are"},
+    ]
+    client = sdk(gateway.url)
+    message = client.messages.create(model="smollm2", max_tokens=12, messages=messages, **GREEDY)  # type: ignore[arg-type]
+    direct = httpx.post(
+        real_worker.url + "/v1/chat/completions",
+        json={
+            "model": "smollm2", "messages": messages, "max_tokens": 12, "temperature": 0,
+            "continue_final_message": True, "add_generation_prompt": False,
+        },
+        timeout=300,
+    ).json()  # fmt: skip
+    assert message.content[0].text == direct["choices"][0]["message"]["content"]  # type: ignore[union-attr]
+    prompt = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+    assert prompt == direct["usage"]["prompt_tokens"]
+    assert client.messages.count_tokens(model="smollm2", messages=messages).input_tokens == prompt  # type: ignore[arg-type]
 
 
 def test_tool_round_trip(gateway: ServerThread) -> None:

@@ -189,6 +189,34 @@ def test_count_tokens_asks_a_worker_to_tokenize_the_conversation(gateway: Server
     assert caught.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
 
 
+def test_a_final_assistant_turn_is_continued(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    """Anthropic's prefill: a final assistant turn is the start of the answer, so the worker is asked to
+    continue it (``continue_final_message``, no generation prompt), and count_tokens counts it that way.
+    An assistant turn before a user turn, or one that ends in a tool call, is an ordinary turn."""
+    client = sdk(gateway)
+    prefill = [
+        {"role": "user", "content": "Give me JSON"},
+        {"role": "assistant", "content": [{"type": "text", "text": "{"}]},
+    ]
+    client.messages.create(model="m1", max_tokens=8, messages=prefill)  # type: ignore[arg-type]
+    sent = chats(upstream)[-1]
+    assert sent["messages"][-1] == {"role": "assistant", "content": "{"}
+    assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
+    client.messages.count_tokens(model="m1", messages=prefill)  # type: ignore[arg-type]
+    counted = upstream.tokenized[-1]
+    assert counted["continue_final_message"] is True and counted["add_generation_prompt"] is False
+
+    client.messages.create(model="m1", max_tokens=8, messages=[*prefill, {"role": "user", "content": "again"}])  # type: ignore[list-item]
+    sent = chats(upstream)[-1]
+    assert "continue_final_message" not in sent and "add_generation_prompt" not in sent
+    tool_use = {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Paris"}}
+    client.messages.create(
+        model="m1", max_tokens=8, tools=[WEATHER],  # type: ignore[list-item]
+        messages=[{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [tool_use]}],  # type: ignore[list-item]
+    )  # fmt: skip
+    assert "continue_final_message" not in chats(upstream)[-1]
+
+
 def _error(reply: httpx.Response) -> tuple[int, str]:
     body = reply.json()
     assert set(body) == {"type", "error"} and body["type"] == "error" and set(body["error"]) == {"type", "message"}
@@ -216,6 +244,9 @@ TOOL_ROLE = {"role": "tool", "content": "x"}
         ({"model": "m1", "max_tokens": 8, "messages": [{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "c1", "content": [{"type": "text", "text": {"city": "Paris"}}]},
         ]}]}, 400, "invalid_request_error"),
+        # a prefill that ends with whitespace: Anthropic refuses it
+        ({"model": "m1", "max_tokens": 8, "messages": [*USER, {"role": "assistant", "content": "Sure, "}]},
+         400, "invalid_request_error"),
         ({"model": "nope", "max_tokens": 8, "messages": USER}, 404, "not_found_error"),
     ],
 )  # fmt: skip

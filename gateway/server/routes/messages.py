@@ -153,6 +153,8 @@ class MessagesEndpoint(InferenceEndpoints):
                 raise model_not_found(req.model)  # this caller may not use it: as if it did not exist
             chat = chat_request(req, model.upstream_name)
             tokenize = {"model": chat["model"], "messages": chat["messages"], "add_generation_prompt": True}
+            if chat.get("continue_final_message"):  # a prefill: counted as the answer will continue it
+                tokenize.update(continue_final_message=True, add_generation_prompt=False)
             if "tools" in chat:
                 tokenize["tools"] = chat["tools"]
             self._allow_list(snapshot.config.limits).check("tokenize", tokenize)
