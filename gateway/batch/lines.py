@@ -92,17 +92,18 @@ async def parse_input(pieces: AsyncIterator[bytes], endpoint: str, max_lines: in
             parsed.errors.append(_batch_error("too_many_lines", f"The input has more than {max_lines} lines.", None))
             return parsed
         checked = check_line(raw, endpoint)
+        custom_id = checked[0] if isinstance(checked, tuple) else checked["custom_id"]
+        if custom_id is not None:  # a malformed line's custom_id too: its result is keyed by it
+            if custom_id in seen:
+                message = f"The custom_id '{custom_id}' is used by more than one line; each must be unique."
+                parsed.errors.append(_batch_error("duplicate_custom_id", message, index + 1))
+                return parsed
+            seen.add(custom_id)
         if isinstance(checked, tuple):
             parsed.malformed.append((index, *checked))
             parsed.lines.append(b"")
             parsed.keys.append(("", ""))
             continue
-        custom_id = checked["custom_id"]
-        if custom_id in seen:
-            message = f"The custom_id '{custom_id}' is used by more than one line; each must be unique."
-            parsed.errors.append(_batch_error("duplicate_custom_id", message, index + 1))
-            return parsed
-        seen.add(custom_id)
         parsed.lines.append(raw)
         parsed.keys.append((checked["body"]["model"], _prefix(checked["body"])))
     if not parsed.lines:

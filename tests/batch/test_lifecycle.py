@@ -237,3 +237,20 @@ def test_a_cache_hit_is_a_line_done_for_free(
     assert {line["response"]["body"]["choices"][0]["message"]["content"] for line in by_id.values()} == {
         upstream.behavior.text
     }
+
+
+def test_a_custom_id_used_by_a_malformed_line_and_another_line_fails_the_batch(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        for lines in (
+            [{**chat_line("same", "a"), "method": "GET"}, chat_line("same", "b")],  # malformed first
+            [chat_line("same", "a"), {**chat_line("same", "b"), "url": "/v1/embeddings"}],  # malformed second
+            [{**chat_line("same", "a"), "method": "GET"}, {**chat_line("same", "b"), "method": "GET"}],
+        ):
+            failed = wait_for(client, start(client, lines).id, ("failed", "completed"))
+            assert failed.status == "failed" and failed.errors is not None, failed
+            assert [(e.code, e.line) for e in failed.errors.data or []] == [("duplicate_custom_id", 2)]
+    assert upstream.requests == []  # no line ran only to lose its answer
