@@ -4,7 +4,8 @@
   owner (``_scope``, ``_caller``) and the counters the runner increments atomically (``n_total``,
   ``n_completed``, ``n_failed``, ``n_input_tokens``, ``n_output_tokens``). A final batch expires with
   its output files (``output_ttl_s``).
-- ``<prefix>:batches:<scope>``: the scope's batch ids by creation time (listing, newest first).
+- ``<prefix>:batches:<scope>``: the scope's batch ids by creation time (listing, newest first); pruned
+  of expired batches as it is read.
 - ``<prefix>:active``: the ids of batches not yet in a final state: what the runners look at.
 - ``<prefix>:all``: every batch id by creation time, for operators (the admin API); pruned of expired
   batches as it is read.
@@ -139,11 +140,19 @@ class Jobs:
             ids = [text(i) for i in await self.redis.zrange(self._index(scope), 0, -1, desc=True)]
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
-        page = []
-        for batch_id in ids[: limit + 1]:
+        page: list[dict[str, Any]] = []
+        stale: list[str] = []
+        for batch_id in ids:
+            if len(page) > limit:
+                break
             obj = await self.get(scope, batch_id)
-            if obj is not None:
+            if obj is None:  # expired with its output files (output_ttl_s): dropped from the index
+                stale.append(batch_id)
+            else:
                 page.append(obj)
+        if stale:
+            async with guarded("list the batches"):
+                await self.redis.zrem(self._index(scope), *stale)
         return page[:limit], len(page) > limit
 
     @property

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 
 from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, start, wait_for
 from tests.support.cache import cache_gateway_config, namespace, redis_client, wait_stored
@@ -254,3 +255,23 @@ def test_a_custom_id_used_by_a_malformed_line_and_another_line_fails_the_batch(
             assert failed.status == "failed" and failed.errors is not None, failed
             assert [(e.code, e.line) for e in failed.errors.data or []] == [("duplicate_custom_id", 2)]
     assert upstream.requests == []  # no line ran only to lose its answer
+
+
+def test_batches_past_their_ttl_neither_hide_the_others_nor_stay_listed(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    store = redis.Redis()
+    index = f"{batch_names['prefix']}:batches:shared"
+    try:
+        with gateway_factory(config) as (_, server):
+            client = sdk(server)
+            created = [wait_for(client, start(client, [chat_line("x", "y")]).id, ("completed",)) for _ in range(4)]
+            for gone in created[1:3]:  # expired (output_ttl_s) between two listings
+                store.delete(f"{batch_names['prefix']}:batch:{gone.id}")
+            first = client.batches.list(limit=2)
+            assert [b.id for b in first.data] == [created[3].id, created[0].id] and not first.has_more
+            assert [b.id for b in client.batches.list(limit=1)] == [created[3].id, created[0].id]
+            assert {i.decode() for i in store.zrange(index, 0, -1)} == {created[0].id, created[3].id}
+    finally:
+        store.close()
