@@ -1,4 +1,4 @@
-"""A ``multipart/form-data`` body read as it arrives: small fields kept (bounded), the one file part handed
+"""A ``multipart/form-data`` body read as it arrives: a few small fields kept (bounded), the one file part handed
 on as pieces (``file_pieces``), so an upload is streamed to its store without being held in memory.
 
 python-multipart's push parser does the parsing; this turns its callbacks into a pull iterator.
@@ -14,6 +14,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from gateway.wire.errors import InvalidRequest
 
 MAX_FIELD_BYTES = 4096
+MAX_FIELDS = 16  # the Files API's form has one ("purpose"); the bound keeps a form of fields from growing
 
 
 def _invalid(message: str) -> InvalidRequest:
@@ -72,6 +73,8 @@ class FormReader:
             self.filename = options.get(b"filename", b"upload").decode("utf-8", "replace")[:255] or "upload"
             self._part = "file"
         else:
+            if len(self.fields) >= MAX_FIELDS:
+                raise _invalid(f"The form has more than {MAX_FIELDS} fields.")
             self._part = "field"
             self._name = name.encode()
             self._field.clear()

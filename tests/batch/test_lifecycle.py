@@ -147,6 +147,28 @@ def test_a_file_over_the_bound_is_a_413_and_leaves_nothing(
     assert sorted(p.name for p in batch_names["dir"].iterdir()) == [small.id]  # no part file left behind
 
 
+def test_an_upload_cannot_be_padded_with_form_fields(
+    gateway_factory: GatewayFactory, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names, max_file_bytes=4096))
+    boundary = "gatewaytestboundary"
+    fields = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="pad{i}"\r\n\r\n{"x" * 4000}\r\n'.encode()
+        for i in range(1000)  # each field within its bound, 4 MB in all: 1000 times the file's bound
+    ]
+    tail = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n'
+        f"{{}}\r\n--{boundary}--\r\n"
+    ).encode()
+    with gateway_factory(config) as (_, server):
+        headers = {"content-type": f"multipart/form-data; boundary={boundary}"}
+        reply = httpx.post(server.url + "/v1/files", content=iter([*fields, tail]), headers=headers)  # chunked
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["code"] == "invalid_multipart"
+        assert sdk(server).files.list().data == []
+
+
 def test_files_and_batches_are_listed_in_pages(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
 ) -> None:
