@@ -39,16 +39,21 @@ class Parsed:
 
 
 async def split_lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The lines of a stream of byte pieces (without their newlines; blank lines skipped)."""
-    rest = b""
+    """The lines of a stream of byte pieces (without their newlines; blank lines skipped). A line's start
+    is kept as its pieces and joined once, so a long line costs its length, not its length squared."""
+    rest: list[bytes] = []
     async for piece in pieces:
-        rest += piece
-        *whole, rest = rest.split(b"\n")
-        for line in whole:
-            if line.strip():
-                yield line
-    if rest.strip():
-        yield rest
+        *whole, tail = piece.split(b"\n")
+        if whole:
+            whole[0] = b"".join([*rest, whole[0]])
+            rest = []
+            for line in whole:
+                if line.strip():
+                    yield line
+        rest.append(tail)
+    last = b"".join(rest)
+    if last.strip():
+        yield last
 
 
 def _prefix(body: dict[str, Any]) -> str:
