@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from python_multipart.exceptions import FormParserError
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
 from gateway.wire.errors import InvalidRequest
 
@@ -104,6 +104,8 @@ class FormReader:
             self._parser.finalize()
         except FormParserError as exc:
             raise _invalid(f"The multipart body cannot be read: {exc}") from None
+        if self._parser.state != MultipartState.END:  # the parser accepts a body cut short; a file is not
+            raise _invalid("The multipart body ends before its closing boundary.")
         if self._out:
             out, self._out = self._out, []
             yield b"".join(out)

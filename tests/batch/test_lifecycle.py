@@ -169,6 +169,27 @@ def test_an_upload_cannot_be_padded_with_form_fields(
         assert sdk(server).files.list().data == []
 
 
+def test_an_upload_cut_short_is_refused_and_leaves_nothing(
+    gateway_factory: GatewayFactory, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    boundary = "gatewaytestboundary"
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n'
+    ).encode() + jsonl([chat_line(f"r-{i}", "x") for i in range(3)])
+    headers = {"content-type": f"multipart/form-data; boundary={boundary}"}
+    with gateway_factory(config) as (_, server):
+        for cut in (body, body + b"\r\n--" + boundary.encode()):  # no closing boundary, or half of one
+            reply = httpx.post(server.url + "/v1/files", content=cut, headers=headers)
+            assert reply.status_code == 400, reply.text
+            assert reply.json()["error"]["code"] == "invalid_multipart"
+        whole = httpx.post(server.url + "/v1/files", content=body + f"\r\n--{boundary}--".encode(), headers=headers)
+        assert whole.status_code == 200, whole.text  # the closing boundary's line break is optional
+        assert [f.id for f in sdk(server).files.list().data] == [whole.json()["id"]]
+    assert sorted(p.name for p in batch_names["dir"].iterdir()) == [whole.json()["id"]]
+
+
 def test_files_and_batches_are_listed_in_pages(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
 ) -> None:
