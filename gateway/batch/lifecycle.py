@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from gateway.batch.files import Files
-from gateway.batch.jobs import Jobs
+from gateway.batch.jobs import FINAL, Jobs
 from gateway.batch.lines import Parsed, error_line, parse_input
 from gateway.batch.work import Work
 from gateway.pipeline.batch_config import BatchesConfig
@@ -78,7 +78,7 @@ class Lifecycle:
             field = custom_id if custom_id is not None else f"#line-{index + 1}"
             line = error_line(custom_id, code, f"Line {index + 1}: {message}")
             await self.work.record(batch_id, index, field, line, ok=False, tokens=(0, 0))
-        await self.jobs.move(
+        moved = await self.jobs.move(
             batch_id,
             ("validating",),
             "in_progress",
@@ -86,6 +86,10 @@ class Lifecycle:
             n_total=len(parsed.lines),
             _models=models_of(parsed),
         )
+        if not moved:  # cancelled or expired meanwhile; if it was finalized too, nobody else drops this work
+            current = await self.jobs.load(batch_id)
+            if current is None or current["status"] in FINAL:
+                await self.work.drop(batch_id)
 
     async def finalize(self, batch_id: str, record: dict[str, Any], final: str) -> bool:
         """Move the batch to ``final`` (completed, expired or cancelled); False when another replica

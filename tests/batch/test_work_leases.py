@@ -5,13 +5,18 @@ custom_id however many replicas report one."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from gateway.batch.blobs import DirectoryStore
+from gateway.batch.files import Files
 from gateway.batch.jobs import Jobs
+from gateway.batch.lifecycle import Lifecycle
 from gateway.batch.work import Work
 from gateway.pipeline.batch_config import BatchesConfig, Caller
+from tests.support.batches import chat_line, jsonl
 
 
 def test_leases_and_exactly_once_results(batch_names: dict[str, Any]) -> None:
@@ -47,3 +52,38 @@ def test_leases_and_exactly_once_results(batch_names: dict[str, Any]) -> None:
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_validation_overtaken_by_a_cancellation_leaves_no_work_behind(batch_names: dict[str, Any]) -> None:
+    """Another replica cancelled and finalized the batch while this one was about to validate it (its
+    record read as ``validating``): the lines this one loads are not left in Redis for good."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"])
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, config)
+            files = Files(client, DirectoryStore(config.files_dir), config)
+            work = Work(client, config, jobs.key)
+            lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
+            lines = [chat_line("a", "x"), {**chat_line("b", "y"), "method": "GET"}]  # one runs, one malformed
+            source = await files.create("shared", "in.jsonl", "batch", _once(jsonl(lines)))
+            batch = await jobs.create("shared", Caller(""), source["id"], "/v1/chat/completions", None)
+            record = await jobs.load(batch["id"])
+            assert record is not None and record["status"] == "validating"
+            other = Lifecycle(jobs, files, work, config, "replica-2")
+            await jobs.move(batch["id"], ("validating",), "cancelling")
+            assert await other.finalize(batch["id"], {**record, "status": "cancelling"}, "cancelled")
+            await lifecycle.validate(batch["id"], record)
+            batch_keys = [k async for k in client.scan_iter(match=f"{batch_names['prefix']}:b:{batch['id']}:*")]
+            assert {k: await client.ttl(k) for k in batch_keys if await client.ttl(k) < 0} == {}
+            final = await jobs.load(batch["id"])
+            assert final is not None and final["status"] == "cancelled"
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
