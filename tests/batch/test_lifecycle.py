@@ -211,6 +211,19 @@ def test_files_and_batches_are_listed_in_pages(
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "purpose"
 
 
+def test_a_limit_that_is_no_integer_is_a_400(
+    gateway_factory: GatewayFactory, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        for path in ("/v1/files", "/v1/batches"):
+            for limit in ("\u00b2", "0", "-1", "x", "1.5", "100000"):  # a superscript two is a digit to str.isdigit
+                reply = httpx.get(server.url + path, params={"limit": limit})
+                assert reply.status_code == 400, (path, limit, reply.text)
+                assert reply.json()["error"]["param"] == "limit"
+            assert httpx.get(server.url + path, params={"limit": "\u0661"}).status_code == 400  # an Arabic-Indic one
+
+
 @pytest.mark.parametrize(
     ("endpoint", "body", "answer"),
     [

@@ -56,7 +56,7 @@ def page(data: list[dict[str, Any]], has_more: bool) -> JSON:
 
 def limit_of(request: Request, default: int, most: int) -> int:
     raw = request.query_params.get("limit", str(default))
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= most:  # "²".isdigit(), int("²") fails
         raise InvalidRequest(f"'limit' must be an integer from 1 to {most}.", param="limit")
     return int(raw)
 
