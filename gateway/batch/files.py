@@ -6,6 +6,8 @@
 - ``<prefix>:files:<scope>``: the scope's file ids, scored by creation time (listing, newest first).
 - Files a batch writes (``batch_output``) expire ``output_ttl_s`` after they were written; uploads stay
   until deleted.
+- ``<prefix>:files-expiring``: the ids of files that expire, scored by when: ``sweep`` deletes their
+  contents from the file store once their metadata expired (Redis forgets the key; the store must be told).
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class Files:
 
     def _index(self, scope: str) -> str:
         return f"{self.config.redis_prefix}:files:{scope}"
+
+    @property
+    def _expiring(self) -> str:
+        return f"{self.config.redis_prefix}:files-expiring"
 
     async def create(
         self, scope: str, filename: str, purpose: str, pieces: AsyncIterator[bytes], *, file_id: str | None = None
@@ -98,6 +104,8 @@ class Files:
             pipe = self.redis.pipeline(transaction=True)
             pipe.set(self._key(file_id), record, ex=ttl)
             pipe.zadd(self._index(scope), {file_id: time.time_ns() // 1000})  # ordered within a second too
+            if ttl:
+                pipe.zadd(self._expiring, {file_id: now + ttl})
             await pipe.execute()
         return obj
 
@@ -123,9 +131,27 @@ class Files:
             pipe = self.redis.pipeline(transaction=True)
             pipe.delete(self._key(file_id))
             pipe.zrem(self._index(scope), file_id)
+            pipe.zrem(self._expiring, file_id)
             await pipe.execute()
         await self.blobs.delete(file_id)
         return True
+
+    async def sweep(self, now: float, most: int = 100) -> int:
+        """Delete the contents of up to ``most`` files whose expiry passed by ``now``; how many. A replica
+        takes a file by removing it from the expiring set, so replicas sweeping at once share the work; one
+        whose metadata is still there (written again later, or not yet expired by Redis) waits again."""
+        due = [text(i) for i in await self.redis.zrangebyscore(self._expiring, "-inf", now, start=0, num=most)]
+        swept = 0
+        for file_id in due:
+            if not await self.redis.zrem(self._expiring, file_id):
+                continue  # another replica's
+            left_ms = int(await self.redis.pttl(self._key(file_id)))
+            if left_ms > 0:
+                await self.redis.zadd(self._expiring, {file_id: time.time() + left_ms / 1000})
+            elif left_ms == -2:  # the metadata is gone
+                await self.blobs.delete(file_id)
+                swept += 1
+        return swept
 
     async def listing(
         self, scope: str, *, purpose: str | None, limit: int, after: str | None, order: str

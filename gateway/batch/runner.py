@@ -39,6 +39,7 @@ from gateway.pipeline.services import Services
 from gateway.wire.errors import GatewayError, ServerError
 
 log = logging.getLogger("gateway.batch")
+SWEEP_INTERVAL_S = 60.0  # how often a replica deletes the contents of expired files
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,7 @@ class Runner:
         self.owner = lifecycle.owner
         self.running: dict[asyncio.Task[None], RunningLine] = {}
         self.gate = IdleGate()
+        self._next_sweep = 0.0
         self._last_served = ""  # the batch whose line was started last: the next round starts after it
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -132,6 +134,9 @@ class Runner:
             queued += pending
         self.metrics.queued.set(queued)
         await self._dispatch(runnable)
+        if time.monotonic() >= self._next_sweep:  # expired output files' contents leave the file store
+            self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+            await self.lifecycle.files.sweep(time.time())
 
     async def _advance(self, batch_id: str, record: dict[str, Any], pending: int) -> bool:
         """Move the batch on; True when it has lines to run."""

@@ -5,6 +5,7 @@ for the other endpoints."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -329,5 +330,32 @@ def test_batches_past_their_ttl_neither_hide_the_others_nor_stay_listed(
             assert [b.id for b in first.data] == [created[3].id, created[0].id] and not first.has_more
             assert [b.id for b in client.batches.list(limit=1)] == [created[3].id, created[0].id]
             assert {i.decode() for i in store.zrange(index, 0, -1)} == {created[0].id, created[3].id}
+    finally:
+        store.close()
+
+
+def test_the_runner_deletes_the_contents_of_expired_output_files(
+    gateway_factory: GatewayFactory,
+    upstream_url: str,
+    batch_names: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("gateway.batch.runner.SWEEP_INTERVAL_S", 0.05, raising=False)
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    store = redis.Redis()
+    try:
+        with gateway_factory(config) as (_, server):
+            client = sdk(server)
+            batch = start(client, [chat_line("a", "x"), chat_line("b", "y", n=1000)])  # an output and an error
+            done = wait_for(client, batch.id, ("completed",))
+            produced = {done.output_file_id, done.error_file_id}
+            assert produced <= {p.name for p in batch_names["dir"].iterdir()} and None not in produced
+            for file_id in produced:  # their output_ttl_s passes: Redis forgets them
+                store.delete(f"{batch_names['prefix']}:file:{file_id}")
+                store.zadd(f"{batch_names['prefix']}:files-expiring", {file_id: 1})
+            deadline = time.monotonic() + 10
+            while produced & {p.name for p in batch_names["dir"].iterdir()} and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert {p.name for p in batch_names["dir"].iterdir()} == {done.input_file_id}
     finally:
         store.close()

@@ -5,6 +5,7 @@ custom_id however many replicas report one."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -87,3 +88,26 @@ def test_a_validation_overtaken_by_a_cancellation_leaves_no_work_behind(batch_na
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
+
+
+def test_the_contents_of_expired_output_files_leave_the_file_store(batch_names: dict[str, Any]) -> None:
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"], output_ttl_s=60)
+        client = aioredis.Redis()
+        try:
+            files = Files(client, DirectoryStore(config.files_dir), config)
+            upload = await files.create("shared", "in.jsonl", "batch", _once(b"{}\n"))
+            outputs = [await files.create("shared", "out.jsonl", "batch_output", _once(b"{}\n")) for _ in range(3)]
+            later = time.time() + 61
+            assert await files.sweep(later) == 0  # Redis has not expired any yet: nothing is deleted
+            for gone in outputs[:2]:
+                await client.delete(f"{batch_names['prefix']}:file:{gone['id']}")  # what the TTL does
+            await files.delete("shared", outputs[2]["id"])
+            assert await files.sweep(time.time()) == 0  # not due yet
+            assert await files.sweep(later) == 2
+            assert sorted(p.name for p in batch_names["dir"].iterdir()) == [upload["id"]]
+            assert await client.zcard(f"{batch_names['prefix']}:files-expiring") == 0
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
