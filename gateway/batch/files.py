@@ -62,20 +62,23 @@ class Files:
         self, scope: str, filename: str, purpose: str, pieces: AsyncIterator[bytes], *, file_id: str | None = None
     ) -> dict[str, Any]:
         """Store ``pieces`` as a file and return its file object. ``file_id`` is given for the files a
-        batch writes, so writing them again (a finalization taken over) replaces them."""
-        file_id, size = await self.store(pieces, file_id)
+        batch writes, so writing them again (a finalization taken over) replaces them. Not bounded by
+        ``max_file_bytes``, which bounds uploads: a batch's answers may be far larger than its input."""
+        file_id, size = await self.store(pieces, file_id, bounded=False)
         return await self.register(scope, file_id, size, filename, purpose)
 
-    async def store(self, pieces: AsyncIterator[bytes], file_id: str | None = None) -> tuple[str, int]:
-        """Write ``pieces`` (at most ``max_file_bytes``: ``FileTooLarge`` beyond, and nothing is kept);
-        the new file's id and size. Not visible to anyone before ``register``."""
+    async def store(
+        self, pieces: AsyncIterator[bytes], file_id: str | None = None, *, bounded: bool = True
+    ) -> tuple[str, int]:
+        """Write ``pieces`` (when ``bounded``, at most ``max_file_bytes``: ``FileTooLarge`` beyond, and
+        nothing is kept); the new file's id and size. Not visible to anyone before ``register``."""
         file_id = file_id or new_file_id()
         writer = await self.blobs.open_writer(file_id)
         size = 0
         try:
             async for piece in pieces:
                 size += len(piece)
-                if size > self.config.max_file_bytes:
+                if bounded and size > self.config.max_file_bytes:
                     raise FileTooLarge(self.config.max_file_bytes)
                 await writer.write(piece)
         except BaseException:

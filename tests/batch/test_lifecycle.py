@@ -359,3 +359,19 @@ def test_the_runner_deletes_the_contents_of_expired_output_files(
             assert {p.name for p in batch_names["dir"].iterdir()} == {done.input_file_id}
     finally:
         store.close()
+
+
+def test_a_batch_whose_answers_outgrow_the_upload_bound_completes(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    # max_file_bytes bounds uploads; the answers to a small input can be far larger
+    config = base_config([upstream_url], batches=batches_section(batch_names, max_file_bytes=2048))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        lines = [chat_line(f"q-{i}", "hi") for i in range(8)]
+        assert len(jsonl(lines)) < 2048
+        done = wait_for(client, start(client, lines).id, ("completed", "failed", "expired"), timeout_s=15)
+        assert done.status == "completed" and done.output_file_id, done
+        output = client.files.content(done.output_file_id).content
+    assert len(output) > 2048
+    assert sorted(line["custom_id"] for line in parse_jsonl(output)) == sorted(f"q-{i}" for i in range(8))
