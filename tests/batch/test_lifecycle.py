@@ -375,3 +375,25 @@ def test_a_batch_whose_answers_outgrow_the_upload_bound_completes(
         output = client.files.content(done.output_file_id).content
     assert len(output) > 2048
     assert sorted(line["custom_id"] for line in parse_jsonl(output)) == sorted(f"q-{i}" for i in range(8))
+
+
+def test_a_line_nested_too_deep_is_written_off_and_stops_no_batch(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    messages = b"[" * 300 + b'"x"' + b"]" * 300  # read by a JSON parser; deeper than a live request may be
+    deep = b'{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m1", '
+    deep += b'"messages": ' + messages + b"}}"
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        live = httpx.post(
+            server.url + "/v1/chat/completions", content=b'{"model": "m1", "messages": ' + messages + b"}"
+        )
+        assert live.status_code == 400
+        batch = start(client, [chat_line("fine", "a"), deep])
+        other = start(client, [chat_line("other", "c")])
+        done = wait_for(client, batch.id, ("completed", "failed"), timeout_s=15)
+        assert wait_for(client, other.id, ("completed",), timeout_s=15).request_counts.completed == 1  # type: ignore[union-attr]
+        by_id = every_custom_id_once(client, done)
+    assert by_id["fine"]["response"]["status_code"] == 200
+    assert by_id["deep"]["response"] is None and by_id["deep"]["error"]["code"] == "invalid_body"
