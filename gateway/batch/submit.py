@@ -22,7 +22,7 @@ from gateway.pipeline.runtime import RuntimeHolder
 from gateway.proxy.forward import JSONReply, Proxy
 from gateway.proxy.responses_turn import ResponsesTurn
 from gateway.wire.allowlist import ParamAllowList
-from gateway.wire.errors import GatewayError, InvalidRequest, ServerError, model_not_found
+from gateway.wire.errors import GatewayError, InvalidRequest, PayloadTooLarge, ServerError, model_not_found
 from gateway.wire.media_urls import check_request_media
 from gateway.wire.protocol import ENDPOINTS, check_request
 from gateway.wire.responses_chat import chat_request
@@ -60,6 +60,11 @@ class Submitter:
     async def submit(self, url: str, body: dict[str, Any], line: BatchLine) -> Outcome:
         request_id = "batch-" + uuid.uuid4().hex
         try:
+            self._ready()
+            limit = self.holder.current.config.limits.max_body_bytes
+            if len(orjson.dumps(body)) > limit:  # refused as the live routes refuse a larger body
+                raise PayloadTooLarge(f"The request body is larger than this gateway accepts ({limit} bytes).",
+                                      code="request_too_large")  # fmt: skip
             if url == "/v1/responses":
                 reply = await self._responses(body, line, request_id)
             else:

@@ -397,3 +397,20 @@ def test_a_line_nested_too_deep_is_written_off_and_stops_no_batch(
         by_id = every_custom_id_once(client, done)
     assert by_id["fine"]["response"]["status_code"] == 200
     assert by_id["deep"]["response"] is None and by_id["deep"]["error"]["code"] == "invalid_body"
+
+
+def test_a_line_larger_than_a_live_request_may_be_is_refused_as_one(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names), limits={"max_body_bytes": 2048})
+    big = chat_line("big", "x" * 4000)
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        live = httpx.post(server.url + "/v1/chat/completions", json=big["body"])
+        assert live.status_code == 413
+        done = wait_for(client, start(client, [chat_line("small", "hi"), big]).id, ("completed",))
+        by_id = every_custom_id_once(client, done)
+    assert by_id["small"]["response"]["status_code"] == 200
+    refused = by_id["big"]["response"]
+    assert refused["status_code"] == 413 and refused["body"]["error"]["code"] == live.json()["error"]["code"]
+    assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["hi"]
