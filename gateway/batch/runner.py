@@ -124,14 +124,19 @@ class Runner:
         queued = 0
         runnable: list[tuple[str, dict[str, Any]]] = []
         for batch_id in active:
-            record = await self.jobs.load(batch_id)
-            if record is None or record["status"] in FINAL:
-                await self.jobs.redis.srem(self.jobs.active_key, batch_id)
-                continue
-            pending = await self.work.pending(batch_id) if record["status"] == "in_progress" else 0
-            if await self._advance(batch_id, record, pending):
-                runnable.append((batch_id, record))
-            queued += pending
+            try:
+                record = await self.jobs.load(batch_id)
+                if record is None or record["status"] in FINAL:
+                    await self.jobs.redis.srem(self.jobs.active_key, batch_id)
+                    continue
+                pending = await self.work.pending(batch_id) if record["status"] == "in_progress" else 0
+                if await self._advance(batch_id, record, pending):
+                    runnable.append((batch_id, record))
+                queued += pending
+            except REDIS_ERRORS:
+                raise  # Redis is unreachable: no batch moves on this round
+            except Exception:  # one batch's trouble (a bug, a file it cannot write) must not hold the others
+                log.exception("batch runner: batch %s was not moved on this round", batch_id)
         self.metrics.queued.set(queued)
         await self._dispatch(runnable)
         if time.monotonic() >= self._next_sweep:  # expired output files' contents leave the file store

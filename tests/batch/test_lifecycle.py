@@ -414,3 +414,39 @@ def test_a_line_larger_than_a_live_request_may_be_is_refused_as_one(
     refused = by_id["big"]["response"]
     assert refused["status_code"] == 413 and refused["body"]["error"]["code"] == live.json()["error"]["code"]
     assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["hi"]
+
+
+def test_a_batch_that_fails_to_move_on_holds_up_no_other(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    batch_names: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch whose turn in a round raises (a bug, a file it cannot write) is logged and tried again the
+    next round; the other batches of the round still move on and run. The failing one is the first of the
+    round (rounds go by batch id), so without that every round would end at it."""
+    from gateway.batch.lifecycle import Lifecycle
+
+    validate = Lifecycle.validate
+    chosen: list[str] = []  # the failing batch's id, once all are created; nothing is validated before
+    failed: set[str] = set()
+
+    async def failing_for_one(self: Lifecycle, batch_id: str, record: dict[str, Any]) -> None:
+        if not chosen:
+            return
+        if batch_id == chosen[0]:
+            failed.add(batch_id)
+            raise RuntimeError("this batch cannot be validated")
+        await validate(self, batch_id, record)
+
+    monkeypatch.setattr(Lifecycle, "validate", failing_for_one)
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        ids = sorted(start(client, [chat_line(f"b{i}", "y")]).id for i in range(4))
+        chosen.append(ids[0])
+        for other in ids[1:]:
+            assert wait_for(client, other, ("completed",), timeout_s=15).request_counts.completed == 1
+        assert client.batches.retrieve(ids[0]).status == "validating"
+    assert failed == {ids[0]}
