@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.wire.protocol import MAX_DEPTH, _deeper_than
+from gateway.wire.protocol import MAX_DEPTH, too_deep
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 _PREFIX_CHARS = 2048
@@ -85,7 +85,7 @@ def check_line(raw: bytes, endpoint: str) -> tuple[str | None, str, str] | dict[
     body = line.get("body")
     if not isinstance(body, dict) or not isinstance(body.get("model"), str):
         return custom_id, "invalid_body", "The line's 'body' must be a JSON object with a 'model'."
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _deeper_than(body, MAX_DEPTH):  # as a live request's
+    if too_deep(raw, body):  # as a live request's
         return custom_id, "invalid_body", f"The line's 'body' is nested more than {MAX_DEPTH} levels deep."
     if body.get("stream"):
         return custom_id, "invalid_body", "Batch lines cannot stream; remove 'stream' from the body."

@@ -80,11 +80,16 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(
             f"The request body must be a JSON object, not {type(payload).__name__}.", code="invalid_json"
         )
-    # Nesting deeper than MAX_DEPTH needs that many brackets: two C-speed counts spare the walk for
-    # nearly every body.
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _deeper_than(payload, MAX_DEPTH):
+    if too_deep(raw, payload):
         raise InvalidRequest(f"The request body is nested more than {MAX_DEPTH} levels deep.", code="invalid_json")
     return payload
+
+
+def too_deep(raw: bytes, value: object) -> bool:
+    """Whether ``value``, parsed from (a part of) ``raw``, nests arrays/objects more than ``MAX_DEPTH``
+    levels. Nesting that deep needs that many brackets in ``raw``: two C-speed counts spare the walk for
+    nearly every body."""
+    return raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _deeper_than(value, MAX_DEPTH)
 
 
 def _deeper_than(value: object, limit: int) -> bool:
