@@ -8,6 +8,7 @@ starts two managed workers with LoRA enabled (``max_loras`` 2, small KV cache, `
 - an adapter served by name answers differently from the base model at temperature 0; the first
   request loads it on one worker and the next ones stay there (one load);
 - on one worker, more adapters than ``max_loras`` evict the least recently used;
+- an adapter a worker holds from another path than the configured one is loaded again from it;
 - a worker killed and restarted by the engine supervisor comes back without its adapters, and the
   gateway loads the adapter again when it is next asked for.
 """
@@ -173,6 +174,36 @@ def test_more_adapters_than_max_loras_evict_the_least_recently_used(
         assert {"support", "legal"} <= held(worker)
         ask(gw, "sql")
         wait_for(lambda: held(worker) == {"support", "sql"}, 30, "legal to be evicted from the worker")
+
+
+def test_an_adapter_held_from_another_path_is_loaded_again_from_the_configured_one(
+    fleet: LoraFleet, gateway_factory: GatewayFactory
+) -> None:
+    """A gateway whose config serves ``sql`` from the ``legal`` adapter's files (a new path given in a
+    reload, or a replica started with it), in front of a worker that holds ``sql`` from its old path: the
+    worker loads it again in place (vLLM's ``load_inplace``), and ``sql`` then answers as ``legal`` does.
+    vLLM's prefix-cache keys carry the adapter's path, so no block of the old weights is reused."""
+    legal = ask(fleet.gateway, "legal")
+    worker = next(url for url in fleet.workers if "sql" in held(url))
+    config = base_config([worker], plugins=[{"name": "routing", "config": {"adapters": {"sync_interval_s": 1}}}])
+    config["models"][0] |= {
+        "name": ENGINE_MODEL,
+        "aliases": [],
+        "adapters": [{"name": "sql", "path": fleet.adapters["legal"]}],
+        "lora": {"max_loras": 2, "max_lora_rank": 8},
+    }
+    config["upstream"] |= {"first_byte_timeout_s": 300, "idle_timeout_s": 120}
+    try:
+        with gateway_factory(config) as (app, gw):
+            state = app.state.services.workers.get(worker).adapters
+            wait_for(lambda: state.synced_at > 0, 30, "the gateway to read what the worker holds")
+            assert state.paths.get("sql") == fleet.adapters["sql"]  # learnt with the path the worker read
+            assert ask(gw, "sql") == legal
+            assert state.paths["sql"] == fleet.adapters["legal"]
+            cards = httpx.get(worker + "/v1/models", timeout=10).json()["data"]
+            assert [c["root"] for c in cards if c["id"] == "sql"] == [fleet.adapters["legal"]]
+    finally:  # the module's gateway still takes sql there for its own: it goes
+        admin(fleet, "unload_adapter", "sql", worker)
 
 
 def test_a_restarted_worker_loses_its_adapters_and_the_gateway_loads_them_again(fleet: LoraFleet) -> None:
