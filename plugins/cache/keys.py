@@ -29,6 +29,11 @@ import orjson
 NOT_IN_KEY = frozenset(
     {"model", "stream", "stream_options", "user", "request_id", "metadata", "store", "priority", "service_tier"}
 )
+#: Fields whose output one shape of answer cannot carry to the other: the token ids vLLM returns
+#: (``prompt_token_ids`` on the first stream event, ``token_ids`` per choice) are lost when stream events
+#: are assembled into an answer or an answer is replayed as events, and vLLM refuses ``prompt_logprobs``
+#: on a stream. A request with one of them keeps ``stream`` in its key.
+_SHAPE_BOUND = ("return_token_ids", "prompt_logprobs")
 KEY_VERSION = b"2"
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 
@@ -45,10 +50,11 @@ class CacheKey:
 def canonical_request(body: dict[str, Any]) -> list[tuple[str, Any]]:
     """The output-relevant fields of a request body, in a stable order."""
     out: list[tuple[str, Any]] = []
+    shape_bound = any(body.get(name) is not None and body.get(name) is not False for name in _SHAPE_BOUND)
     for name in sorted(body):
-        if name in NOT_IN_KEY:
-            continue
         value = body[name]
+        if name in NOT_IN_KEY and not (name == "stream" and shape_bound and value is True):
+            continue
         if value is None or (name == "n" and value == 1):
             continue  # explicit null and the default n are the same request as leaving them out
         if isinstance(value, float) and value.is_integer():

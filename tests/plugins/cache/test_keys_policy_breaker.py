@@ -77,6 +77,17 @@ def test_fields_that_do_not_change_the_answer_leave_the_key_alone(field: str, va
     assert key({**BASE, field: value}) == key(BASE)
 
 
+@pytest.mark.parametrize("field", [{"return_token_ids": True}, {"prompt_logprobs": 0}, {"prompt_logprobs": 1}])
+def test_token_ids_and_prompt_logprobs_keep_streamed_and_whole_answers_apart(field: dict[str, Any]) -> None:
+    # vLLM sends the token ids a stream asked for on its events (prompt_token_ids on the first, token_ids per
+    # choice) and on a whole answer's object: assembling one shape from the other drops them, and vLLM
+    # refuses prompt_logprobs on a stream. Such requests must not be answered from the other shape's entry.
+    asked = {**BASE, **field}
+    assert key({**asked, "stream": True}) != key(asked)
+    assert key({**asked, "stream": False}) == key(asked)
+    assert key({**BASE, "return_token_ids": False, "stream": True}) == key({**BASE, "return_token_ids": False})
+
+
 def test_top_level_order_and_number_spelling_do_not_matter() -> None:
     reordered = {"temperature": 0.0, "messages": BASE["messages"], "model": "m1"}
     assert key(reordered) == key(BASE)
