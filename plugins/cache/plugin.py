@@ -171,12 +171,15 @@ class CachePlugin(Plugin):
         token = self._shared.lock_token() if cfg.coalesce and store else None
         try:
             found = await self._lookup(key, token)
-        except RedisUnavailable:
+        except (RedisUnavailable, asyncio.CancelledError) as exc:
             if token is not None:
-                # A timed-out lookup may still have taken the lock in Redis (the script ran, the
-                # reply came late): drop it, or identical requests would wait for a leader that
-                # does not know it leads.
+                # A timed-out lookup, or one whose request was cancelled (the client went away), may
+                # still have taken the lock in Redis (the script ran, the reply came late or was not
+                # awaited): drop it, or identical requests would wait for a leader that does not know
+                # it leads.
                 self.writes.release_soon(key, token, local_leader=False)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             return None
         if self._shared.reported_open:
             self._shared.reported_open = False

@@ -177,3 +177,44 @@ async def test_a_release_cancelled_inside_a_redis_call_stops() -> None:
         release.cancel()
         await asyncio.wait({release}, timeout=5)
         await client.aclose()
+
+
+async def test_a_request_cancelled_while_its_lookup_takes_the_lock_does_not_strand_followers(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, namespace: str
+) -> None:
+    """The client went away while the lookup was under way: the script ran (and took the lock) but the
+    request was cancelled before it learned it leads. The lock is dropped, so later identical requests
+    lead instead of waiting out ``coalesce_wait_s`` for a leader that is gone."""
+    config = cache_gateway_config(upstream_url, namespace, coalesce_wait_s=4)
+    with gateway_factory(config, plugins=PLUGINS) as (app, server):
+        plugin = next(b.plugin for b in app.state.holder.current.pipeline.plugins if b.name == "cache")
+        store = plugin.store  # type: ignore[attr-defined]
+        original = store.lookup
+        calls = 0
+        taken = asyncio.Event()
+
+        async def slow_reply(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            result = await original(*args, **kwargs)
+            if calls == 1:
+                taken.set()
+                await asyncio.sleep(30)  # the reply is late: the client leaves meanwhile
+            return result
+
+        store.lookup = slow_reply
+        body = {"model": "m1", "messages": MESSAGES, "temperature": 0}
+        async with httpx.AsyncClient(timeout=10) as client:
+            streamed = {**body, "stream": True}
+            leaving = asyncio.create_task(client.post(server.url + "/v1/chat/completions", json=streamed))
+            await asyncio.wait_for(taken.wait(), 10)
+            leaving.cancel()  # the client closes its connection
+            await asyncio.wait({leaving})
+            await asyncio.sleep(0.3)  # the gateway notices and cancels the request
+            started = asyncio.get_running_loop().time()
+            second = await client.post(server.url + "/v1/chat/completions", json=body)
+            waited = asyncio.get_running_loop().time() - started
+        assert second.status_code == 200
+        assert second.headers["x-cache"] == "miss", "the next identical request did not lead"
+        assert waited < 2
+        assert coalesced(app, "timeout") == 0
