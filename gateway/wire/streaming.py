@@ -213,6 +213,8 @@ class StreamAssembler:
                         message[name] = _joined(acc[name])
                 if acc.get("tool_calls"):
                     message["tool_calls"] = [_tool_call(acc["tool_calls"][i]) for i in sorted(acc["tool_calls"])]
+                    if content == "":  # only vLLM's role event's "": a whole answer of tool calls only has none
+                        message["content"] = None
                 choice: dict[str, Any] = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": _joined(acc.get("text")) or ""}

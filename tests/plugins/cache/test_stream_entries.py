@@ -169,6 +169,28 @@ def test_tool_call_streams_take_the_parsing_path_and_replay_alike(
     assert calls[0]["id"] == "call_1"
 
 
+def test_a_streamed_tool_call_answer_served_whole_has_no_content_as_a_live_one(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    namespace: str,
+    redis_client: redis.Redis,
+) -> None:
+    """vLLM's first event of every chat stream carries ``"content": ""``; a whole answer that only calls
+    tools has ``content: null``. A hit that is not streamed, on an answer first streamed, must look like
+    the live answer to the same request."""
+    upstream.behavior.tool_calls = [{"id": "call_1", "name": "lookup", "arguments": '{"q": "x"}'}]
+    with gateway_factory(cache_gateway_config(upstream_url, namespace), plugins=PLUGINS) as (_, server):
+        _, live = sdk_chat(server.url, stream=False, extra_headers={"cache-control": "no-store"})
+        _stream(server.url)
+        wait_stored(redis_client, namespace)
+        state, hit = sdk_chat(server.url, stream=False)
+    assert state == "hit"
+    assert live.choices[0].message.content is None
+    assert hit.choices[0].message.content is None
+    assert hit.choices[0].message.tool_calls == live.choices[0].message.tool_calls
+
+
 # -- the byte path against the parsing one ---------------------------------------------------------
 
 _pieces = st.sampled_from([*'ab "\\:,{}[]\n\x00é', '"id":', '"id":"chatcmpl-abc"', '"created":1700000000,'])
