@@ -35,6 +35,7 @@ NOT_IN_KEY = frozenset(
 #: on a stream. A request with one of them keeps ``stream`` in its key.
 _SHAPE_BOUND = ("return_token_ids", "prompt_logprobs")
 KEY_VERSION = b"2"
+_INT_RANGE = 2**63
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 
 
@@ -57,8 +58,8 @@ def canonical_request(body: dict[str, Any]) -> list[tuple[str, Any]]:
             continue
         if value is None or (name == "n" and value == 1):
             continue  # explicit null and the default n are the same request as leaving them out
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
+        if isinstance(value, float) and value.is_integer() and -_INT_RANGE <= value < _INT_RANGE:
+            value = int(value)  # a larger one stays a float: JSON serialization takes 64-bit integers only
         out.append((name, value))
     return out
 

@@ -93,6 +93,14 @@ def test_top_level_order_and_number_spelling_do_not_matter() -> None:
     assert key(reordered) == key(BASE)
 
 
+def test_a_whole_number_too_large_for_json_integers_is_keyed_as_sent() -> None:
+    # 1e30 has no fraction, but as an integer it exceeds what JSON serialization takes (64 bits): the key
+    # must still be made (not fail the plugin on a client's value), and tell such values apart.
+    assert key({**BASE, "top_k": 1e30}) == key({**BASE, "top_k": 1e30})
+    assert key({**BASE, "top_k": 1e30}) != key({**BASE, "top_k": 1e29})
+    assert key({**BASE, "top_k": -1e30}) != key(BASE)
+
+
 def test_nested_order_matters_because_schema_order_shapes_the_output() -> None:
     a = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}
     b = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "string"}}}
