@@ -48,13 +48,21 @@ class CacheKey:
     lock: str
 
 
+def _shape_bound(body: dict[str, Any]) -> bool:
+    """Whether the request asks for something only its own shape of answer carries (``_SHAPE_BOUND``)."""
+    for name in _SHAPE_BOUND:
+        asked = body.get(name)
+        if asked is not None and asked is not False:
+            return True
+    return False
+
+
 def canonical_request(body: dict[str, Any]) -> list[tuple[str, Any]]:
     """The output-relevant fields of a request body, in a stable order."""
     out: list[tuple[str, Any]] = []
-    shape_bound = any(body.get(name) is not None and body.get(name) is not False for name in _SHAPE_BOUND)
     for name in sorted(body):
         value = body[name]
-        if name in NOT_IN_KEY and not (name == "stream" and shape_bound and value is True):
+        if name in NOT_IN_KEY and (name != "stream" or value is not True or not _shape_bound(body)):
             continue
         if value is None or (name == "n" and value == 1):
             continue  # explicit null and the default n are the same request as leaving them out
