@@ -402,6 +402,7 @@ def test_input_items_and_retrieve_parameters(server: ServerThread) -> None:
         ("order=sideways", "order"),
         ("limit=0", "limit"),
         ("limit=101", "limit"),
+        ("limit=%C2%B2", "limit"),  # a digit to str.isdigit (superscript two), not to int()
         ("after=x", "after"),
     ):
         reply = httpx.get(f"{url}/input_items?{query}")

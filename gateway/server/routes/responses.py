@@ -270,7 +270,7 @@ async def list_input_items(request: Request, response_id: ResponseId) -> JSON:
     if order not in ("asc", "desc"):
         raise InvalidRequest("'order' must be 'asc' or 'desc'.", param="order")
     raw_limit = query.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= 100:
         raise InvalidRequest("'limit' must be an integer from 1 to 100.", param="limit")
     service = ResponsesService.of(request)
     config, scope, stored = await service.stored(request, response_id, "responses.input_items")
