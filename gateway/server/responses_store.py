@@ -183,6 +183,10 @@ class ResponseStore:
         own = len(orjson.dumps(record))
         if own > config.max_response_bytes:
             raise _record_too_large(own, config.max_response_bytes)
+        if chain.ids and chain.bytes + own > config.max_conversation_bytes:  # the output counts too
+            raise _too_long(
+                f"{chain.bytes + own} bytes", f"{config.max_conversation_bytes} bytes", "previous_response_id"
+            )
         record["conversation_bytes"] = chain.bytes + own
         value = orjson.dumps(record)
         try:

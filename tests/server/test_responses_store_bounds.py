@@ -135,6 +135,28 @@ def test_chain_bounds_refuse_the_turn_and_never_drop_history(
         assert first.id in missing.value.message and chats(upstream) == before
 
 
+def test_an_answer_that_takes_the_chain_past_its_bytes_is_not_stored(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, names: dict[str, str]
+) -> None:
+    """max_conversation_bytes holds for what the turn stores, its output included, not only its input:
+    an answer that takes the chain past the bound is refused when stored (plain and streamed)."""
+    responses = {"redis_prefix": names["responses"], "max_conversation_bytes": 8000}
+    config = base_config([upstream_url], responses=responses)
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        first = client.responses.create(model="m1", input="one")
+        upstream.behavior.text = "z" * 9000  # the input fits the bound; the answer does not
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="m1", input="two", previous_response_id=first.id)
+        assert caught.value.code == "conversation_too_long"
+        with pytest.raises(openai.APIError) as streamed:
+            list(client.responses.create(model="m1", input="two", previous_response_id=first.id, stream=True))
+        assert "conversation" in streamed.value.message
+        assert [first.id in key for key in records(names["responses"])] == [True]  # nothing else was stored
+        # a turn without previous_response_id is bounded by max_response_bytes only
+        assert client.responses.create(model="m1", input="fresh").output_text == "z" * 9000
+
+
 def test_a_tenant_over_its_stored_bytes_is_refused_and_others_are_not(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, names: dict[str, str]
 ) -> None:
