@@ -24,7 +24,7 @@ from gateway.upstream.client import UpstreamClient, UpstreamFailure
 log = logging.getLogger("gateway.responses")
 #: Header on the answer naming how many input items of the conversation were left out (0: none).
 TRUNCATED_HEADER = "x-gateway-truncated-items"
-_MAX_ROUNDS = 64  # counts per turn at most (each one /tokenize call); past it the request goes as it is
+_MAX_ROUNDS = 64  # counts per turn at most (each one /tokenize call); bisection needs about log2(turns) + 2
 _COUNT_WAIT_S = 2.0
 
 
@@ -37,24 +37,36 @@ async def fit_history(
 ) -> tuple[list[dict[str, Any]], int]:
     """The newest whole turns of ``history`` whose chat request (``chat_for(kept)``) leaves ``reserve``
     tokens of the worker's context free, and how many items were left out."""
-    kept = history
+    # Where ``kept`` may start: the first item, every later turn (a user message), the end (nothing kept).
+    # Fewer turns never count more tokens, so the first start that fits is found by bisection: a few
+    # counts for any length of conversation, rather than one per dropped turn.
+    starts = [0, *_turn_starts(history), len(history)]
+    low, high = 0, len(starts) - 1  # starts[high] fits (nothing kept is always accepted)
     for _ in range(_MAX_ROUNDS):
-        counted = await _count(upstream, worker_url, chat_for(kept))
+        if low >= high:
+            break
+        middle = low if low == 0 else (low + high) // 2  # the whole conversation is counted first
+        counted = await _count(upstream, worker_url, chat_for(history[starts[middle] :]))
         if counted is None:
+            if high == len(starts) - 1:
+                return history, 0  # no count that fits: the request goes whole
             break
         tokens, context = counted
-        if tokens + reserve <= context or not kept:
-            break
-        kept = kept[_next_turn(kept) :]
+        if tokens + reserve <= context:
+            high = middle
+        else:
+            low = middle + 1
+    kept = history[starts[high] :]
     return kept, len(history) - len(kept)
 
 
-def _next_turn(items: list[dict[str, Any]]) -> int:
-    """Where the second turn of ``items`` starts (its next user message), or the end."""
-    for index, item in enumerate(items):
-        if index > 0 and item.get("type") == "message" and item.get("role") == "user":
-            return index
-    return len(items)
+def _turn_starts(items: list[dict[str, Any]]) -> list[int]:
+    """Where each turn of ``items`` after the first starts (its user message)."""
+    return [
+        index
+        for index, item in enumerate(items)
+        if index > 0 and item.get("type") == "message" and item.get("role") == "user"
+    ]
 
 
 async def _count(upstream: UpstreamClient, worker_url: str, chat: dict[str, Any]) -> tuple[int, int] | None:

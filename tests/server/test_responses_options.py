@@ -115,6 +115,35 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit_and_says_so(
     assert len(last_chat(upstream)["messages"]) == 13 and "x-gateway-truncated-items" not in raw.headers
 
 
+def test_truncation_auto_fits_a_conversation_far_longer_than_the_context(
+    server: ServerThread, upstream: FakeUpstream
+) -> None:
+    """A conversation of which only the newest few of 80 turns fit is still fitted, with a handful of
+    counts (not one /tokenize call per dropped turn)."""
+    upstream.behavior.tokenize = "chars"
+    upstream.behavior.max_model_len = 500
+    client = sdk(server)
+    previous = None
+    for turn in range(80):
+        previous = client.responses.create(
+            model="m1", input=f"turn {turn} zzzzz", previous_response_id=previous.id if previous else None
+        )
+    assert previous is not None
+    counts = len(upstream.tokenized)
+    raw = client.responses.with_raw_response.create(
+        model="m1", input="the last question", previous_response_id=previous.id, truncation="auto",
+        max_output_tokens=50,
+    )  # fmt: skip
+    messages = last_chat(upstream)["messages"]
+    assert sum(len(m["content"]) for m in messages) + 50 <= 500
+    dropped = int(raw.headers["x-gateway-truncated-items"])
+    assert dropped > 128 and len(messages) == 161 - dropped  # more than 64 turns left out
+    assert messages[0]["role"] == "user" and messages[-1]["content"] == "the last question"
+    # the newest turns that fit, no fewer: one more (a user and an assistant message) would not
+    assert sum(len(m["content"]) for m in messages) + len("turn 10 zzzzz") + len(upstream.behavior.text) + 50 > 500
+    assert len(upstream.tokenized) - counts <= 12
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
