@@ -49,7 +49,7 @@ def _item(item: object, where: str) -> dict[str, Any]:
     item_id = item.get("id") if isinstance(item.get("id"), str) else None
     if kind == "message":
         role = item.get("role")
-        if role not in _MESSAGE_ROLES:
+        if not isinstance(role, str) or role not in _MESSAGE_ROLES:
             raise bad(
                 f"'{where}.role' must be one of {', '.join(sorted(_MESSAGE_ROLES))} (got {role!r}).", f"{where}.role"
             )

@@ -81,6 +81,8 @@ def test_the_cache_key_goes_with_the_chat_request_for_routing() -> None:
         {"temperature": "hot"},
         {"stream_options": {"include_obfuscation": False}},  # only with stream
         {"text": {"format": {"type": "json_schema", "name": "x"}}},  # no schema
+        {"input": [{"role": ["user"], "content": "hi"}]},  # a role that is not a string (not hashable)
+        {"input": [{"type": "message", "role": {"name": "user"}, "content": "hi"}]},
     ],
 )
 def test_bad_fields_are_400s(body: dict[str, Any]) -> None:
