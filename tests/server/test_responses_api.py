@@ -412,6 +412,29 @@ def test_input_items_and_retrieve_parameters(server: ServerThread) -> None:
     assert httpx.put(url).status_code == 405
 
 
+def test_an_item_id_already_in_the_conversation_is_refused(server: ServerThread, upstream: FakeUpstream) -> None:
+    """Ids name the items input_items pages by: an input repeating an item of the previous response (or
+    one of its own) is a 400, as on OpenAI, so listing the conversation can never page in a loop."""
+    client = sdk(server)
+    first = client.responses.create(model="m1", input="one")
+    before = len(upstream.requests)
+    again = first.output[0].model_dump(exclude_none=True)
+    for items, param in (
+        ([again, {"role": "user", "content": "two"}], "input[0].id"),
+        (
+            [{"id": "msg_1", "role": "user", "content": "a"}, {"id": "msg_1", "role": "user", "content": "b"}],
+            "input[1].id",
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="m1", input=items, previous_response_id=first.id)  # type: ignore[arg-type]
+        assert caught.value.param == param and "Duplicate item" in caught.value.message
+    assert len(upstream.requests) == before
+    second = client.responses.create(model="m1", input="two", previous_response_id=first.id)
+    paged = [item.id for item in client.responses.input_items.list(second.id, limit=1)]  # auto-paginates
+    assert len(paged) == len(set(paged)) == 3
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_an_agents_sdk_agent_calls_its_tool_through_the_gateway(
     server: ServerThread, upstream: FakeUpstream, streamed: bool

@@ -135,6 +135,7 @@ class ResponsesService:
             if previous is None:
                 raise not_found(req.previous_response_id, param="previous_response_id")
             chain = await self.store.chain(config, scope, previous, "previous_response_id")
+        _refuse_duplicate_ids(chain.items, req.input_items)
         if req.store:  # what the record will hold at least
             await self.store.check_room(config, scope, len(orjson.dumps(req.input_items)), chain)
         return chain
@@ -177,6 +178,20 @@ class ResponsesService:
         if stored is None:
             raise not_found(response_id)
         return config, scope, stored
+
+
+def _refuse_duplicate_ids(history: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
+    """A 400 for an input item whose id is already in the conversation (as OpenAI answers): ids name the
+    items input_items lists and pages by (``after``), so each must be one item."""
+    seen = {item.get("id") for item in history}
+    for index, item in enumerate(items):
+        if item["id"] in seen:
+            raise InvalidRequest(
+                f"Duplicate item found with id '{item['id']}'. Remove duplicate items from your input (an item "
+                "of the previous response is already part of the conversation) and try again.",
+                param=f"input[{index}].id",
+            )
+        seen.add(item["id"])
 
 
 #: The id format, documented (not enforced here: an id of another format is as unknown as any, a 404).
