@@ -51,8 +51,9 @@ redis.call('ZADD', KEYS[2], now + ttl, ARGV[4])
 for i = 5, #ARGV do
   if redis.call('PEXPIRE', KEYS[i - 1], ttl) == 1 then redis.call('ZADD', KEYS[2], 'XX', now + ttl, ARGV[i]) end
 end
-redis.call('PEXPIRE', KEYS[1], ttl)
-redis.call('PEXPIRE', KEYS[2], ttl)
+for k = 1, 2 do  -- the ledger outlives every record it counts, also those stored with a longer TTL
+  if redis.call('PTTL', KEYS[k]) < ttl then redis.call('PEXPIRE', KEYS[k], ttl) end
+end
 return {1, total + size - previous}
 """
 )

@@ -188,6 +188,23 @@ def test_a_tenant_over_its_stored_bytes_is_refused_and_others_are_not(
         acme.responses.create(model="m1", input="y" * 2500)
 
 
+def test_a_shorter_ttl_never_lets_the_count_expire_before_what_it_counts(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, names: dict[str, str]
+) -> None:
+    """After responses.ttl_s is lowered, a turn stored with the new TTL must not shorten the life of the
+    tenant's byte count below that of the responses stored before: else the count expires first and the
+    tenant may store max_tenant_bytes again on top of what Redis still holds."""
+    for ttl_s in (3600, 60):
+        config = base_config([upstream_url], responses={"redis_prefix": names["responses"], "ttl_s": ttl_s})
+        with gateway_factory(config) as (_, server):
+            sdk(server).responses.create(model="m1", input="y" * 2500)
+    client = redis.Redis()
+    longest = max(client.pttl(key) for key in records(names["responses"]))
+    ledger = list(client.scan_iter(match=f"{names['responses']}:*:@*"))
+    assert len(ledger) == 2 and longest > 3_000_000
+    assert all(client.pttl(key) >= longest - 5000 for key in ledger)  # read a moment later
+
+
 def test_reading_stored_responses_is_metered_by_the_keys_request_limit(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, names: dict[str, str]
 ) -> None:
