@@ -68,6 +68,13 @@ def check_content_type(headers: list[tuple[bytes, bytes]]) -> None:
     return
 
 
+def decimal(text: str) -> int | None:
+    """``text`` as a non-negative integer written in ASCII digits, else None. ``str.isdigit`` alone also
+    takes digits such as "²", which ``int`` refuses: a client's query or header value must not turn
+    into a 500."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """JSON object or a 400 saying what is wrong with it (NaN and Infinity are not JSON)."""
     if not raw:

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from gateway.wire.protocol import requested_choices
+from gateway.wire.protocol import decimal, requested_choices
 from plugins.cache.config import CacheConfig
 
 #: ``finish_reason`` values of a complete answer; anything else (None, "abort", "error") is not stored.
@@ -42,9 +42,7 @@ def parse_cache_control(value: str) -> tuple[bool, bool, int | None]:
         elif directive == "no-store":
             no_store = True
         elif directive == "max-age":
-            arg = arg.strip().strip('"')
-            if arg.isdigit():
-                max_age = int(arg)
+            max_age = decimal(arg.strip().strip('"'))
     return no_cache, no_store, max_age
 
 

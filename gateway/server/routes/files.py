@@ -20,7 +20,7 @@ from gateway.server.multipart import FormReader
 from gateway.server.routes import JSON
 from gateway.wire.batch_openapi import FILE_ID_PATTERN, FILES_CREATE_DOC
 from gateway.wire.errors import InvalidRequest, NotFound
-from gateway.wire.protocol import header_dict
+from gateway.wire.protocol import decimal, header_dict
 
 router = APIRouter()
 SERVICE_KEY = "batches"
@@ -55,10 +55,10 @@ def page(data: list[dict[str, Any]], has_more: bool) -> JSON:
 
 
 def limit_of(request: Request, default: int, most: int) -> int:
-    raw = request.query_params.get("limit", str(default))
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= most:  # "²".isdigit(), int("²") fails
+    limit = decimal(request.query_params.get("limit", str(default)))
+    if limit is None or not 1 <= limit <= most:
         raise InvalidRequest(f"'limit' must be an integer from 1 to {most}.", param="limit")
-    return int(raw)
+    return limit
 
 
 @router.post("/v1/files", openapi_extra=FILES_CREATE_DOC)

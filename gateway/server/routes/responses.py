@@ -38,7 +38,7 @@ from gateway.server.state import AppState
 from gateway.wire.allowlist import ParamAllowList
 from gateway.wire.errors import InvalidRequest, ServerError, model_not_found
 from gateway.wire.openapi import RESPONSES_CREATE_DOC
-from gateway.wire.protocol import ENDPOINTS, check_request, header_dict, parse_body
+from gateway.wire.protocol import ENDPOINTS, check_request, decimal, header_dict, parse_body
 from gateway.wire.responses_chat import chat_request, items_as_seen
 from gateway.wire.responses_request import ResponsesRequest, parse_request
 
@@ -284,8 +284,8 @@ async def list_input_items(request: Request, response_id: ResponseId) -> JSON:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest("'order' must be 'asc' or 'desc'.", param="order")
-    raw_limit = query.get("limit", "20")
-    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= 100:
+    limit = decimal(query.get("limit", "20"))
+    if limit is None or not 1 <= limit <= 100:
         raise InvalidRequest("'limit' must be an integer from 1 to 100.", param="limit")
     service = ResponsesService.of(request)
     config, scope, stored = await service.stored(request, response_id, "responses.input_items")
@@ -298,7 +298,7 @@ async def list_input_items(request: Request, response_id: ResponseId) -> JSON:
         if after not in ids:
             raise InvalidRequest(f"'after' names no input item of response '{response_id}'.", param="after")
         items = items[ids.index(after) + 1 :]
-    page = items[: int(raw_limit)]
+    page = items[:limit]
     return JSON(
         {
             "object": "list",

@@ -136,6 +136,8 @@ def test_cache_control_parsing() -> None:
     assert parse_cache_control("No-Store, max-age=30") == (False, True, 30)
     assert parse_cache_control('max-age="5", private') == (False, False, 5)
     assert parse_cache_control("max-age=soon") == (False, False, None)
+    # a digit that is not ASCII ("\xb2" as a latin-1 header byte reads): ignored, not a ValueError
+    assert parse_cache_control("max-age=\u00b2") == (False, False, None)
 
 
 def test_policy_decisions() -> None:
