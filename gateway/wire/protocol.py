@@ -69,10 +69,10 @@ def check_content_type(headers: list[tuple[bytes, bytes]]) -> None:
 
 
 def decimal(text: str) -> int | None:
-    """``text`` as a non-negative integer written in ASCII digits, else None. ``str.isdigit`` alone also
-    takes digits such as "²", which ``int`` refuses: a client's query or header value must not turn
-    into a 500."""
-    return int(text) if text.isascii() and text.isdigit() else None
+    """``text`` as a non-negative integer of at most 18 ASCII digits, else None: a client's query or
+    header value must not turn into a 500. ``str.isdigit`` alone also takes digits such as "²", which
+    ``int`` refuses, and ``int`` refuses more than 4,300 digits; no count or age needs more than 18."""
+    return int(text) if len(text) <= 18 and text.isascii() and text.isdigit() else None
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from gateway.wire.protocol import MAX_DEPTH
+from gateway.wire.protocol import MAX_DEPTH, decimal
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
 
@@ -218,3 +218,19 @@ def test_enormous_max_tokens_against_token_budgets_is_a_refusal_not_a_crash(
             assert response.status_code in (400, 429), response.text
             assert response.json()["error"]["type"] in ("rate_limit_error", "invalid_request_error")
         assert post(server, {**CHAT, "max_tokens": 10}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("0", 0), ("20", 20), ("007", 7), ("9" * 18, int("9" * 18)), ("\u00b2", None), ("1" * 19, None),
+     ("1" * 5000, None), ("", None), ("-1", None), (" 1", None), ("1e3", None)],
+)  # fmt: skip
+def test_a_client_given_number_is_ascii_digits_or_nothing(text: str, value: int | None) -> None:
+    """Query limits and Cache-Control ages: "²" is a digit to str.isdigit but not to int, and int refuses
+    more than 4,300 digits; neither may raise."""
+    assert decimal(text) == value
+
+
+def test_a_limit_of_thousands_of_digits_is_a_400(gateway: ServerThread) -> None:
+    reply = httpx.get(gateway.url + "/v1/responses/resp_" + "0" * 48 + "/input_items", params={"limit": "1" * 5000})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "limit"
