@@ -64,6 +64,11 @@ def decide(config: CacheConfig, endpoint: str, model: str, body: dict[str, Any],
         return Decision(False, False, reason="model_disabled")
     if config.only_deterministic and not is_deterministic(endpoint, body):
         return Decision(False, False, reason="nondeterministic")
+    options = body.get("stream_options")
+    if options and type(options) is dict and options.get("continuous_usage_stats"):
+        # vLLM's usage on every event: neither a stored answer nor recorded events replay it faithfully
+        # to a client that asks otherwise (and the store asks the worker for the usage a miss needs).
+        return Decision(False, False, reason="continuous_usage")
     header = headers.get("cache-control")
     if not header:
         return Decision(True, True)

@@ -9,7 +9,9 @@ import httpx
 import pytest
 import redis
 
+from plugins.cache.config import CacheConfig
 from plugins.cache.keys import entry_pattern
+from plugins.cache.policy import decide
 from tests.plugins.cache.test_single_flight import burst
 from tests.support.cache import (
     PLUGINS,
@@ -128,3 +130,25 @@ def test_a_purge_while_redis_is_unreachable_is_a_503(gateway_factory: GatewayFac
         assert chat(server.url).headers["x-cache"] == "bypass"  # requests go on without the cache
         error = assert_error_shape(purge(server, {"model": "m1"}), 503)
         assert error["code"] == "cache_unavailable" and "not purged" in error["message"]
+
+
+def test_a_stream_asking_for_usage_on_every_event_stays_out_of_the_cache(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    namespace: str,
+    redis_client: redis.Redis,
+) -> None:
+    """vLLM's ``continuous_usage_stats`` puts usage on every event: neither a stored answer nor recorded
+    events would replay that shape to a client asking otherwise, so such a stream is neither looked up nor
+    stored, and the same request without it is not answered from it."""
+    continuous = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with gateway_factory(cache_gateway_config(upstream_url, namespace), plugins=PLUGINS) as (_, server):
+        for _ in range(2):
+            reply = chat(server.url, **continuous)
+            assert reply.status_code == 200 and reply.headers["x-cache"] == "bypass"
+        assert chat(server.url, stream=True).headers["x-cache"] == "miss"
+    assert len(upstream.requests) == 3
+    assert decide(CacheConfig(), "chat/completions", "m1", {"temperature": 0, **continuous}, {}).reason == (
+        "continuous_usage"
+    )
