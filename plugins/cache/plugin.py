@@ -103,6 +103,11 @@ class CachePlugin(Plugin):
         self._backing: dict[str, str] = {}  # model name -> backing_of(...) in this config
 
     def prepare(self, config: GatewayConfig) -> None:
+        names = [entry.name for entry in config.plugins]
+        if "tenancy" in names and names.index("tenancy") > names.index(self.name):
+            # on_request runs in list order: a hit would be answered before tenancy saw the key (no 401,
+            # no limits), and with ctx.tenant unset every caller would share the public entries
+            raise ValueError("tenancy must come before the cache in plugins: it decides whose entries a request reads")
         managed = {w.name: w.model for w in config.engine.workers}
         # An adapter's answers come from its weights too: its path is part of what backs it.
         self._backing = {

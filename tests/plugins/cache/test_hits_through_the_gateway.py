@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 import redis
@@ -232,6 +233,26 @@ def test_tenants_never_share_entries(
         assert chat(server.url, headers={"x-tenant": "b"}).headers["x-cache"] == "hit"
         assert chat(server.url).headers["x-cache"] == "hit"
     assert len(upstream.requests) == 4
+
+
+def test_a_config_with_tenancy_after_the_cache_is_refused(
+    gateway_factory: GatewayFactory, upstream_url: str, namespace: str
+) -> None:
+    """Placed after the cache, tenancy would see a hit's request only after it was answered: no key
+    check, no limits, and every caller in the public scope. Such a config is refused (the running one
+    stays); tenancy before the cache is taken."""
+    config = cache_gateway_config(upstream_url, namespace)
+    with gateway_factory(config, plugins=PLUGINS, admin_token="adm") as (_, server):
+
+        def reload(plugins: dict[str, tuple[str, ...]]) -> httpx.Response:
+            body = orjson.dumps(cache_gateway_config(upstream_url, namespace, **plugins))  # type: ignore[arg-type]
+            return httpx.put(server.url + "/admin/config", content=body, headers={"authorization": "Bearer adm"})
+
+        refused = reload({"after": ("tenancy",)})
+        assert refused.status_code == 400
+        assert "tenancy must come before the cache" in refused.json()["error"]["message"]
+        assert chat(server.url).status_code == 200  # the running config serves on, without a key
+        assert reload({"before": ("tenancy",)}).status_code == 200
 
 
 def test_no_cache_skips_the_lookup_but_stores_and_no_store_skips_the_store(
