@@ -101,6 +101,7 @@ class CachePlugin(Plugin):
         )
         self.writes = CacheWrites(config, self.store, self._shared)
         self._backing: dict[str, str] = {}  # model name -> backing_of(...) in this config
+        self._named: dict[str, str] = {}  # model name or alias -> the model name entries are kept under
 
     def prepare(self, config: GatewayConfig) -> None:
         names = [entry.name for entry in config.plugins]
@@ -108,6 +109,7 @@ class CachePlugin(Plugin):
             # on_request runs in list order: a hit would be answered before tenancy saw the key (no 401,
             # no limits), and with ctx.tenant unset every caller would share the public entries
             raise ValueError("tenancy must come before the cache in plugins: it decides whose entries a request reads")
+        self._named = {alias: m.name for m in config.served_models for alias in (m.name, *m.aliases)}
         managed = {w.name: w.model for w in config.engine.workers}
         # An adapter's answers come from its weights too: its path is part of what backs it.
         self._backing = {
@@ -366,7 +368,8 @@ class CachePlugin(Plugin):
     # -- admin and lifecycle ----------------------------------------------------------------------
 
     async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
-        """``purge``: delete the entries of a namespace (default: the live one), or of one model in it."""
+        """``purge``: delete the entries of a namespace (default: the live one), or of one model in it (by
+        its name or an alias; a name this config does not know, a model removed from it, as given)."""
         if action != "purge":
             return await super().on_admin(action, body)
         namespace = body.get("namespace", self.config.namespace)
@@ -375,6 +378,8 @@ class CachePlugin(Plugin):
             raise InvalidRequest("'namespace' must be a non-empty string without ':'.", param="namespace")
         if model is not None and (not isinstance(model, str) or not model):
             raise InvalidRequest("'model' must be a non-empty string.", param="model")
+        if model is not None:  # entries are kept under the model's name, whatever name a client used
+            model = self._named.get(model, model)
         pattern = entry_pattern(self.config.key_prefix, namespace, model)
         try:
             async with asyncio.timeout(_PURGE_BUDGET_S):

@@ -10,6 +10,7 @@ import redis
 
 from gateway.ops.metrics import Metrics
 from gateway.ops.settings import Settings
+from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.services import Services
 from gateway.upstream.client import UpstreamClient, UpstreamConfig
 from gateway.upstream.workers import WorkerTable
@@ -18,6 +19,7 @@ from plugins.cache import CacheConfig, CachePlugin
 from plugins.cache.keys import make_key
 from plugins.cache.store import encode_entry
 from tests.support.cache import REDIS_URL, entry_names, namespace, redis_client
+from tests.support.gateways import base_config
 
 __all__ = ["namespace", "redis_client"]
 
@@ -82,3 +84,20 @@ async def test_a_rebuilt_plugin_reuses_metrics_and_breaker(services: Services, n
     second = CachePlugin(CacheConfig(namespace=namespace + "b", breaker_failures=7), services)  # a reload
     assert second.metrics is first.metrics
     assert second.store.breaker is first.store.breaker and first.store.breaker.failures == 7
+
+
+async def test_purge_by_an_alias_purges_the_models_entries(
+    services: Services, namespace: str, redis_client: redis.Redis
+) -> None:
+    """Entries are kept under the model's name; a purge naming one of its aliases purges them."""
+    plugin = CachePlugin(CacheConfig(namespace=namespace), services)
+    plugin.prepare(GatewayConfig.model_validate(base_config(["http://127.0.0.1:1"])))  # m1, alias "alias-1"
+    try:
+        await fill(plugin, namespace, ["m1", "m2"], 2)
+        assert await plugin.on_admin("purge", {"model": "alias-1"}) == {
+            "purged": 2, "namespace": namespace, "model": "m1",
+        }  # fmt: skip
+        assert (await plugin.on_admin("purge", {"model": "m2"}))["purged"] == 2  # not in the config: as given
+        assert entry_names(redis_client, namespace) == []
+    finally:
+        await plugin.aclose()
