@@ -70,6 +70,27 @@ class Jobs:
     def active_key(self) -> str:
         return f"{self.config.redis_prefix}:active"
 
+    def _active_of(self, scope: str) -> str:
+        return f"{self.config.redis_prefix}:active:{scope}"
+
+    async def active_count(self, scope: str) -> int:
+        """How many of the scope's batches are not final. The scope's set loses a batch when it turns
+        final; one that expired or was deleted before that (a Redis flush, a crash between the two writes)
+        is dropped here when the count reaches the limit, so it never holds a place for good."""
+        key = self._active_of(scope)
+        async with guarded("count the running batches"):
+            count = int(await self.redis.scard(key))
+            if count < self.config.max_active_batches:
+                return count
+            stale = []
+            for batch_id in [text(i) for i in await self.redis.smembers(key)]:
+                record = await self.load(batch_id)
+                if record is None or record["status"] in FINAL:
+                    stale.append(batch_id)
+            if stale:
+                await self.redis.srem(key, *stale)
+            return count - len(stale)
+
     async def create(
         self, scope: str, caller: Caller, input_file_id: str, endpoint: str, metadata: dict[str, str] | None
     ) -> dict[str, Any]:
@@ -105,6 +126,7 @@ class Jobs:
             pipe.hset(self.key(batch_id), mapping=fields)  # type: ignore[arg-type]
             pipe.zadd(self._index(scope), {batch_id: time.time_ns() // 1000})  # ordered within a second too
             pipe.sadd(self.active_key, batch_id)
+            pipe.sadd(self._active_of(scope), batch_id)
             pipe.zadd(self._all_key, {batch_id: time.time_ns() // 1000})
             await pipe.execute()
         return {**obj, "request_counts": {"total": 0, "completed": 0, "failed": 0}}
@@ -181,6 +203,9 @@ class Jobs:
             applied = await self._cas(keys=[self.key(batch_id)], args=argv)
             if status in FINAL and applied:  # kept as long as its output files
                 await self.redis.srem(self.active_key, batch_id)
+                scope = await self.redis.hget(self.key(batch_id), "_scope")
+                if scope is not None:
+                    await self.redis.srem(self._active_of(text(scope)), batch_id)
                 await self.redis.expire(self.key(batch_id), self.config.output_ttl_s)
         return bool(applied)
 

@@ -25,7 +25,7 @@ from gateway.pipeline.batch_config import CALLER_OF, BatchesConfig, Caller
 from gateway.pipeline.runtime import RuntimeHolder
 from gateway.pipeline.services import TENANT_OF, Services
 from gateway.proxy.forward import Proxy
-from gateway.wire.errors import InvalidRequest, NotFound
+from gateway.wire.errors import InvalidRequest, NotFound, RateLimited
 
 
 def file_not_found(file_id: str, param: str | None = None) -> NotFound:
@@ -74,6 +74,13 @@ class BatchService:
         if source["purpose"] != "batch":
             raise InvalidRequest(
                 f"The file '{input_file_id}' was not uploaded with purpose 'batch'.", param="input_file_id"
+            )
+        most = self.config.max_active_batches
+        if await self.jobs.active_count(scope) >= most:  # checked, then created: replicas may pass it by a few
+            raise RateLimited(
+                f"This tenant has {most} batches that are not finished, the most it may have; wait for one "
+                "to finish or cancel one.",
+                code="batch_limit_reached",
             )
         batch = await self.jobs.create(scope, caller, input_file_id, endpoint, metadata)
         self.runner.wake()

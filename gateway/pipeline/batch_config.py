@@ -57,6 +57,13 @@ class BatchesConfig(BaseModel):
         100 * 1024 * 1024, ge=1024, description="largest file accepted by POST /v1/files; a larger one is a 413"
     )
     max_lines: int = Field(50_000, ge=1, description="most lines in one batch's input file")
+    max_active_batches: int = Field(
+        100,
+        ge=1,
+        le=100_000,
+        description="batches one tenant may have that are not final yet (each holds its input's lines in "
+        "Redis while it runs); creating another is a 429",
+    )
     redis_prefix: str = Field(
         "gw:batch", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$", description="Redis key prefix"
     )

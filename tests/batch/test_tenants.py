@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import openai
+import redis
 
 from plugins.tenancy.keys import hash_key
 from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, wait_for
@@ -161,3 +162,51 @@ def settled_usage(server: ServerThread, done: Any, timeout_s: float = 15) -> dic
         if done(day) or time.monotonic() > deadline:
             return day
         time.sleep(0.05)
+
+
+def test_a_tenant_may_have_only_so_many_unfinished_batches(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    prefix: str,
+    batch_names: dict[str, Any],
+) -> None:
+    """Each unfinished batch holds its input's lines in Redis: one tenant creating batch after batch
+    would fill the Redis every tenant's limits, cache and batches share. Past ``max_active_batches`` a
+    create is a 429 for that tenant only; a finished batch frees its place."""
+    import threading
+
+    config = gateway_config(upstream_url, prefix, batch_names)
+    config["batches"]["max_active_batches"] = 2
+    upstream.behavior.hold = threading.Event()  # the lines wait at the worker: the batches stay unfinished
+    try:
+        with gateway_factory(config) as (_, server):
+            acme, globex = sdk(server, "acme-1"), sdk(server, "globex-1")
+            source = acme.files.create(file=("in.jsonl", jsonl([chat_line("a", "x")])), purpose="batch")
+            first = acme.batches.create(
+                input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            second = acme.batches.create(
+                input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            try:
+                acme.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+                raise AssertionError("a third unfinished batch was taken")
+            except openai.RateLimitError as refused:
+                assert refused.code == "batch_limit_reached"
+            # another tenant is not held to acme's count
+            theirs = globex.files.create(file=("in.jsonl", jsonl([chat_line("g", "y")])), purpose="batch")
+            globex.batches.create(input_file_id=theirs.id, endpoint="/v1/chat/completions", completion_window="24h")
+            # a batch that ends (here cancelled) gives its place back
+            acme.batches.cancel(first.id)
+            upstream.behavior.hold.set()
+            wait_for(acme, first.id, ("cancelled",), timeout_s=15)
+            upstream.behavior.hold.clear()
+            acme.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+            # a batch whose record is gone without turning final (a Redis flush) holds no place for good
+            client = redis.Redis()
+            client.delete(f"{batch_names['prefix']}:batch:{second.id}")
+            client.close()
+            acme.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    finally:
+        upstream.behavior.hold.set()
