@@ -24,7 +24,7 @@ import orjson
 
 from gateway.batch.files import Files
 from gateway.batch.jobs import FINAL, Jobs
-from gateway.batch.lines import Parsed, error_line, parse_input
+from gateway.batch.lines import Parsed, error_line, parse_input, unnamed_line
 from gateway.batch.work import Work
 from gateway.pipeline.batch_config import BatchesConfig
 
@@ -75,7 +75,7 @@ class Lifecycle:
             return
         await self.work.load_lines(batch_id, parsed.lines, parsed.run_order())
         for index, custom_id, code, message in parsed.malformed:
-            field = custom_id if custom_id is not None else f"#line-{index + 1}"
+            field = custom_id if custom_id is not None else unnamed_line(index)
             line = error_line(custom_id, code, f"Line {index + 1}: {message}")
             await self.work.record(batch_id, index, field, line, ok=False, tokens=(0, 0))
         moved = await self.jobs.move(

@@ -307,6 +307,9 @@ def test_a_custom_id_used_by_a_malformed_line_and_another_line_fails_the_batch(
             [{**chat_line("same", "a"), "method": "GET"}, chat_line("same", "b")],  # malformed first
             [chat_line("same", "a"), {**chat_line("same", "b"), "url": "/v1/embeddings"}],  # malformed second
             [{**chat_line("same", "a"), "method": "GET"}, {**chat_line("same", "b"), "method": "GET"}],
+            # a line without a custom_id is recorded as "#line-<n>": a line that names itself so collides
+            [{"method": "POST", "url": "/v1/chat/completions"}, chat_line("#line-1", "b")],
+            [chat_line("#line-2", "a"), {"method": "POST", "url": "/v1/chat/completions"}],
         ):
             failed = wait_for(client, start(client, lines).id, ("failed", "completed"))
             assert failed.status == "failed" and failed.errors is not None, failed
