@@ -121,7 +121,15 @@ class Submitter:
         return reply
 
     async def _responses(self, body: dict[str, Any], line: BatchLine, request_id: str) -> JSONReply:
-        req = parse_request(body)
+        # A line's Response is not stored (no tenant's conversation to continue it in): its answer says
+        # store false, and a line asking to store is refused rather than answered as if it were stored.
+        if body.get("store") is True:
+            raise InvalidRequest(
+                "Batch lines are not stored: leave 'store' out or set it to false.",
+                param="store",
+                code="unsupported_parameter",
+            )
+        req = parse_request({**body, "store": False})
         if req.previous_response_id is not None:
             raise InvalidRequest("Batch lines cannot continue a stored response.", param="previous_response_id")
         self._ready()

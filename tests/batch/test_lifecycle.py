@@ -251,6 +251,25 @@ def test_lines_for_every_endpoint(
     assert out["custom_id"] == "only" and out["response"]["status_code"] == 200
     assert out["response"]["body"]["object"] == answer
     assert [r.path for r in upstream.requests] == ["/v1/chat/completions" if endpoint == "/v1/responses" else endpoint]
+    if endpoint == "/v1/responses":  # not stored, and the Response says so
+        assert out["response"]["body"]["store"] is False
+
+
+def test_a_responses_line_asking_to_be_stored_is_refused(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """Batch lines' Responses are not stored (retrieving one by its id would be a 404): a line asking
+    for ``store: true`` goes to the error file with a 400 naming the field, and no worker is asked."""
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        body = {"model": "m1", "input": "hello", "store": True}
+        line = {"custom_id": "stored", "method": "POST", "url": "/v1/responses", "body": body}
+        done = wait_for(client, start(client, [line], "/v1/responses").id, ("completed",))
+        (out,) = parse_jsonl(client.files.content(done.error_file_id or "").content)
+    assert out["response"]["status_code"] == 400
+    assert out["response"]["body"]["error"]["param"] == "store"
+    assert upstream.requests == []
 
 
 def test_a_line_safety_blocks_goes_to_the_error_file_and_never_to_a_worker(
