@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.ops.settings import Settings
 from gateway.server.head_answers import FrontDoorLimits, HeadRefused, answers_for, error_response
@@ -85,6 +85,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._timer_at = 0.0
         self._linger: asyncio.TimerHandle | None = None
         self._refused = False  # answered and half-closed: drop what comes
+        # The request being answered; ``self.cycle`` is the last one parsed, which may be queued behind it.
+        self._answering: RequestResponseCycle | None = None
 
     # -- connections ------------------------------------------------------------------------------
 
@@ -107,6 +109,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self.flow is None:  # refused in connection_made: uvicorn never saw it
             self.parser = None
             return
+        answering, self._answering = self._answering, None
+        if answering is not None and answering is not self.cycle and not answering.response_complete:
+            # uvicorn tells only the last request parsed; the one being answered (a pipelined request is
+            # queued behind it) must see the disconnect too, or its worker call runs on for nobody.
+            answering.disconnected = True
+            answering.message_event.set()
         super().connection_lost(exc)
 
     # -- reading ----------------------------------------------------------------------------------
@@ -218,6 +226,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         # A body still to come: it has body_timeout_s from the end of its head.
         if self._phase is Phase.BODY and self._deadline is None and not self._refused and self.cycle.more_body:
             self._set_deadline(self.limits.body_timeout_s, self._body_expired)
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self._answering = cycle
+        super()._start_asgi_task(cycle, app)
 
     # -- parser callbacks -------------------------------------------------------------------------
 

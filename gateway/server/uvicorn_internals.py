@@ -15,6 +15,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 PROTOCOL_INTERNALS = (
     "_unset_keepalive_if_required",
     "_should_upgrade",
+    "_start_asgi_task",
     "_unsupported_upgrade_warning",
     "handle_websocket_upgrade",
     "on_headers_complete",

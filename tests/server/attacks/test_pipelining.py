@@ -16,6 +16,11 @@ POST = (
     b"content-length: %d\r\n\r\n%b" % (len(BODY), BODY)
 )
 HEALTH = b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n"
+STREAM = orjson.dumps({**CHAT, "stream": True})
+STREAM_POST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\n\r\n%b" % (len(STREAM), STREAM)
+)
 
 
 def read_answers(sock: object, count: int, timeout: float = 30) -> list[tuple[int, bytes]]:
@@ -74,4 +79,22 @@ def test_a_pipelined_head_beyond_the_bounds_is_refused_after_the_request_before_
     answers = responses(data)
     assert [status for status, _ in answers] == [200, 431], data[:600]
     assert orjson.loads(answers[1][1])["error"]["code"] == "request_header_fields_too_large"
+    served(gateway)
+
+
+def test_a_client_that_leaves_ends_the_stream_ahead_of_its_pipelined_request(
+    gateway: ServerThread, upstream: FakeUpstream
+) -> None:
+    """The stream being answered sees the disconnect too, not only the request queued behind it: its worker
+    call is closed (vLLM aborts the generation) instead of running to the end for nobody."""
+    upstream.behavior.chunks = 50
+    upstream.behavior.pace_s = 0.1  # 5 s of stream
+    with connect(gateway.port) as sock:
+        sock.sendall(STREAM_POST + HEALTH)
+        assert sock.recv(100).startswith(b"HTTP/1.1 200")
+    deadline = time.monotonic() + 3
+    while upstream.disconnects == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert upstream.disconnects == 1
+    assert upstream.completed_streams == 0
     served(gateway)
