@@ -271,12 +271,19 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._refused = True
         self._deadline = None
         self._head = None
-        self.pipeline.clear()
-        cycle = self.cycle
+        cycle: RequestResponseCycle | None = self.cycle
+        after_cycle = self._phase is not Phase.BODY  # the refused request is a head after self.cycle's
+        if not after_cycle and self.pipeline and self.pipeline[0][0] is cycle:
+            # The body of a request queued behind the one being answered: that request never runs, and
+            # its answer waits for the requests before it, as a refused pipelined head's does.
+            self.pipeline.popleft()
+            cycle = self.pipeline[0][0] if self.pipeline else self._answering
+            after_cycle = True
         if cycle is not None and not cycle.response_complete:
-            if self._phase is not Phase.BODY and not cycle.disconnected:
-                # Refusing a pipelined head while the request before it is still being answered:
-                # that answer goes first (a client matches answers to requests by their order).
+            if after_cycle and not cycle.disconnected:
+                # Refusing a pipelined request while the requests before it are still being answered
+                # (or queued, whole): their answers go first (a client matches answers to requests by
+                # their order), then this one, after the last of them.
                 cycle.on_response = functools.partial(self._answer_and_linger, answer)
                 return
             # The app is waiting for a body that will not come: it sees a disconnect.

@@ -7,8 +7,9 @@ import time
 
 import orjson
 
-from tests.server.attacks.raw import CHAT, connect, read_until_closed, responses, served
+from tests.server.attacks.raw import CHAT, connect, error_of, read_until_closed, responses, served
 from tests.support.fakes import FakeUpstream, ServerThread
+from tests.support.gateways import GatewayFactory, base_config
 
 BODY = orjson.dumps(CHAT)
 POST = (
@@ -98,3 +99,53 @@ def test_a_client_that_leaves_ends_the_stream_ahead_of_its_pipelined_request(
     assert upstream.disconnects == 1
     assert upstream.completed_streams == 0
     served(gateway)
+
+
+def _after_the_stream(data: bytes) -> bytes:
+    """What follows a complete streamed answer (its [DONE] and last chunk) in ``data``."""
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n"), data[:300]
+    done = data.index(b"data: [DONE]\n\n\r\n0\r\n\r\n") + len(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert b"HTTP/1.1 4" not in data[:done], data[:done]
+    return data[done:]
+
+
+def test_a_pipelined_request_refused_in_its_body_is_answered_after_the_stream_before_it(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    """A request queued behind a stream whose body is not complete in time (or is malformed) is refused
+    after the stream, never in the middle of it (the 408 used to cut into the stream's chunks)."""
+    upstream.behavior.chunks = 6
+    upstream.behavior.pace_s = 0.4  # 2.4 s of stream, beyond the 1 s body deadline
+    queued = {
+        "request_timeout": b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\ncontent-length: 10\r\n\r\n012",
+        "invalid_http_request": b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+        b"transfer-encoding: chunked\r\n\r\nzz\r\n",
+    }
+    with gateway_factory(base_config([upstream_url]), body_timeout_s=1) as (_, server):
+        for code, request in queued.items():
+            with connect(server.port) as sock:
+                sock.sendall(STREAM_POST + request)
+                data = read_until_closed(sock)
+            error = error_of(_after_the_stream(data), 408 if code == "request_timeout" else 400)
+            assert error["code"] == code
+        served(server)
+    assert upstream.completed_streams == 2
+
+
+def test_a_slow_head_after_queued_requests_is_refused_after_their_answers(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    """A request queued whole behind a stream is still answered when the head after it times out (it used
+    to be dropped with no answer at all, and the 408 never came)."""
+    upstream.behavior.chunks = 6
+    upstream.behavior.pace_s = 0.4
+    with gateway_factory(base_config([upstream_url]), header_timeout_s=1) as (_, server), connect(server.port) as sock:
+        sock.sendall(STREAM_POST + HEALTH)
+        time.sleep(0.2)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: gat")
+        data = read_until_closed(sock)
+    rest = _after_the_stream(data)
+    answers = responses(rest)
+    assert [status for status, _ in answers] == [200, 408], rest[:600]
+    assert orjson.loads(answers[0][1]) == {"status": "ok"}
+    assert orjson.loads(answers[1][1])["error"]["code"] == "request_timeout"
