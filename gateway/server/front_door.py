@@ -222,10 +222,24 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
+                self._after_unsupported_upgrade()
             return
         # A body still to come: it has body_timeout_s from the end of its head.
         if self._phase is Phase.BODY and self._deadline is None and not self._refused and self.cycle.more_body:
             self._set_deadline(self.limits.body_timeout_s, self._body_expired)
+
+    def _after_unsupported_upgrade(self) -> None:
+        """llhttp stops at a request that asks for an Upgrade (other than a WebSocket): to it what follows
+        is another protocol, the body its Content-Length announced included, so the request was parsed
+        without a body. Parsing on would run those bytes as requests of their own (smuggled past a proxy
+        that sent them as a body). The request is answered as parsed, with ``connection: close``, and
+        nothing after it on this connection is read."""
+        self._refused = True  # drop what comes
+        self._deadline = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+        elif not self.transport.is_closing():
+            self.transport.close()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         self._answering = cycle

@@ -3,6 +3,8 @@ the connection is closed, and nothing that follows on it is served (the smuggled
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.server.attacks.raw import connect, error_of, read_until_closed, responses, served
@@ -72,3 +74,25 @@ def test_plain_chunked_bodies_are_still_served(gateway: ServerThread, upstream: 
         answer = read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     assert len(upstream.requests) == 1
+
+
+@pytest.mark.parametrize("upgrade", [b"foo", b"h2c"])
+@pytest.mark.parametrize("late", [False, True], ids=["body-in-the-same-read", "body-in-a-later-read"])
+def test_the_body_of_an_upgrade_request_is_never_run_as_a_request(
+    gateway: ServerThread, upstream: FakeUpstream, upgrade: bytes, late: bool
+) -> None:
+    """llhttp parses a request asking for an Upgrade (other than a WebSocket) without its body: what its
+    Content-Length announces was run as a request of its own when it came in a later read. Such a request
+    is now answered with connection: close and nothing after it on the connection is served."""
+    head = POST + b"Connection: Upgrade\r\nUpgrade: %b\r\nContent-Length: %d\r\n\r\n" % (upgrade, len(SMUGGLED))
+    with connect(gateway.port) as sock:
+        sock.sendall(head if late else head + SMUGGLED)
+        if late:
+            time.sleep(0.2)
+            sock.sendall(SMUGGLED)
+        answer = read_until_closed(sock)
+    answers = responses(answer)
+    assert len(answers) == 1, answer  # the smuggled request got no answer
+    assert b"connection: close\r\n" in answer.lower()
+    assert upstream.requests == []
+    served(gateway)
