@@ -48,6 +48,10 @@ class ConnectionPool:
             self._waiters.append(waiter)
             try:
                 await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken, then cancelled before it ran: the next waiter takes its turn
+                raise
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)

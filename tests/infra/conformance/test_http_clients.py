@@ -219,6 +219,26 @@ async def test_a_request_over_the_total_limit_waits_for_a_free_connection(
     assert server.most_open == 1 and server.connections == 1  # the second request reused the first's connection
 
 
+async def test_a_waiter_woken_and_cancelled_passes_its_turn_to_the_next(server: ScriptedHTTPServer) -> None:
+    """A request woken for a free connection but cancelled before it ran (its client left) does not take
+    the wake-up with it: the next request waiting gets the connection (it used to wait for another
+    release, or its bound). http1 only: aiohttp's connector loses the wake-up the same way."""
+    http = make("http1", limit=1, limit_per_host=1)
+    try:
+        first = await post(http, server.url + "/gated?n=2")
+        second = asyncio.ensure_future(post(http, server.url + "/echo", b"second"))
+        third = asyncio.ensure_future(post(http, server.url + "/echo", b"third"))
+        await asyncio.sleep(0.2)
+        assert not second.done() and not third.done()
+        server.gate.release()
+        assert await first.read(5.0) == b"0001"  # its connection is free again: the second is woken
+        second.cancel()  # before it ran
+        answer = await asyncio.wait_for(third, 2.0)
+        assert await answer.read(IDLE_S) == b"third"
+    finally:
+        await http.aclose()
+
+
 # -- failures ----------------------------------------------------------------------------------------
 
 
