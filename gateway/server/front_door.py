@@ -85,6 +85,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._timer_at = 0.0
         self._linger: asyncio.TimerHandle | None = None
         self._refused = False  # answered and half-closed: drop what comes
+        # Trailer bytes fed since the last chunk's header with no body after it (None: not in trailers),
+        # and trailer fields; the trailers of a chunked body are bounded like a head.
+        self._trailer: int | None = None
+        self._chunk_header_fed = False
+        self._trailer_fields = 0
         # The request being answered; ``self.cycle`` is the last one parsed, which may be queued behind it.
         self._answering: RequestResponseCycle | None = None
 
@@ -224,6 +229,14 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self._unsupported_upgrade_warning()
                 self._after_unsupported_upgrade()
             return
+        if self._trailer is not None and self._phase is Phase.BODY:
+            if self._chunk_header_fed:  # the chunk's header came in this read: what followed it is unknown
+                self._chunk_header_fed = False
+            else:
+                self._trailer += len(data)
+                if self._trailer > self._max_head:
+                    self._refuse(self.answers.head_too_large)
+                    return
         # A body still to come: it has body_timeout_s from the end of its head.
         if self._phase is Phase.BODY and self._deadline is None and not self._refused and self.cycle.more_body:
             self._set_deadline(self.limits.body_timeout_s, self._body_expired)
@@ -266,7 +279,25 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         self._phase = Phase.HEAD
+        self._trailer, self._chunk_header_fed, self._trailer_fields = None, False, 0
         super().on_message_begin()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._phase is Phase.BODY:
+            # A trailer field of a chunked body: bounded like the head's fields, and not one of the
+            # request's headers (uvicorn would append it to the scope the app has been reading).
+            self._trailer_fields += 1
+            if self._trailer_fields > self._max_headers:
+                raise HeadRefused(self.answers.too_many_headers)
+            return
+        super().on_header(name, value)
+
+    def on_chunk_header(self) -> None:
+        self._trailer, self._chunk_header_fed = 0, True  # trailers follow, unless body does
+
+    def on_body(self, body: bytes) -> None:
+        self._trailer = None
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._phase = Phase.BETWEEN

@@ -58,6 +58,52 @@ def test_more_header_fields_than_the_bound_is_431(gateway: ServerThread, upstrea
     served(gateway)
 
 
+CHUNKED_CHAT = b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n" % (
+    len(json.dumps(CHAT)),
+    json.dumps(CHAT).encode(),
+)
+
+
+@pytest.mark.parametrize(
+    "trailers",
+    [
+        b"".join(b"x-t%d: v\r\n" % i for i in range(150)) + b"\r\n",  # more fields than the bound
+        b"x-big: " + b"a" * 512 * 1024,  # one endless trailer (a field that ends within one read is bounded by it)
+    ],
+    ids=["many-fields", "one-huge-field"],
+)
+@pytest.mark.parametrize("late", [False, True], ids=["in-one-read", "after-the-body"])
+def test_the_trailers_of_a_chunked_body_are_bounded_like_a_head(
+    gateway: ServerThread, upstream: FakeUpstream, trailers: bytes, late: bool
+) -> None:
+    """Trailer fields after a chunked body's last chunk used to be read without any bound (800,000 of
+    them went into the request's headers in a second, or one endless field into memory)."""
+    with connect(gateway.port) as sock:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(head() + CHUNKED_CHAT)
+            if late:
+                time.sleep(0.2)
+            for start in range(0, len(trailers), 4096):  # in pieces, as a client streams them
+                sock.sendall(trailers[start : start + 4096])
+        answer = read_until_closed(sock)
+    error = error_of(answer, 431)
+    assert error["code"] == "request_header_fields_too_large"
+    assert upstream.requests == []
+    served(gateway)
+
+
+def test_a_chunked_body_with_a_few_trailers_is_served(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    with connect(gateway.port) as sock:
+        sock.sendall(
+            head() + CHUNKED_CHAT + b"x-checksum: 1\r\nx-other: 2\r\n\r\n" + b"GET /health HTTP/1.1\r\nHost: g\r\n\r\n"
+        )
+        answer = read_until_closed(sock, timeout=3)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert answer.count(b"HTTP/1.1 200 ") == 2
+    assert len(upstream.requests) == 1
+    assert "x-checksum" not in upstream.requests[0].headers
+
+
 def test_a_request_line_beyond_8_kib_is_414(gateway: ServerThread, upstream: FakeUpstream) -> None:
     answer = send_and_read(gateway.port, head(path="/v1/models?" + "q" * 9000, method="GET") + b"\r\n")
     assert error_of(answer, 414)["code"] == "uri_too_long"
