@@ -381,6 +381,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._refuse(self.answers.header_timeout)
 
     def _body_expired(self) -> None:
+        if self.cycle is not None and self.cycle.response_complete:
+            # Answered before its body was read (a 413 at its Content-Length): a second answer to the
+            # same request would be read as the answer to the client's next one. Closed without it.
+            self._refuse(b"")
+            return
         self._refuse(self.answers.body_timeout)
 
 

@@ -18,6 +18,7 @@ from tests.server.attacks.raw import (
     head,
     read_response,
     read_until_closed,
+    responses,
     served,
 )
 from tests.support.fakes import FakeUpstream, ServerThread
@@ -86,6 +87,19 @@ def test_a_slow_body_is_408_at_its_deadline(strict: ServerThread, upstream: Fake
     error = error_of(answer, 408)
     assert error["code"] == "request_timeout" and "body" in str(error["message"])
     assert len(upstream.requests) == 1  # only the normal client's
+
+
+def test_a_body_answered_early_gets_no_second_answer_at_its_deadline(
+    strict: ServerThread, upstream: FakeUpstream
+) -> None:
+    """A body over the limit is a 413 before it is read; when the rest never comes, the connection is
+    closed at the body deadline without a 408 after the 413 (two answers to one request)."""
+    with connect(strict.port) as sock:
+        sock.sendall(head(extra=b"content-type: application/json\r\ncontent-length: 99999999\r\n\r\n") + b"x" * 1000)
+        answer = read_until_closed(sock, timeout=10)
+    assert [status for status, _ in responses(answer)] == [413], answer  # and nothing after it
+    assert b'"code":"request_too_large"' in answer
+    assert upstream.requests == []
 
 
 def test_connections_that_never_send_are_closed_without_a_reply(strict: ServerThread) -> None:
