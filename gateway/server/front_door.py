@@ -223,7 +223,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self.send_400_response(f"Invalid HTTP request: {exc}.")
             return
         except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
+            answering = self._answering
+            # A WebSocket takes the connection over: never while a request before it is being answered
+            # (its answer would be cut off, the WebSocket's written first); that one closes it instead.
+            if self._should_upgrade() and (answering is None or answering.response_complete):
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
@@ -242,7 +245,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._set_deadline(self.limits.body_timeout_s, self._body_expired)
 
     def _after_unsupported_upgrade(self) -> None:
-        """llhttp stops at a request that asks for an Upgrade (other than a WebSocket): to it what follows
+        """llhttp stops at a request that asks for an Upgrade (not taken here): to it what follows
         is another protocol, the body its Content-Length announced included, so the request was parsed
         without a body. Parsing on would run those bytes as requests of their own (smuggled past a proxy
         that sent them as a body). The request is answered as parsed, with ``connection: close``, and

@@ -149,3 +149,24 @@ def test_a_slow_head_after_queued_requests_is_refused_after_their_answers(
     assert [status for status, _ in answers] == [200, 408], rest[:600]
     assert orjson.loads(answers[0][1]) == {"status": "ok"}
     assert orjson.loads(answers[1][1])["error"]["code"] == "request_timeout"
+
+
+def test_a_websocket_upgrade_behind_a_stream_does_not_take_the_connection_over(
+    gateway: ServerThread, upstream: FakeUpstream
+) -> None:
+    """A WebSocket handshake pipelined behind a stream used to take the connection at once: its refusal was
+    the first answer the client read (for its POST), and the stream was lost. The stream is answered whole
+    and the connection is closed after it."""
+    upstream.behavior.chunks = 5
+    upstream.behavior.pace_s = 0.2
+    websocket = (
+        b"GET /v1/responses HTTP/1.1\r\nHost: gateway\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    with connect(gateway.port) as sock:
+        sock.sendall(STREAM_POST + websocket)
+        data = read_until_closed(sock)
+    assert _after_the_stream(data) == b""
+    assert b"connection: close\r\n" in data.split(b"\r\n\r\n", 1)[0].lower()
+    assert upstream.completed_streams == 1
+    served(gateway)
