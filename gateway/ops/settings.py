@@ -82,6 +82,12 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(
         60.0, gt=0, description="a request body not complete this long after its head: 408, closed"
     )
+    send_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a client that takes none of its answer this long (its connection's buffer full): closed, "
+        "its request cancelled",
+    )
     max_connections: int = Field(
         4096, ge=1, description="open client connections per process; a new one beyond it is answered 503 and closed"
     )

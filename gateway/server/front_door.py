@@ -84,6 +84,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._linger: asyncio.TimerHandle | None = None
+        self._stalled: asyncio.TimerHandle | None = None  # armed while the client's buffer is full
         self._refused = False  # answered and half-closed: drop what comes
         # Trailer bytes fed since the last chunk's header with no body after it (None: not in trailers),
         # and trailer fields; the trailers of a chunked body are bounded like a head.
@@ -106,10 +107,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._deadline = self._on_deadline = None  # a bound method of self: no cycle left behind
-        for timer in (self._timer, self._linger):
+        for timer in (self._timer, self._linger, self._stalled):
             if timer is not None:
                 timer.cancel()
-        self._timer = self._linger = None
+        self._timer = self._linger = self._stalled = None
         self._head = None
         if self.flow is None:  # refused in connection_made: uvicorn never saw it
             self.parser = None
@@ -121,6 +122,26 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             answering.disconnected = True
             answering.message_event.set()
         super().connection_lost(exc)
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stalled is None:
+            self._stalled = self.loop.call_later(self.limits.send_timeout_s, self._send_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _send_expired(self) -> None:
+        """The client took none of its answer for send_timeout_s: the answer waits on it with the worker
+        call behind it (backpressure), so the connection is closed and its request sees the client gone."""
+        self._stalled = None
+        if not self.transport.is_closing():
+            self.transport.abort()
 
     # -- reading ----------------------------------------------------------------------------------
 

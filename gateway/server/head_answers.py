@@ -21,6 +21,7 @@ class FrontDoorLimits:
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
     max_connections: int = 4096
+    send_timeout_s: float = 60.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> FrontDoorLimits:
@@ -32,6 +33,7 @@ class FrontDoorLimits:
             header_timeout_s=settings.header_timeout_s,
             body_timeout_s=settings.body_timeout_s,
             max_connections=settings.max_connections,
+            send_timeout_s=settings.send_timeout_s,
         )
 
 

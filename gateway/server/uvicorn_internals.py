@@ -21,6 +21,8 @@ PROTOCOL_INTERNALS = (
     "on_headers_complete",
     "on_message_begin",
     "on_message_complete",
+    "pause_writing",
+    "resume_writing",
     "send_400_response",
 )
 INSTANCE_INTERNALS = ("flow", "cycle", "pipeline", "connections", "parser", "url", "headers", "logger", "loop")

@@ -102,6 +102,30 @@ def test_a_body_answered_early_gets_no_second_answer_at_its_deadline(
     assert upstream.requests == []
 
 
+def test_a_client_that_stops_reading_a_stream_is_closed_at_the_send_timeout(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    """Backpressure holds a stream (and the worker call behind it) while its client reads nothing; a client
+    that never read again used to hold both for as long as it kept the connection open. After
+    GATEWAY_SEND_TIMEOUT_S with nothing taken, the connection is closed and the worker call with it."""
+    upstream.behavior.text = "x" * 20_000_000
+    upstream.behavior.chunks = 2000  # 20 MB in 10 KB events, far beyond the socket buffers
+    body = b'{"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
+    with gateway_factory(base_config([upstream_url]), send_timeout_s=1.0) as (_, server):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.connect(("127.0.0.1", server.port))
+        with sock:
+            sock.sendall(head(extra=b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)) + body)
+            deadline = time.monotonic() + 20
+            while upstream.disconnects == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)  # and reads nothing
+            assert upstream.disconnects == 1
+            assert upstream.completed_streams == 0
+            read_until_closed(sock, timeout=10)  # what was buffered, then the end
+        served(server)
+
+
 def test_connections_that_never_send_are_closed_without_a_reply(strict: ServerThread) -> None:
     with sockets(strict.port, 300) as idle:
         served(strict)
