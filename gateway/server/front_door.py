@@ -61,6 +61,26 @@ def _nothing() -> None:
     return None
 
 
+class _TrailerFields(list[tuple[bytes, bytes]]):
+    """What ``self.headers`` becomes once a request's head is complete: uvicorn's ``on_header`` appends
+    every field to it, and after the head those are a chunked body's trailers. They are counted against
+    the head's bound on fields (a 431 beyond it) and dropped: appended to the head's list they would
+    change the scope the app is reading. Overriding ``on_header`` instead would cost every field of every
+    head a call."""
+
+    __slots__ = ("answer", "left")
+
+    def __init__(self, answer: bytes) -> None:
+        super().__init__()
+        self.left = 0  # set for each request: one list per connection, it never holds anything
+        self.answer = answer
+
+    def append(self, field: tuple[bytes, bytes]) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise HeadRefused(self.answer)
+
+
 class GatewayHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the front door's bounds (see the module docstring)."""
 
@@ -85,12 +105,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._timer_at = 0.0
         self._linger: asyncio.TimerHandle | None = None
         self._stalled: asyncio.TimerHandle | None = None  # armed while the client's buffer is full
+        self._trailers = _TrailerFields(self.answers.too_many_headers)
         self._refused = False  # answered and half-closed: drop what comes
         # Trailer bytes fed since the last chunk's header with no body after it (None: not in trailers),
         # and trailer fields; the trailers of a chunked body are bounded like a head.
         self._trailer: int | None = None
         self._chunk_header_fed = False
-        self._trailer_fields = 0
         # The request being answered; ``self.cycle`` is the last one parsed, which may be queued behind it.
         self._answering: RequestResponseCycle | None = None
 
@@ -280,7 +300,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         self._answering = cycle
-        super()._start_asgi_task(cycle, app)
+        HttpToolsProtocol._start_asgi_task(self, cycle, app)  # not super(): once per request
 
     # -- parser callbacks -------------------------------------------------------------------------
 
@@ -300,28 +320,21 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._phase = Phase.BODY
         self._deadline = None
         super().on_headers_complete()
+        trailers = self._trailers
+        trailers.left = self._max_headers
+        self.headers = trailers
 
     def on_message_begin(self) -> None:
         self._phase = Phase.HEAD
-        self._trailer, self._chunk_header_fed, self._trailer_fields = None, False, 0
+        self._trailer, self._chunk_header_fed = None, False
         super().on_message_begin()
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self._phase is Phase.BODY:
-            # A trailer field of a chunked body: bounded like the head's fields, and not one of the
-            # request's headers (uvicorn would append it to the scope the app has been reading).
-            self._trailer_fields += 1
-            if self._trailer_fields > self._max_headers:
-                raise HeadRefused(self.answers.too_many_headers)
-            return
-        super().on_header(name, value)
 
     def on_chunk_header(self) -> None:
         self._trailer, self._chunk_header_fed = 0, True  # trailers follow, unless body does
 
     def on_body(self, body: bytes) -> None:
         self._trailer = None
-        super().on_body(body)
+        HttpToolsProtocol.on_body(self, body)  # not super(): one call per read of every body
 
     def on_message_complete(self) -> None:
         self._phase = Phase.BETWEEN

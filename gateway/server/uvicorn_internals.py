@@ -18,6 +18,8 @@ PROTOCOL_INTERNALS = (
     "_start_asgi_task",
     "_unsupported_upgrade_warning",
     "handle_websocket_upgrade",
+    "on_body",
+    "on_header",
     "on_headers_complete",
     "on_message_begin",
     "on_message_complete",
@@ -35,6 +37,10 @@ def missing_internals() -> list[str]:
     # Instance attributes are set in the methods: the names every method of the class uses.
     used = {n for f in vars(HttpToolsProtocol).values() if hasattr(f, "__code__") for n in f.__code__.co_names}
     missing += [f"HttpToolsProtocol().{name}" for name in INSTANCE_INTERNALS if name not in used]
+    # The front door bounds a chunked body's trailers through the list on_header appends them to.
+    on_header = getattr(HttpToolsProtocol, "on_header", None)
+    if on_header is not None and not {"headers", "append"} <= set(on_header.__code__.co_names):
+        missing.append("HttpToolsProtocol.on_header appending to self.headers")
     cycle = RequestResponseCycle.__init__.__code__.co_names
     missing += [f"RequestResponseCycle().{name}" for name in CYCLE_INTERNALS if name not in cycle]
     return missing
