@@ -67,6 +67,15 @@ def prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
     return max(1, -(-_text_chars(body.get(field)) // 4))
 
 
+def prompt_count(endpoint: str, body: dict[str, Any]) -> int:
+    """How many prompts the request batches: a completions request's list of strings or of token id
+    lists is one completion per prompt (and per choice); everything else is one."""
+    prompt = body.get("prompt") if endpoint == "completions" else None
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
+
+
 def reserved_completion(body: dict[str, Any]) -> int:
     """The most completion tokens the request allows (``max_completion_tokens`` / ``max_tokens``) x n."""
     return requested_completion_tokens(body) or 0

@@ -207,7 +207,9 @@ class TenancyPlugin(Plugin):
             return prompt + given, prompt + given, False
         choices = requested_choices(ctx.body)
         context = self._context_of(ctx)
-        worst = prompt + max(1, context - prompt) * choices
+        # each prompt of a batch may fill the context: (context - its own prompt) per prompt and choice
+        prompts = estimate.prompt_count(ctx.endpoint, ctx.body)
+        worst = prompt + max(prompts, prompts * context - prompt) * choices
         if self.config.without_max_tokens == "clamp":
             return worst, prompt + choices, True
         return worst, worst, False

@@ -106,6 +106,25 @@ def test_n_choices_without_max_tokens_reserve_the_context_per_choice(
     assert len(upstream.requests) == 1 and "max_tokens" not in upstream.requests[0].body  # reserve mode
 
 
+def test_a_completions_request_of_several_prompts_reserves_the_context_of_each(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    """A list of prompts is a batch: each prompt's completion may fill the context (5 x 64 tokens for
+    five prompts of 1 token each), so a 200 token budget cannot admit it; one of those prompts fits."""
+    upstream.behavior.chunks = 5 * (CONTEXT - 1)  # what five prompts can generate together
+    upstream.behavior.text = "t" * upstream.behavior.chunks
+    with gateway_factory(config(prefix, upstream_url, {"tokens_per_day": 200}), admin_token="adm") as (_, server):
+        url = server.url + "/v1/completions"
+        batch = httpx.post(url, json={"model": "m1", "prompt": ["abcd"] * 5}, headers=HEADERS, timeout=30)
+        day = settled(server, lambda d: d["tokens"] == 0)
+        upstream.behavior.chunks = CONTEXT - 1
+        one = httpx.post(url, json={"model": "m1", "prompt": ["abcd"]}, headers=HEADERS, timeout=30)
+    assert batch.status_code == 429 and batch.json()["error"]["code"] == "insufficient_quota"
+    assert "this request needs about 320" in batch.json()["error"]["message"]
+    assert day["tokens"] == 0 and len(upstream.requests) == 1
+    assert one.status_code == 200
+
+
 def test_clamp_mode_sets_max_tokens_to_what_the_key_has_left(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
 ) -> None:
