@@ -48,23 +48,33 @@ def _json_chars(value: Any) -> int:
         return 0
 
 
+def _messages_tokens(messages: Any, chars: int) -> int:
+    """The estimate of chat ``messages`` rendered by a template, with ``chars`` more characters."""
+    overhead = 0
+    for message in messages if isinstance(messages, list) else ():
+        if isinstance(message, dict):
+            chars += _text_chars(message.get("content"))
+            if "tool_calls" in message:
+                chars += _json_chars(message["tool_calls"])
+            overhead += _PER_MESSAGE
+    return -(-chars // 4) + overhead
+
+
 def prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
     """An estimate of the prompt's tokens (at least 1)."""
     if endpoint == "chat/completions":
-        # Tools count: without them, a request whose prompt is mostly tool definitions would reserve
-        # almost nothing, and concurrent ones could spend far past a limit before their usage is charged.
-        chars, overhead = _json_chars(body.get("tools")), 0
-        for message in body.get("messages") or ():
-            if isinstance(message, dict):
-                chars += _text_chars(message.get("content"))
-                if "tool_calls" in message:
-                    chars += _json_chars(message["tool_calls"])
-                overhead += _PER_MESSAGE
-        return max(1, -(-chars // 4) + overhead)
+        # Tools and documents count: without them, a request whose prompt is mostly tool definitions or
+        # documents (vLLM renders both into the template) would reserve almost nothing, and concurrent
+        # ones could spend far past a limit before their usage is charged.
+        extra = _json_chars(body.get("tools")) + _json_chars(body.get("documents"))
+        return max(1, _messages_tokens(body.get("messages"), extra))
     if endpoint in _SCORING:  # a query and its documents, or pairs of texts
         return max(1, -(-sum(_text_chars(body.get(name)) for name in _SCORING_FIELDS) // 4))
     field = "prompt" if endpoint == "completions" else "input"
-    return max(1, -(-_text_chars(body.get(field)) // 4))
+    tokens = -(-_text_chars(body.get(field)) // 4)
+    if field == "input" and "messages" in body:  # the pooling routes' chat form (vLLM's messages)
+        tokens += _messages_tokens(body["messages"], 0)
+    return max(1, tokens)
 
 
 def prompt_count(endpoint: str, body: dict[str, Any]) -> int:

@@ -217,11 +217,16 @@ def test_tenancy_config_refusals(config: dict[str, Any], message: str) -> None:
             {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"a": "x" * 30}]}]},
             10 + 4,
         ),
+        # documents (vLLM renders them into a chat template) count as their JSON too
+        ("chat/completions", {"messages": [], "documents": [{"text": "x" * 390}]}, 101),  # 403 JSON characters
         ("completions", {"prompt": "x" * 9}, 3),
         ("completions", {"prompt": [[1, 2, 3], [4, 5]]}, 5),  # token ids count one each
         ("completions", {"prompt": [7, 8, 9, 10]}, 4),
         ("embeddings", {"input": ["abcd", "efgh"]}, 2),
         ("embeddings", {"input": {"weird": True}}, 1),  # at least one
+        # the pooling routes' chat form: the messages are the prompt
+        ("classify", {"messages": [{"role": "user", "content": "x" * 40}]}, 10 + 4),
+        ("pooling", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 8}]}]}, 2 + 4),
     ],
 )
 def test_prompt_token_estimates(endpoint: str, body: dict[str, Any], tokens: int) -> None:
