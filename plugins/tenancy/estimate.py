@@ -17,6 +17,7 @@ from gateway.wire.protocol import requested_completion_tokens
 
 _PER_MESSAGE = 4  # role markers and separators of a chat template
 _SCORING = frozenset({"rerank", "v2/rerank", "score"})
+_PROMPTED = frozenset({"completions", "audio/transcriptions", "audio/translations"})  # their text is "prompt"
 _SCORING_FIELDS = ("query", "documents", "text_1", "text_2", "queries", "items", "data_1", "data_2")
 
 
@@ -70,7 +71,7 @@ def prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
         return max(1, _messages_tokens(body.get("messages"), extra))
     if endpoint in _SCORING:  # a query and its documents, or pairs of texts
         return max(1, -(-sum(_text_chars(body.get(name)) for name in _SCORING_FIELDS) // 4))
-    field = "prompt" if endpoint == "completions" else "input"
+    field = "prompt" if endpoint in _PROMPTED else "input"
     tokens = -(-_text_chars(body.get(field)) // 4)
     if field == "input" and "messages" in body:  # the pooling routes' chat form (vLLM's messages)
         tokens += _messages_tokens(body["messages"], 0)
@@ -101,6 +102,9 @@ def reported_usage(response: dict[str, Any]) -> tuple[int | None, int] | None:
         if isinstance(prompt, int) and isinstance(completion, int):
             return prompt, completion
     choices = response.get("choices")
+    text = response.get("text")
+    if choices is None and isinstance(text, str):  # speech to text: its usage is the audio's seconds
+        return None, -(-len(text) // 4)
     if not isinstance(choices, list):
         return None
     chars = 0

@@ -56,6 +56,8 @@ CLAMP_HEADER = "x-gateway-max-tokens"
 
 #: Endpoints whose answer is generated tokens (the rest, embeddings and the pooling routes, cost their prompt).
 _GENERATING = frozenset({"chat/completions", "completions"})
+#: vLLM's speech-to-text routes generate tokens too; their form has no max_tokens the gateway could clamp.
+_AUDIO = frozenset({"audio/transcriptions", "audio/translations"})
 
 
 class TenancyPlugin(Plugin):
@@ -200,7 +202,7 @@ class TenancyPlugin(Plugin):
     def _reservation(self, ctx: RequestContext, prompt: int) -> tuple[int, int, bool]:
         """(tokens wanted, the least acceptable, clamping?) for the admission script. Without max_tokens
         the request can cost (context - prompt) per choice; clamping reserves what is left instead."""
-        if not self.config.reserve_max_tokens or ctx.endpoint not in _GENERATING:
+        if not self.config.reserve_max_tokens or (ctx.endpoint not in _GENERATING and ctx.endpoint not in _AUDIO):
             return prompt, prompt, False
         given = estimate.reserved_completion(ctx.body)
         if given:
@@ -210,7 +212,7 @@ class TenancyPlugin(Plugin):
         # each prompt of a batch may fill the context: (context - its own prompt) per prompt and choice
         prompts = estimate.prompt_count(ctx.endpoint, ctx.body)
         worst = prompt + max(prompts, prompts * context - prompt) * choices
-        if self.config.without_max_tokens == "clamp":
+        if self.config.without_max_tokens == "clamp" and ctx.endpoint in _GENERATING:
             return worst, prompt + choices, True
         return worst, worst, False
 

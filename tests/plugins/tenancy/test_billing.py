@@ -16,6 +16,7 @@ import pytest
 from gateway.pipeline import ModelResponse, Plugin, RequestContext
 from gateway.wire.errors import InvalidRequest
 from plugins.tenancy.keys import hash_key
+from tests.server.test_audio_routes import AUDIO, AudioWorker
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
 from tests.support.safety import rules
@@ -261,6 +262,27 @@ def test_a_completed_stream_is_charged_before_done(
         day = usage(server)
     assert reply.content.endswith(b"data: [DONE]\n\n")
     assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (5, 7, 12)
+
+
+def test_a_transcription_is_charged_its_text_and_reserves_the_context(
+    gateway_factory: GatewayFactory, upstream_url: str, prefix: str
+) -> None:
+    """vLLM's speech-to-text answer has no token usage (only the audio's seconds): it is charged its
+    text's estimate, and, generating tokens, it reserves the context on admission like a chat request."""
+    worker = AudioWorker(served=True)
+    with ServerThread(worker) as speech:
+        cfg = config(prefix, upstream_url, {"tokens_per_minute": 1000, "tokens_per_day": 1000})
+        cfg["models"].append({"name": "whisper", "workers": [speech.url], "max_model_len": 448})
+        with gateway_factory(cfg, admin_token="adm") as (_, server):
+            url = server.url + "/v1/audio/transcriptions"
+            files = {"file": ("clip.wav", AUDIO, "audio/wav")}
+            reply = httpx.post(url, data={"model": "whisper", "prompt": "abcd"}, files=files, headers=HEADERS)
+            day = settled(server, lambda d: d["completion_tokens"] > 0)
+    text = reply.json()["text"]
+    assert reply.status_code == 200 and text == f"heard {len(AUDIO)} bytes"
+    assert reply.headers["x-ratelimit-remaining-tokens"] == str(1000 - 448)  # 1 + (448 - 1) reserved
+    assert (day["prompt_tokens"], day["completion_tokens"]) == (1, -(-len(text) // 4))
+    assert day["tokens"] == day["prompt_tokens"] + day["completion_tokens"]
 
 
 # -- OpenAI's rate-limit headers -------------------------------------------------------------------
