@@ -52,6 +52,10 @@ from plugins.tenancy.refusals import invalid_key, missing_key, refusal, unavaila
 log = logging.getLogger("gateway.tenancy")
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)
 CLAMP_HEADER = "x-gateway-max-tokens"
+#: The most tokens a request reserves: the admission script's numbers are doubles, exact to 2^53, and
+#: Redis counts in 64-bit integers (a larger max_tokens, which vLLM clamps to the context, failed the
+#: script as if Redis were down).
+MAX_RESERVATION = 2**53
 
 
 #: Endpoints whose answer is generated tokens (the rest, embeddings and the pooling routes, cost their prompt).
@@ -182,7 +186,7 @@ class TenancyPlugin(Plugin):
         plan = self.plans.of(info, tenant)
         prompt = estimate.prompt_tokens(ctx.endpoint, ctx.body)
         want, least, clamp = self._reservation(ctx, prompt)
-        want, least = priced(want, factor), priced(least, factor)
+        want, least = min(priced(want, factor), MAX_RESERVATION), min(priced(least, factor), MAX_RESERVATION)
         decision, via_redis = await self._admit(plan, want, least, tenant)
         if not decision.admitted:
             raise self._refusal(decision, decision.granted or least, tenant)

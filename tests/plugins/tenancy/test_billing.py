@@ -126,6 +126,21 @@ def test_a_completions_request_of_several_prompts_reserves_the_context_of_each(
     assert one.status_code == 200
 
 
+@pytest.mark.parametrize("extra", [{"max_tokens": 10**17}, {"max_completion_tokens": 2**64 - 1, "n": 128}])
+def test_a_huge_max_tokens_or_n_is_reserved_not_a_redis_failure(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str, extra: dict[str, int]
+) -> None:
+    """Redis counts in integers below 2^63 and a script's numbers are doubles: a request's worst case is
+    capped at 2^53 tokens, so a key without token limits is answered (vLLM clamps max_tokens to the
+    context), not refused with a 503 as if Redis were down, and its usage is counted. (A token limit
+    refuses such a request cleanly, as too large for it.)"""
+    with gateway_factory(config(prefix, upstream_url, {}), admin_token="adm") as (_, server):
+        reply = chat(server, **extra)
+        day = settled(server, lambda d: d["tokens"] == 5 + 3)
+    assert reply.status_code == 200, reply.text
+    assert (day["requests"], day["tokens"]) == (1, 5 + 3)
+
+
 def test_clamp_mode_sets_max_tokens_to_what_the_key_has_left(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
 ) -> None:
