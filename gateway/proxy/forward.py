@@ -26,7 +26,7 @@ from gateway.proxy.token_limit import cap_answer, completion_limit
 from gateway.proxy.trip import Trip
 from gateway.upstream.client import UpstreamFailure, UpstreamResponse
 from gateway.wire.errors import BadGateway
-from gateway.wire.protocol import requested_choices
+from gateway.wire.protocol import requested_choices, requested_prompts
 from gateway.wire.streaming import replay, replay_chunks, wants_usage
 
 
@@ -88,7 +88,7 @@ class Proxy:
         if not (recording or ctx.snapshot.pipeline.settles_from_usage(ctx)):
             return None
         strip = not ctx.ask_for_usage()
-        choices = requested_choices(ctx.body)
+        choices = requested_choices(ctx.body) * requested_prompts(ctx.body)  # vLLM's choice indices
         return StreamTap(strip=strip, limit=completion_limit(ctx), choices=choices, record=recording)
 
     async def _settle_usage(self, ctx: RequestContext, settlement: ModelResponse) -> None:

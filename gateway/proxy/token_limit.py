@@ -7,7 +7,8 @@ when its bytes are tapped anyway: an unbilled pass-through stays untouched, at n
 tenancy never charges more completion tokens than the request allowed. A worker that honours the limit
 never meets this code: it ends the answer itself at exactly the limit.
 
-The limit is ``max_completion_tokens`` (else ``max_tokens``) times ``n``, over all choices together: one
+The limit is ``max_completion_tokens`` (else ``max_tokens``) times ``n`` times the prompts a completions
+request batches, over all choices together: one
 choice may then run past its own share while another stops short, which costs the tenant nothing more.
 """
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from gateway.wire.protocol import requested_completion_tokens
+from gateway.wire.protocol import requested_completion_tokens, requested_prompts
 
 _PER_MESSAGE = 4  # role markers and separators of a chat template
 _SCORING = frozenset({"rerank", "v2/rerank", "score"})
@@ -81,10 +81,7 @@ def prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
 def prompt_count(endpoint: str, body: dict[str, Any]) -> int:
     """How many prompts the request batches: a completions request's list of strings or of token id
     lists is one completion per prompt (and per choice); everything else is one."""
-    prompt = body.get("prompt") if endpoint == "completions" else None
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return len(prompt)
-    return 1
+    return requested_prompts(body) if endpoint == "completions" else 1
 
 
 def reserved_completion(body: dict[str, Any]) -> int:

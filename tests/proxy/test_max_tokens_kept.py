@@ -112,3 +112,21 @@ def test_an_answer_past_max_tokens_is_charged_no_more(
     assert reply.json()["usage"]["completion_tokens"] == 5
     assert reply.json()["choices"][0]["finish_reason"] == "length"
     assert charged["completion_tokens"] == 5
+
+
+def test_a_batch_of_prompts_gets_max_tokens_for_each_and_is_reserved_for_each(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    """A completions request with a list of prompts is one generation per prompt (vLLM's choices are
+    prompts x n): max_tokens applies to each, so an answer of 3 tokens for each of 2 prompts is neither
+    cut nor charged less than it cost."""
+    upstream.behavior.chunks = 6  # the fake's usage: completion_tokens = chunks (3 per prompt)
+    upstream.behavior.text = "abcdef"
+    body = {"model": "m1", "prompt": ["hi", "ho"], "max_tokens": 3}
+    with gateway_factory(config(upstream_url, prefix, parsed=False), admin_token="adm") as (_, server):
+        reply = httpx.post(server.url + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
+        charged = day(server.url)
+    assert reply.status_code == 200
+    assert reply.json()["usage"]["completion_tokens"] == 6
+    assert reply.json()["choices"][0]["text"] == "abcdef" and reply.json()["choices"][0]["finish_reason"] != "length"
+    assert charged["completion_tokens"] == 6
