@@ -192,9 +192,9 @@ class TenancyPlugin(Plugin):
             raise self._refusal(decision, decision.granted or least, tenant)
         reserved = decision.granted if via_redis or clamp else want
         if clamp:
-            choices = requested_choices(ctx.body)
+            choices = requested_choices(ctx.body) * estimate.prompt_count(ctx.endpoint, ctx.body)
             affordable = int(reserved / factor) if factor > 0 else want
-            ctx.body["max_tokens"] = max(1, (affordable - prompt) // choices)
+            ctx.body["max_tokens"] = max(1, (affordable - prompt) // choices)  # per choice of each prompt
             ctx.mark_body_changed()
             ctx.response_headers[CLAMP_HEADER] = str(ctx.body["max_tokens"])
         ctx.response_headers.update(decision.headers())
@@ -217,7 +217,7 @@ class TenancyPlugin(Plugin):
         prompts = estimate.prompt_count(ctx.endpoint, ctx.body)
         worst = prompt + max(prompts, prompts * context - prompt) * choices
         if self.config.without_max_tokens == "clamp" and ctx.endpoint in _GENERATING:
-            return worst, prompt + choices, True
+            return worst, prompt + prompts * choices, True
         return worst, worst, False
 
     def _priority(self, tenant: TenantConfig, headers: dict[str, str]) -> int:

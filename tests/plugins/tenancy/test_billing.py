@@ -156,6 +156,19 @@ def test_clamp_mode_sets_max_tokens_to_what_the_key_has_left(
     assert given.status_code == 429 and given.json()["error"]["code"] == "insufficient_quota"
 
 
+def test_clamp_mode_shares_what_is_left_among_the_prompts_of_a_batch(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    """Each prompt of a completions batch gets max_tokens: 120 left, two prompts of 1 token (2 by the
+    estimate) get (120 - 2) // 2 = 59 each, not 118 each."""
+    cfg = config(prefix, upstream_url, {"tokens_per_day": 120}, without_max_tokens="clamp")
+    with gateway_factory(cfg, admin_token="adm") as (_, server):
+        body = {"model": "m1", "prompt": ["abcd", "abcd"]}
+        reply = httpx.post(server.url + "/v1/completions", json=body, headers=HEADERS, timeout=30)
+    assert reply.status_code == 200 and reply.headers["x-gateway-max-tokens"] == "59"
+    assert upstream.requests[0].body["max_tokens"] == 59
+
+
 def test_clamp_mode_refuses_when_not_one_token_per_choice_is_left(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
 ) -> None:
