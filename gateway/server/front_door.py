@@ -320,9 +320,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._phase = Phase.BODY
         self._deadline = None
         super().on_headers_complete()
-        trailers = self._trailers
-        trailers.left = self._max_headers
-        self.headers = trailers
+        if not self.parser.should_upgrade():  # uvicorn reads an upgrade's headers again (_should_upgrade)
+            trailers = self._trailers
+            trailers.left = self._max_headers
+            self.headers = trailers
 
     def on_message_begin(self) -> None:
         self._phase = Phase.HEAD
