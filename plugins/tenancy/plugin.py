@@ -60,8 +60,9 @@ MAX_RESERVATION = 2**53
 
 #: Endpoints whose answer is generated tokens (the rest, embeddings and the pooling routes, cost their prompt).
 _GENERATING = frozenset({"chat/completions", "completions"})
-#: vLLM's speech-to-text routes generate tokens too; their form has no max_tokens the gateway could clamp.
-_AUDIO = frozenset({"audio/transcriptions", "audio/translations"})
+#: Endpoints that reserve a completion: the generating ones and vLLM's speech-to-text routes, which generate
+#: tokens too (their form has no max_tokens the gateway could clamp, so only _GENERATING clamps).
+_RESERVING = _GENERATING | {"audio/transcriptions", "audio/translations"}
 
 
 class TenancyPlugin(Plugin):
@@ -206,7 +207,7 @@ class TenancyPlugin(Plugin):
     def _reservation(self, ctx: RequestContext, prompt: int) -> tuple[int, int, bool]:
         """(tokens wanted, the least acceptable, clamping?) for the admission script. Without max_tokens
         the request can cost (context - prompt) per choice; clamping reserves what is left instead."""
-        if not self.config.reserve_max_tokens or (ctx.endpoint not in _GENERATING and ctx.endpoint not in _AUDIO):
+        if not self.config.reserve_max_tokens or ctx.endpoint not in _RESERVING:
             return prompt, prompt, False
         given = estimate.reserved_completion(ctx.body)
         if given:
