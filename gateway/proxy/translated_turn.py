@@ -24,7 +24,7 @@ from gateway.pipeline.config import ModelConfig
 from gateway.pipeline.context import PinnedSnapshot, RequestContext
 from gateway.proxy.answer import cut_short
 from gateway.proxy.forward import JSONReply, Proxy, Reply, StreamReply
-from gateway.wire.errors import GatewayError
+from gateway.wire.errors import BadGateway, GatewayError
 from gateway.wire.streaming import SSEParser
 
 log = logging.getLogger("gateway.access")
@@ -201,6 +201,10 @@ class TranslatedTurn(abc.ABC):
                         done = True
                         break
                     chunk = orjson.loads(payload)
+                    if not isinstance(chunk, dict):  # JSON, but no chunk: the translators read objects
+                        raise BadGateway(
+                            "The model worker sent an event that is not a JSON object.", code="upstream_error"
+                        )
                     if "error" in chunk and "choices" not in chunk:
                         status = 502
                         yield b"".join(pieces) + out.error(chunk["error"])

@@ -1,0 +1,160 @@
+"""A worker whose chat answer is not what the Messages translation reads: a 502 in Anthropic's shape (as the
+OpenAI routes answer a worker's body that is not JSON), never the gateway's own 500 nor a Message made of
+what could be read; a stream whose chunk is malformed midway ends with one ``error`` event of that kind,
+which the ``anthropic`` SDK raises. A scripted worker sends the exact bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import orjson
+import pytest
+
+from tests.support.fakes import ServerThread
+from tests.support.gateways import GatewayFactory, base_config
+
+
+class ScriptedWorker:
+    """Answers every chat request with ``body`` (status 200), or a streamed one with ``events`` (each the
+    data of one SSE event), whatever they hold."""
+
+    def __init__(self) -> None:
+        self.body = b"{}"
+        self.events: list[bytes] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        streamed = bool(raw) and orjson.loads(raw).get("stream") is True
+        kind = b"text/event-stream" if streamed else b"application/json"
+        body = b"".join(b"data: " + e + b"\n\n" for e in self.events) if streamed else self.body
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+        await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture
+def scripted(gateway_factory: GatewayFactory) -> Iterator[tuple[ScriptedWorker, str]]:
+    worker = ScriptedWorker()
+    with ServerThread(worker) as server, gateway_factory(base_config([server.url])) as (_, gateway):
+        yield worker, gateway.url
+
+
+ASK = {"model": "m1", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}
+GOOD_CHOICE = {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop"}
+
+
+def completion(**members: Any) -> bytes:
+    return orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion", "choices": [GOOD_CHOICE], **members})
+
+
+def chunk(choice: Any = None, **members: Any) -> bytes:
+    choices = [choice] if choice is not None else []
+    return orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": choices, **members})
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion"}),  # no choices
+        completion(choices="none"),
+        completion(choices={"0": GOOD_CHOICE}),
+        completion(choices=[]),
+        completion(choices=["Hello"]),
+        completion(choices=[{"index": 0, "finish_reason": "stop"}]),  # a choice without its message
+        completion(choices=[{**GOOD_CHOICE, "message": "Hello"}]),
+        completion(choices=[{**GOOD_CHOICE, "finish_reason": 1}]),
+        completion(choices=[{**GOOD_CHOICE, "message": {"role": "assistant", "content": 42}}]),
+        completion(choices=[{**GOOD_CHOICE, "message": {"content": None, "tool_calls": "get_weather"}}]),
+        completion(choices=[{**GOOD_CHOICE, "message": {"content": None, "tool_calls": ["get_weather"]}}]),
+        completion(choices=[{**GOOD_CHOICE, "message": {"content": None, "tool_calls": [{"function": "f"}]}}]),
+        b"[1, 2]",
+        b"null",
+        b"<html>Internal Server Error</html>",  # not JSON at all: already a 502 before
+    ],
+    ids=["no-choices", "choices-string", "choices-object", "choices-empty", "choice-string", "no-message",
+         "message-string", "finish-reason-number", "content-number", "tool-calls-string", "tool-call-string",
+         "function-string", "array", "null", "not-json"],
+)  # fmt: skip
+def test_a_malformed_answer_is_a_502_in_anthropics_shape(scripted: tuple[ScriptedWorker, str], body: bytes) -> None:
+    worker, url = scripted
+    worker.body = body
+    reply = httpx.post(url + "/v1/messages", json=ASK)
+    assert reply.status_code == 502, reply.text
+    error = reply.json()
+    assert set(error) == {"type", "error"} and error["type"] == "error"
+    assert error["error"]["type"] == "api_error" and "model worker" in error["error"]["message"]
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        anthropic.Anthropic(base_url=url, api_key="k", max_retries=0).messages.create(**ASK)  # type: ignore[arg-type]
+    assert caught.value.status_code == 502
+
+
+def test_a_well_formed_answer_with_odd_usage_is_still_a_message(scripted: tuple[ScriptedWorker, str]) -> None:
+    """``usage`` is read leniently (as the proxy counts it): a count that is not a number counts 0."""
+    worker, url = scripted
+    worker.body = completion(usage={"prompt_tokens": "5", "completion_tokens": 3})
+    message = httpx.post(url + "/v1/messages", json=ASK).json()
+    assert message["content"] == [{"type": "text", "text": "Hello"}]
+    assert message["usage"] == {"input_tokens": 0, "output_tokens": 3}
+
+
+HELLO = chunk({"index": 0, "delta": {"role": "assistant", "content": "Hello"}, "finish_reason": None})
+STOP = chunk({"index": 0, "delta": {}, "finish_reason": "stop"})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        chunk(None, choices="none"),
+        chunk(None, choices={"0": {"delta": {"content": "x"}}}),
+        chunk("Hello"),
+        chunk({"index": 0, "delta": "Hello"}),
+        chunk({"index": 0, "delta": {"content": 42}}),
+        chunk({"index": 0, "delta": {"tool_calls": "get_weather"}}),
+        chunk({"index": 0, "delta": {"tool_calls": ["get_weather"]}}),
+        chunk({"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": 7}}]}}),
+        chunk({"index": 0, "delta": {}, "finish_reason": 1}),
+        b"[1]",
+        b"null",
+    ],
+    ids=["choices-string", "choices-object", "choice-string", "delta-string", "content-number", "tool-calls-string",
+         "tool-call-string", "arguments-number", "finish-reason-number", "array", "null"],
+)  # fmt: skip
+def test_a_malformed_chunk_midway_ends_the_stream_with_an_error_event(
+    scripted: tuple[ScriptedWorker, str], bad: bytes
+) -> None:
+    worker, url = scripted
+    worker.events = [HELLO, bad, STOP, b"[DONE]"]
+    reply = httpx.post(url + "/v1/messages", json={**ASK, "stream": True})
+    assert reply.status_code == 200
+    events = [line[7:] for line in reply.text.splitlines() if line.startswith("event: ")]
+    assert events[-1] == "error" and "message_stop" not in events and "message_delta" not in events
+    last = orjson.loads(reply.text.rstrip("\n").rsplit("\n", 1)[-1].removeprefix("data: "))
+    assert last["type"] == "error" and last["error"]["type"] == "api_error"
+    assert "model worker" in last["error"]["message"]  # the worker's fault, not "the gateway failed"
+
+    client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as caught, client.messages.stream(**ASK) as stream:  # type: ignore[arg-type]
+        for _ in stream:
+            pass
+    assert caught.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+
+
+def test_a_well_formed_stream_still_translates(scripted: tuple[ScriptedWorker, str]) -> None:
+    worker, url = scripted
+    worker.events = [HELLO, STOP, chunk(None, usage={"prompt_tokens": 4, "completion_tokens": "1"}), b"[DONE]"]
+    with anthropic.Anthropic(base_url=url, api_key="k", max_retries=0).messages.stream(**ASK) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_message()
+    assert final.content[0].text == "Hello" and final.stop_reason == "end_turn"  # type: ignore[union-attr]
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (4, 0)
