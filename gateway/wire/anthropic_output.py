@@ -61,7 +61,10 @@ def usage_of(usage: object) -> dict[str, Any]:
 
 
 def _tool_input(arguments: object) -> dict[str, Any]:
-    """A tool call's arguments as the ``input`` object (a model that wrote no valid JSON object gives {})."""
+    """A tool call's arguments as the ``input`` object. Anthropic's ``input`` is always a JSON object, and
+    clients rely on it (the SDK's stream helper raises on a delta it cannot parse), so arguments that are not
+    one (none, invalid JSON, JSON cut short by max_tokens, an array or a string) give ``{}``: the answer
+    stays whole, and the client's check of the tool's input answers the model."""
     try:
         parsed = orjson.loads(arguments) if isinstance(arguments, str) and arguments else {}
     except orjson.JSONDecodeError:
@@ -180,12 +183,18 @@ class MessageStream:
 
     ``start()`` gives message_start and a ping; ``feed(chunk)`` the events of one chunk; ``close()`` the
     open block's content_block_stop and the message_delta (stop reason, usage); ``end()`` message_stop.
+
+    A tool call's arguments are held until its block ends and then sent as one ``input_json_delta``, the
+    object ``message_from_chat`` would give, or none when they are no JSON object (``input`` stays ``{}``):
+    the chat stream's pieces cannot be sent as they come, since which ones make an object is only known at
+    the end, and a client cannot take back pieces it parsed.
     """
 
     def __init__(self, message_id: str, model: str) -> None:
         self.message_id, self.model = message_id, model
         self._index = -1  # the open content block (-1: none yet)
         self._open: str | None = None  # "text" or "tool:<chat tool call index>"
+        self._arguments: list[str] = []  # the open tool call's arguments so far
         self._used_tools = False
         self._finish_reason: object = None
         self._matched: object = None
@@ -244,14 +253,21 @@ class MessageStream:
             out += self._block(key, block)
         arguments = function.get("arguments")
         if arguments:
-            out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+            self._arguments.append(arguments)
         return out
 
     def _close_block(self) -> list[bytes]:
         if self._open is None:
             return []
+        out: list[bytes] = []
+        if self._open != "text" and self._arguments:
+            arguments = _tool_input("".join(self._arguments))
+            self._arguments = []
+            if arguments:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": orjson.dumps(arguments).decode()}))
         self._open = None
-        return [sse({"type": "content_block_stop", "index": self._index})]
+        out.append(sse({"type": "content_block_stop", "index": self._index}))
+        return out
 
     def close(self) -> list[bytes]:
         out = self._close_block()

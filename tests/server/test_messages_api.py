@@ -125,14 +125,15 @@ def test_tool_round_trip_plain_and_streamed(gateway: ServerThread, upstream: Fak
         }
     ]
 
-    # streamed, with a named tool: the arguments arrive as input_json_delta events
+    # streamed, with a named tool: the arguments arrive as one input_json_delta when the call's block ends
+    # (held until they are known to be an object; the worker sent them in two pieces)
     with client.messages.stream(
         model="m1", max_tokens=64, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"},  # type: ignore[list-item]
         messages=[{"role": "user", "content": "Weather in Paris?"}],
     ) as stream:  # fmt: skip
         partials = [e.delta.partial_json for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
         streamed = stream.get_final_message()
-    assert len(partials) == 2 and json.loads("".join(partials)) == {"city": "Paris"}
+    assert len(partials) == 1 and json.loads(partials[0]) == {"city": "Paris"}
     assert streamed.stop_reason == "tool_use" and streamed.content[0].input == {"city": "Paris"}  # type: ignore[union-attr]
     assert chats(upstream)[-1]["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
 
@@ -169,6 +170,35 @@ def test_tool_round_trip_plain_and_streamed(gateway: ServerThread, upstream: Fak
         {"role": "user", "content": "Thanks."},
     ]
     assert sent["tool_choice"] == "auto" and sent["parallel_tool_calls"] is False
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ["{city: Paris}", '{"city": "Paris"}}', '["Paris"]', '"Paris"', '{"city": "Par'],
+    ids=["not-json", "trailing-brace", "array", "string", "cut-short"],
+)
+def test_tool_arguments_that_are_no_json_object_are_an_empty_input_whole_and_streamed(
+    gateway: ServerThread, upstream: FakeUpstream, arguments: str
+) -> None:
+    """Anthropic's ``input`` is always an object. A model that wrote arguments that are not one gets the
+    tool_use block with ``{}`` (the client's tool check then answers it), whole or streamed: the stream
+    holds a call's arguments until its block ends and sends them only as an object, so the SDK's stream
+    helper, which parses every input_json_delta, never raises on them and keeps the answer."""
+    upstream.behavior.tool_calls = [{"id": "call_1", "name": "get_weather", "arguments": arguments}]
+    client = sdk(gateway)
+    ask: dict[str, Any] = {
+        "model": "m1", "max_tokens": 64, "tools": [WEATHER], "messages": [{"role": "user", "content": "Weather?"}],
+    }  # fmt: skip
+    whole = client.messages.create(**ask)
+    with client.messages.stream(**ask) as stream:
+        deltas = [e for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert deltas == []
+    for message in (whole, streamed):
+        assert message.stop_reason == "tool_use"
+        assert [(b.type, b.id, b.name, b.input) for b in message.content] == [  # type: ignore[union-attr]
+            ("tool_use", "call_1", "get_weather", {})
+        ]
 
 
 def test_count_tokens_asks_a_worker_to_tokenize_the_conversation(gateway: ServerThread, upstream: FakeUpstream) -> None:
