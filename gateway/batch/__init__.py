@@ -2,6 +2,7 @@
 
 - ``blobs``: where file contents live (a directory by default; the ``BlobStore`` interface for others).
 - ``files``: file objects, metadata in Redis, per caller scope.
+- ``usage``: what each scope stores, counted and bounded; uploads reserve room before they write.
 - ``jobs``: batch objects and their status lifecycle in Redis.
 - ``lines``: input lines checked and ordered by shared prefix; output lines in OpenAI's shapes.
 - ``work``: the lines as shared work: leases any replica may take over, each result written once.

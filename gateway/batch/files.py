@@ -8,6 +8,8 @@
   until deleted.
 - ``<prefix>:files-expiring``: the ids of files that expire, scored by when: ``sweep`` deletes their
   contents from the file store once their metadata expired (Redis forgets the key; the store must be told).
+- What each scope stores is counted and bounded (``gateway.batch.usage``): an upload reserves room as its
+  bytes arrive and is refused (nothing kept) past the scope's bound; deleting and sweeping give it back.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -22,6 +25,7 @@ import redis.asyncio as aioredis
 
 from gateway.batch.blobs import BlobStore
 from gateway.batch.redis_errors import guarded, text
+from gateway.batch.usage import FileKeys, Hold, StorageFull, Usage
 from gateway.pipeline.batch_config import BatchesConfig
 from gateway.wire.errors import PayloadTooLarge
 
@@ -42,11 +46,21 @@ class FileTooLarge(PayloadTooLarge):
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A file written to the store and not registered yet; an upload's ``hold`` on its scope's storage."""
+
+    file_id: str
+    size: int
+    hold: Hold | None = None
+
+
 class Files:
     """Create, look up, read and delete files, per scope."""
 
     def __init__(self, redis: aioredis.Redis, blobs: BlobStore, config: BatchesConfig) -> None:
         self.redis, self.blobs, self.config = redis, blobs, config
+        self.usage = Usage(redis, config)
 
     def _key(self, file_id: str) -> str:
         return f"{self.config.redis_prefix}:file:{file_id}"
@@ -58,43 +72,68 @@ class Files:
     def _expiring(self) -> str:
         return f"{self.config.redis_prefix}:files-expiring"
 
+    def _keys(self, scope: str, file_id: str) -> FileKeys:
+        return FileKeys(self._key(file_id), self._index(scope), self._expiring)
+
     async def create(
         self, scope: str, filename: str, purpose: str, pieces: AsyncIterator[bytes], *, file_id: str | None = None
     ) -> dict[str, Any]:
-        """Store ``pieces`` as a file and return its file object. ``file_id`` is given for the files a
-        batch writes, so writing them again (a finalization taken over) replaces them. Not bounded by
-        ``max_file_bytes``, which bounds uploads: a batch's answers may be far larger than its input."""
-        file_id, size = await self.store(pieces, file_id, bounded=False)
-        return await self.register(scope, file_id, size, filename, purpose)
+        """Store ``pieces`` as a file the gateway writes and return its file object. ``file_id`` is given
+        for the files a batch writes, so writing them again (a finalization taken over) replaces them.
+        Bounded neither by ``max_file_bytes`` (a batch's answers may be far larger than its input) nor by
+        the scope's storage (counted, never refused: see ``gateway.batch.usage``)."""
+        stored = await self.store(pieces, file_id)
+        return await self.register(scope, stored, filename, purpose)
 
     async def store(
-        self, pieces: AsyncIterator[bytes], file_id: str | None = None, *, bounded: bool = True
-    ) -> tuple[str, int]:
-        """Write ``pieces`` (when ``bounded``, at most ``max_file_bytes``: ``FileTooLarge`` beyond, and
-        nothing is kept); the new file's id and size. Not visible to anyone before ``register``."""
+        self,
+        pieces: AsyncIterator[bytes],
+        file_id: str | None = None,
+        *,
+        scope: str | None = None,
+        declared: int | None = None,
+    ) -> Stored:
+        """Write ``pieces``; not visible to anyone before ``register``. With ``scope``, an upload of that
+        scope (``declared``: the length its request announced): at most ``max_file_bytes``
+        (``FileTooLarge`` beyond) and within the scope's storage, reserved before each piece is written
+        (``StorageFull`` beyond); refused, nothing is kept."""
         file_id = file_id or new_file_id()
+        hold = None if scope is None else Hold(self.usage, scope, declared, self.config.max_file_bytes)
         writer = await self.blobs.open_writer(file_id)
         size = 0
         try:
+            if hold is not None:
+                await hold.cover(0)  # the file itself, and what the request announced when there is room
             async for piece in pieces:
                 size += len(piece)
-                if bounded and size > self.config.max_file_bytes:
-                    raise FileTooLarge(self.config.max_file_bytes)
+                if hold is not None:
+                    if size > self.config.max_file_bytes:
+                        raise FileTooLarge(self.config.max_file_bytes)
+                    await hold.cover(size)
                 await writer.write(piece)
         except BaseException:
             await writer.abort()
+            if hold is not None:
+                await hold.release()
             raise
         await writer.commit()
-        return file_id, size
+        return Stored(file_id, size, hold)
 
-    async def register(self, scope: str, file_id: str, size: int, filename: str, purpose: str) -> dict[str, Any]:
-        """Make a stored file ``scope``'s, with its OpenAI file object."""
+    async def discard(self, stored: Stored) -> None:
+        """Drop a stored file that will not be registered, and what its upload held."""
+        if stored.hold is not None:
+            await stored.hold.release()
+        await self.blobs.delete(stored.file_id)
+
+    async def register(self, scope: str, stored: Stored, filename: str, purpose: str) -> dict[str, Any]:
+        """Make a stored file ``scope``'s, with its OpenAI file object, and count it for the scope. An
+        upload whose hold lapsed and that no longer fits is ``StorageFull`` (and discarded)."""
         now = int(time.time())
         ttl = self.config.output_ttl_s if purpose == "batch_output" else None
         obj = {
-            "id": file_id,
+            "id": stored.file_id,
             "object": "file",
-            "bytes": size,
+            "bytes": stored.size,
             "created_at": now,
             "expires_at": now + ttl if ttl else None,
             "filename": filename,
@@ -103,13 +142,13 @@ class Files:
             "status_details": None,
         }
         record = orjson.dumps({"scope": scope, "file": obj})
-        async with guarded("store the file"):
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.set(self._key(file_id), record, ex=ttl)
-            pipe.zadd(self._index(scope), {file_id: time.time_ns() // 1000})  # ordered within a second too
-            if ttl:
-                pipe.zadd(self._expiring, {file_id: now + ttl})
-            await pipe.execute()
+        token = stored.hold.token if stored.hold is not None else None
+        try:
+            await self.usage.commit(scope, token, stored.file_id, stored.size, self._keys(scope, stored.file_id),
+                                    record, ttl)  # fmt: skip
+        except StorageFull:
+            await self.blobs.delete(stored.file_id)
+            raise
         return obj
 
     async def get(self, scope: str, file_id: str) -> dict[str, Any] | None:
@@ -130,19 +169,15 @@ class Files:
     async def delete(self, scope: str, file_id: str) -> bool:
         if await self.get(scope, file_id) is None:
             return False
-        async with guarded("delete the file"):
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.delete(self._key(file_id))
-            pipe.zrem(self._index(scope), file_id)
-            pipe.zrem(self._expiring, file_id)
-            await pipe.execute()
+        await self.usage.forget(scope, file_id, self._keys(scope, file_id))
         await self.blobs.delete(file_id)
         return True
 
     async def sweep(self, now: float, most: int = 100) -> int:
         """Delete the contents of up to ``most`` files whose expiry passed by ``now``; how many. A replica
         takes a file by removing it from the expiring set, so replicas sweeping at once share the work; one
-        whose metadata is still there (written again later, or not yet expired by Redis) waits again."""
+        whose metadata is still there (written again later, or not yet expired by Redis) waits again. A
+        swept file is taken off its scope's storage."""
         due = [text(i) for i in await self.redis.zrangebyscore(self._expiring, "-inf", now, start=0, num=most)]
         swept = 0
         for file_id in due:
@@ -152,6 +187,11 @@ class Files:
             if left_ms > 0:
                 await self.redis.zadd(self._expiring, {file_id: time.time() + left_ms / 1000})
             elif left_ms == -2:  # the metadata is gone
+                scope = await self.usage.counted_scope(file_id)
+                if scope is not None and not await self.usage.forget(
+                    scope, file_id, self._keys(scope, file_id), swept=True
+                ):
+                    continue  # written again since its metadata was read as gone: it stays
                 await self.blobs.delete(file_id)
                 swept += 1
         return swept

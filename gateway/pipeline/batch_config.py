@@ -56,6 +56,21 @@ class BatchesConfig(BaseModel):
     max_file_bytes: int = Field(
         100 * 1024 * 1024, ge=1024, description="largest file accepted by POST /v1/files; a larger one is a 413"
     )
+    max_tenant_bytes: int = Field(
+        10 * 1024**3,
+        ge=1024,
+        le=2**50,
+        description="most bytes one tenant's files may hold in the file store (uploads, and the output and "
+        "error files its batches write, which are counted but never refused); an upload past it is a 400 "
+        "stored_bytes_exceeded",
+    )
+    max_tenant_files: int = Field(
+        10_000,
+        ge=1,
+        le=10_000_000,
+        description="most files one tenant may have stored (counted as max_tenant_bytes is); an upload past "
+        "it is a 400 stored_files_exceeded",
+    )
     max_lines: int = Field(50_000, ge=1, description="most lines in one batch's input file")
     max_active_batches: int = Field(
         100,

@@ -3,7 +3,9 @@ delete, in OpenAI's shapes, per caller scope (``gateway.batch.service``): anothe
 exactly like an unknown one.
 
 An upload is streamed to the file store as it arrives, bounded by ``batches.max_file_bytes`` while it is
-read (a 413 ``file_too_large``, and nothing kept); the caller is authenticated before a byte is read.
+read (a 413 ``file_too_large``, and nothing kept), and by what the caller's tenant may store
+(``batches.max_tenant_bytes`` and ``max_tenant_files``: a 400 ``stored_bytes_exceeded`` or
+``stored_files_exceeded``, and nothing kept); the caller is authenticated before a byte is read.
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ def limit_of(request: Request, default: int, most: int) -> int:
 async def create_file(request: Request) -> JSON:
     service, scope = await scope_of(request)
     limit = service.config.max_file_bytes
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit + _FORM_SLACK:
+    declared = decimal(request.headers.get("content-length", ""))
+    if declared is not None and declared > limit + _FORM_SLACK:
         raise FileTooLarge(limit)
     form = FormReader(request.headers.get("content-type", ""))
-    file_id, size = await service.files.store(form.file_pieces(request.stream()))
+    stored = await service.files.store(form.file_pieces(request.stream()), scope=scope, declared=declared)
     purpose = form.fields.get("purpose")
     problem = None
     if form.filename is None:
@@ -77,10 +79,10 @@ async def create_file(request: Request) -> JSON:
     elif purpose not in UPLOAD_PURPOSES:
         problem = InvalidRequest(f"'purpose' must be one of {', '.join(UPLOAD_PURPOSES)}.", param="purpose")
     if problem is not None:
-        await service.files.blobs.delete(file_id)
+        await service.files.discard(stored)
         raise problem
     assert form.filename is not None and purpose is not None
-    return JSON(await service.files.register(scope, file_id, size, form.filename, purpose))
+    return JSON(await service.files.register(scope, stored, form.filename, purpose))
 
 
 @router.get("/v1/files")
