@@ -7,11 +7,13 @@
 - ``<prefix>:batches:<scope>``: the scope's batch ids by creation time (listing, newest first); pruned
   of expired batches as it is read.
 - ``<prefix>:active``: the ids of batches not yet in a final state: what the runners look at.
+- ``<prefix>:active:<scope>``: the same for one scope (``batches.max_active_batches`` counts it).
 - ``<prefix>:all``: every batch id by creation time, for operators (the admin API); pruned of expired
   batches as it is read.
 
 Status changes are compare-and-set (a Lua script): a change applies only from the statuses it names, so
-two replicas (or a cancel racing a completion) never both move a batch on.
+two replicas (or a cancel racing a completion) never both move a batch on. A change to a final status
+also leaves the active sets and sets the record's expiry in that same script.
 
     validating -> in_progress -> finalizing -> completed
     validating -> failed                  (an input that is not a batch: no lines run)
@@ -34,14 +36,24 @@ from gateway.pipeline.batch_config import BatchesConfig, Caller
 FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 COUNTERS = ("n_total", "n_completed", "n_failed", "n_input_tokens", "n_output_tokens")
 
-# KEYS[1] the batch hash; ARGV[1] the allowed current statuses, JSON-encoded, joined by "|";
-# ARGV[2..] field, value pairs to set (the new status among them). 1 when applied, else 0.
-_CAS = """
+# KEYS[1] the batch hash, KEYS[2] the runners' active set; ARGV[1] the allowed current statuses,
+# JSON-encoded, joined by "|"; ARGV[2] the batch id; ARGV[3] the seconds a final batch is kept, or "" when
+# the new status is not final; ARGV[4] the prefix of the scopes' active sets; ARGV[5..] field, value pairs
+# to set (the new status among them). 1 when applied, else 0. A final status also takes the batch off both
+# active sets and sets its expiry in the same step, so no failure in between can leave a final batch that
+# never expires or that holds its tenant's place among the running batches.
+_MOVE = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return 0 end
 for allowed in string.gmatch(ARGV[1], '[^|]+') do
   if allowed == current then
-    for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+    for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+    if ARGV[3] ~= '' then
+      redis.call('SREM', KEYS[2], ARGV[2])
+      local scope = redis.call('HGET', KEYS[1], '_scope')
+      if scope then redis.call('SREM', ARGV[4] .. scope, ARGV[2]) end
+      redis.call('EXPIRE', KEYS[1], ARGV[3])
+    end
     return 1
   end
 end
@@ -58,7 +70,7 @@ class Jobs:
 
     def __init__(self, redis: aioredis.Redis, config: BatchesConfig) -> None:
         self.redis, self.config = redis, config
-        self._cas = redis.register_script(_CAS)
+        self._move = redis.register_script(_MOVE)
 
     def key(self, batch_id: str) -> str:
         return f"{self.config.redis_prefix}:batch:{batch_id}"
@@ -71,12 +83,16 @@ class Jobs:
         return f"{self.config.redis_prefix}:active"
 
     def _active_of(self, scope: str) -> str:
-        return f"{self.config.redis_prefix}:active:{scope}"
+        return self._active_prefix + scope
+
+    @property
+    def _active_prefix(self) -> str:
+        return f"{self.config.redis_prefix}:active:"
 
     async def active_count(self, scope: str) -> int:
         """How many of the scope's batches are not final. The scope's set loses a batch when it turns
-        final; one that expired or was deleted before that (a Redis flush, a crash between the two writes)
-        is dropped here when the count reaches the limit, so it never holds a place for good."""
+        final; one that expired or was deleted before that (a Redis flush, say) is dropped here
+        when the count reaches the limit, so it never holds a place for good."""
         key = self._active_of(scope)
         async with guarded("count the running batches"):
             count = int(await self.redis.scard(key))
@@ -195,18 +211,30 @@ class Jobs:
         return records
 
     async def move(self, batch_id: str, allowed: tuple[str, ...], status: str, **fields: Any) -> bool:
-        """Set ``status`` (and ``fields``) if the batch is in one of ``allowed``; whether it was."""
-        argv: list[bytes] = [b"|".join(orjson.dumps(s) for s in allowed), b"status", orjson.dumps(status)]
+        """Set ``status`` (and ``fields``) if the batch is in one of ``allowed``; whether it was.
+
+        A final status takes the batch off the active sets and makes it expire with its output files
+        (``output_ttl_s``) in the same script, atomically with the change itself.
+
+        The scope's active set is named inside the script from the record's ``_scope``, so that key is
+        not declared in ``KEYS``. That is sound on the standalone Redis this gateway runs against
+        (``GATEWAY_REDIS_URL``: the deploy's single Redis pod, or a managed primary), which does not
+        check a script's keys. Redis Cluster is not supported: a batch's keys are not hash-tagged to one
+        slot (``create`` already writes them in one MULTI across slots).
+        """
+        final = status in FINAL
+        argv: list[bytes] = [
+            b"|".join(orjson.dumps(s) for s in allowed),
+            batch_id.encode(),
+            str(self.config.output_ttl_s).encode() if final else b"",
+            self._active_prefix.encode(),
+            b"status",
+            orjson.dumps(status),
+        ]
         for name, value in fields.items():
             argv += [name.encode(), orjson.dumps(value)]
         async with guarded("update the batch"):
-            applied = await self._cas(keys=[self.key(batch_id)], args=argv)
-            if status in FINAL and applied:  # kept as long as its output files
-                await self.redis.srem(self.active_key, batch_id)
-                scope = await self.redis.hget(self.key(batch_id), "_scope")
-                if scope is not None:
-                    await self.redis.srem(self._active_of(text(scope)), batch_id)
-                await self.redis.expire(self.key(batch_id), self.config.output_ttl_s)
+            applied = await self._move(keys=[self.key(batch_id), self.active_key], args=argv)
         return bool(applied)
 
     async def active(self) -> list[str]:
