@@ -234,7 +234,7 @@ class CachePlugin(Plugin):
             else:
                 body = body_of_events(decoded.id_prefix, decoded.chunks)
                 answer = fresh_answer(body, b"", int(now))
-                self.writes.keep_body(pending.key, raw, encode_entry(body, decoded.created, decoded.chunks))
+                self.writes.keep_body(pending.key, raw, body, decoded.created, decoded.chunks)
         except (orjson.JSONDecodeError, TypeError, ValueError):
             return None  # an entry this version cannot read is a miss
         model = pending.model

@@ -1,5 +1,6 @@
 """The cache's state that outlives a config reload: its metrics, its Redis circuit breaker, the
-single-flight leaders of this process and its lock tokens (kept in ``services.shared``)."""
+single-flight leaders of this process, the entries it is giving their body and its lock tokens (kept in
+``services.shared``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class CacheShared:
     metrics: CacheMetrics
     breaker: CircuitBreaker
     leaders: LocalLeaders = field(default_factory=LocalLeaders)
+    # The Redis keys of the entries this process is writing back with their body (``CacheWrites.keep_body``):
+    # concurrent hits on one entry of events only send one rewrite, not one each.
+    replacing: set[str] = field(default_factory=set)
     reported_open: bool = False
     # Lock tokens only need to be unique among every process sharing the Redis (they never leave the
     # gateway): a random prefix per process and a counter, instead of the OS random source per miss.

@@ -16,7 +16,7 @@ from gateway.ops.tasks import stop_if_cancelled
 from plugins.cache.config import CacheConfig
 from plugins.cache.keys import CacheKey
 from plugins.cache.shared import CacheShared
-from plugins.cache.store import CacheStore, RedisUnavailable
+from plugins.cache.store import CacheStore, RedisUnavailable, encode_entry
 
 
 class CacheWrites:
@@ -74,26 +74,40 @@ class CacheWrites:
         self.metrics.stores.labels(model).inc()
         self.metrics.bytes.labels("stored").inc(len(entry))
 
-    def keep_body(self, key: CacheKey, read: bytes, entry: bytes) -> None:
-        """Write ``entry`` (the entry ``read``, with the answer's body added) in its place, if the key
-        still holds it; dropped when it is larger than an entry may be or the writes are full."""
-        if len(entry) > self.config.max_value_bytes or self.full:
+    def keep_body(self, key: CacheKey, read: bytes, body: bytes, created: float, chunks: bytes) -> None:
+        """Write the entry ``read`` (created at ``created``, of the events ``chunks``) back with the answer's
+        ``body`` added, if the key still holds it; dropped when it is larger than an entry may be, the
+        writes are full, or this process is already writing that key's body (hits that read the entry
+        before that write landed all would: one rewrite of up to ``max_value_bytes`` each)."""
+        replacing, name = self._shared.replacing, key.entry
+        if name in replacing or self.full:
+            return
+        entry = encode_entry(body, created, chunks)
+        if len(entry) > self.config.max_value_bytes:
             return
 
         def done(ok: bool | None) -> None:
             self._sent -= 1
             if ok is None:
                 self._spawn(self._replace(key, entry, read))
-            elif ok:
+                return
+            replacing.discard(name)
+            if ok:
                 self.metrics.bytes.labels("stored").inc(len(entry))
 
+        replacing.add(name)
         if self.store.replace_soon(key, entry, read, done):
             self._sent += 1
+        else:  # the breaker is open: nothing was sent
+            replacing.discard(name)
 
     async def _replace(self, key: CacheKey, entry: bytes, read: bytes) -> None:
-        with contextlib.suppress(RedisUnavailable):  # counted by the store; the entry stays as it was
-            await self.store.replace(key, entry, read)
-            self.metrics.bytes.labels("stored").inc(len(entry))
+        try:
+            with contextlib.suppress(RedisUnavailable):  # counted by the store; the entry stays as it was
+                await self.store.replace(key, entry, read)
+                self.metrics.bytes.labels("stored").inc(len(entry))
+        finally:
+            self._shared.replacing.discard(key.entry)
 
     def release_soon(self, key: CacheKey, token: bytes, *, local_leader: bool = True) -> None:
         self._spawn(self.release(key, token, local_leader=local_leader))

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -144,6 +146,63 @@ def test_the_rewrite_replaces_only_the_entry_it_read(redis_client: redis.Redis, 
 
     asyncio.run(replace_in_turn())
     assert redis_client.get(key.entry) == body and 0 < redis_client.pttl(key.entry) <= 60_000
+
+
+async def test_concurrent_whole_hits_on_an_entry_of_events_send_one_rewrite(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    namespace: str,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every hit that is not streamed and reads the entry of events only before its rewrite has landed
+    assembles the answer; one rewrite of the entry goes to Redis, not one of up to ``max_value_bytes``
+    per hit (a client streaming once and then sending many identical requests at once would otherwise
+    make the gateway write megabytes to the shared Redis). The rewrites are held until every hit has
+    been answered, so each hit reads the entry as the stream left it."""
+    sent: list[int] = []  # the size of each rewrite sent
+    release = threading.Event()
+    held: set[asyncio.Task[None]] = set()
+    replace_soon = CacheStore.replace_soon
+
+    def hold(self: CacheStore, key: CacheKey, entry: bytes, read: bytes, done: Callable[[bool | None], None]) -> bool:
+        sent.append(len(entry))
+
+        async def later() -> None:
+            await asyncio.to_thread(release.wait, 30)
+            if not replace_soon(self, key, entry, read, done):
+                done(False)
+
+        task = asyncio.get_running_loop().create_task(later())
+        held.add(task)
+        task.add_done_callback(held.discard)
+        return True
+
+    upstream.behavior.text = "x" * 4096
+    upstream.behavior.chunks = 16
+    with gateway_factory(cache_gateway_config(upstream_url, namespace), plugins=PLUGINS) as (_, server):
+        await asyncio.to_thread(_stream, server.url)
+        await asyncio.to_thread(wait_stored, redis_client, namespace)
+        [name] = entry_names(redis_client, namespace)
+        monkeypatch.setattr(CacheStore, "replace_soon", hold)
+        try:
+            body = {"model": "m1", "messages": MESSAGES, "temperature": 0}
+            async with httpx.AsyncClient(timeout=30) as client:
+                url = server.url + "/v1/chat/completions"
+                replies = await asyncio.gather(*(client.post(url, json=body) for _ in range(8)))
+            assert [r.headers["x-cache"] for r in replies] == ["hit"] * 8
+            held_entry = decode_entry(redis_client.get(name) or b"")
+            assert held_entry is not None and not held_entry.body  # still the stream's events only
+            assert len(sent) == 1, f"{len(sent)} rewrites of {sum(sent)} bytes in all"
+        finally:
+            release.set()
+        kept = await asyncio.to_thread(_rewritten, redis_client, name)
+        async with httpx.AsyncClient(timeout=30) as client:
+            again = await client.post(server.url + "/v1/chat/completions", json=body)
+    assert kept.body and again.headers["x-cache"] == "hit"
+    assert len(sent) == 1 and len(upstream.requests) == 1
+    assert {r.json()["choices"][0]["message"]["content"] for r in [*replies, again]} == {"x" * 4096}
 
 
 def test_tool_call_streams_take_the_parsing_path_and_replay_alike(
