@@ -12,7 +12,8 @@ the core recorded is stored as the worker's events, not parsed (``replay.marked_
 needs the answer as an object assembles it from them, and the first one that is not streamed writes it
 into the entry. The writes after a reply run in the background (``writes``). Because the cache runs
 before output-validating plugins and ``on_response`` runs in reverse order, an answer that a later
-plugin rejected raises before it reaches the cache and is never stored.
+plugin rejected raises before it reaches the cache and is never stored, and one that a later plugin
+marked ``Cache-Control: no-store`` is not stored either.
 
 Redis trouble never fails a request: every call is bounded (``store``), failures open a circuit
 breaker shared across reloads, and the request goes to the engine with ``x-cache: bypass``.
@@ -37,7 +38,7 @@ from gateway.wire.errors import GatewayTimeout, InvalidRequest, ServiceUnavailab
 from plugins.cache.config import CacheConfig
 from plugins.cache.flight import wait_for_leader
 from plugins.cache.keys import CacheKey, backing_of, entry_pattern, make_key
-from plugins.cache.policy import Decision, decide, events_complete, is_complete, stream_choices
+from plugins.cache.policy import Decision, decide, events_complete, is_complete, parse_cache_control, stream_choices
 from plugins.cache.replay import (
     body_of_events,
     fresh_answer,
@@ -300,6 +301,12 @@ class CachePlugin(Plugin):
             return None
         if model != pending.model:  # served by a fallback or canary: not the answer the key names
             self.metrics.not_stored.labels(pending.model, "rerouted").inc()
+            return None
+        control = response.headers.get("cache-control")
+        if control and parse_cache_control(control)[1]:
+            # A later plugin's word that this is not the answer to give others (guided_json: a stream cut
+            # where the same request not streamed is retried), as an HTTP cache honours a response's no-store.
+            self.metrics.not_stored.labels(model, "no_store").inc()
             return None
         if ctx.stream and not pending.chunk_bytes:  # passed through as bytes: recorded by the core
             if self._store_events(ctx, pending, model, response.recorded_events):

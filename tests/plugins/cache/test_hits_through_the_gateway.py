@@ -369,6 +369,42 @@ def test_an_answer_that_fails_a_later_plugin_is_not_stored(
     assert len(upstream.requests) == 3
 
 
+class NoStoreOnHeader(Plugin):
+    """Placed after the cache: marks the answer ``Cache-Control: no-store`` when ``x-no-store`` is sent,
+    like a plugin whose answer to this request is not the one to give others (guided_json's cut stream)."""
+
+    name = "no_store_on_header"
+
+    async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
+        if ctx.headers.get("x-no-store"):
+            response.headers["cache-control"] = "private, no-store"
+        return None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_a_later_plugin_marks_no_store_is_not_stored(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    namespace: str,
+    redis_client: redis.Redis,
+    stream: bool,
+) -> None:
+    config = cache_gateway_config(upstream_url, namespace, after=("no_store_on_header",))
+    with gateway_factory(config, plugins={**PLUGINS, "no_store_on_header": NoStoreOnHeader}) as (app, server):
+        marked = chat(server.url, headers={"x-no-store": "1"}, stream=stream)
+        assert marked.status_code == 200 and marked.headers["x-cache"] == "miss"
+        # looked up after the first answer's store, if any, was sent (one connection, in order)
+        assert chat(server.url, stream=stream).headers["x-cache"] == "miss"
+        wait_stored(redis_client, namespace)
+        assert chat(server.url, stream=stream).headers["x-cache"] == "hit"
+        not_stored = app.state.services.metrics.registry.get_sample_value(
+            "gateway_cache_not_stored_total", {"model": "m1", "reason": "no_store"}
+        )
+    assert len(upstream.requests) == 2
+    assert not_stored == 1
+
+
 def test_a_new_namespace_starts_empty(
     gateway_factory: GatewayFactory,
     upstream: FakeUpstream,
