@@ -4,8 +4,9 @@
 budgets (``compile``; a refusal is a 400 before any upstream call), make sure the model's workers
 enforce constraints (``probe``), then rewrite the body into the one form vLLM 0.32 enforces.
 ``on_response``: check every answer (``validate``): a cut answer goes back as it is (finish_reason
-``length``; retried once first only when the client set no token limit), an invalid complete one is
-refused with a 422.
+``length``; retried once first only when the client set no token limit and it was not streamed; a
+stream that would have been is marked ``Cache-Control: no-store``), an invalid complete one is refused
+with a 422.
 
 The cache plugin runs before this one, so its key is computed from the client's own fields and it
 only stores answers this plugin let through.
@@ -134,13 +135,19 @@ class GuidedJSONPlugin(Plugin):
         # Only cut answers: returned as OpenAI returns them (finish_reason "length", the partial text),
         # after one retry when the client set no limit and the context has room for more.
         budget = None
-        if self.config.on_invalid == "retry" and not ctx.stream and ctx.worker is not None:
+        if self.config.on_invalid == "retry" and ctx.worker is not None:
             budget = retry_budget(
                 ctx.body,
                 response.json.get("usage"),
                 max_model_len=ctx.model.max_model_len,
                 cap=self.config.retry_max_tokens,
             )
+        if budget is not None and ctx.stream:
+            # A stream's text has gone out: it is not retried, where the same request not streamed would
+            # be. So this cut answer is not the request's answer in either shape, and a cache that keeps one
+            # answer for both (the response cache) must not serve it in place of the retried one.
+            response.headers["cache-control"] = "no-store"
+            budget = None
         if budget is None:
             invalid.labels(model, "length", "returned").inc()
             return None
