@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -210,6 +211,27 @@ def test_a_stream_cut_by_the_workers_limit_does_not_stand_in_for_the_retried_ans
     assert again.headers["x-cache"] == streamed.headers["x-cache"] == "hit"
     assert _whole(again) == _streamed(streamed)[:2] == (VALID, "stop")
     assert len(worker.bodies) == 3
+
+
+def test_a_whole_request_waiting_on_a_cut_stream_gets_the_retried_answer(
+    gateway: Any, redis_client: redis.Redis, namespace: str
+) -> None:
+    """Identical requests coalesce whatever their shape: a whole request that arrives while a stream
+    computes the answer waits for it. A cut stream's answer is not stored, so the whole request goes to
+    the worker when the stream ends, and is retried, instead of being handed the cut answer."""
+    worker = LimitedWorker(VALID, default_limit=4, pace_s=0.2)
+    url = gateway(worker)
+    body = {"model": "m1", "messages": [{"role": "user", "content": "who?"}], "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, **GUIDED}, timeout=30) as streamed:
+        lines = streamed.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # the stream holds the lock by now
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(_chat, url)
+            rest = list(lines)
+            whole = waiting.result(timeout=30)
+    assert "data: [DONE]" in rest
+    assert _whole(whole) == (VALID, "stop") and whole.headers["x-cache"] == "miss"
+    assert [b.get("max_tokens") for b in worker.bodies] == [None, None, 2048]
 
 
 def test_without_retries_a_stream_cut_by_the_workers_limit_is_stored_as_a_whole_request_gets_it(
