@@ -235,6 +235,12 @@ class RequestContext:
     plan: RoutePlan | None = None
     worker: Worker | None = None
     delivered: Delivered | None = None
+    #: Set by the core when an attempt is sent to a worker (its generation may have begun): a request that
+    #: ends before then cost the fleet nothing.
+    reached_worker: bool = False
+    #: Set by the core when the client went away before its answer was complete (the request was then
+    #: cancelled): a request that ends without it and without ``delivered`` failed, or was refused.
+    client_gone: bool = False
     #: Set by an access-control plugin (tenancy): may this request be served by the named model?
     #: A plugin that moves the request to another model (routing: canaries, fallbacks) asks first.
     model_allowed: Callable[[str], bool] | None = None

@@ -78,6 +78,7 @@ class Trip:
             if prepare is not None:  # e.g. load the request's LoRA adapter on this worker
                 await prepare(worker)
             sent_at = time.perf_counter()  # after a load: a first byte's wait is the worker's alone
+            ctx.reached_worker = True
             upstream = await self._connect(worker, body)
         except UpstreamFailure as failure:
             self._blame(worker, failure.kind)

@@ -13,8 +13,9 @@ What is reserved: the prompt estimate plus ``max_tokens`` x ``n``; without ``max
 request can cost ((context - prompt) x ``n``), or, with ``without_max_tokens: clamp``, as much as the
 key and tenant have left (and the request's ``max_tokens`` is set to it). What is charged: an
 answer's usage; a stream's usage when it carried one to its end, else the prompt estimate and the
-tokens it sent, however it ended (``ctx.delivered``, kept by the core); nothing for a refusal or a
-failure. Answers and completed streams are charged before the client has them (``on_response``); the
+tokens it sent, however it ended (``ctx.delivered``, kept by the core); the prompt estimate for a
+client that hung up after its request reached a worker, before anything came back; nothing for a
+refusal or a failure. Answers and completed streams are charged before the client has them (``on_response``); the
 rest when the request is over (a finalizer). The key's allow-list goes with the request
 (``ctx.model_allowed``: routing checks canaries and fallbacks), and the tenant's configured priority
 (``ctx.priority``) orders the routing queue.
@@ -333,20 +334,27 @@ class TenancyPlugin(Plugin):
 
     @staticmethod
     def delivered(ctx: RequestContext, admitted: Admitted, *, answered: bool = False) -> tuple[int, int]:
-        """(prompt, completion) tokens the client was given: an answer's usage; a stream's usage when it
-        carried one and ended, else the prompt estimate and the tokens it sent; nothing for a refusal or
-        a failure (no answer, or no stream event, reached the client). ``answered``: called from
-        ``on_response``, where the answer is about to be sent."""
+        """(prompt, completion) tokens the client is charged: an answer's usage; a stream's usage when it
+        carried one and ended, else the prompt estimate and the tokens it sent; the prompt estimate when
+        the client went away after its request reached a worker and before any token came back (the
+        worker had read the prompt, and may have generated more); nothing for a refusal or a failure
+        (no answer, or no stream event, reached the client, and the client did not hang up). ``answered``:
+        called from ``on_response``, where the answer is about to be sent."""
         sent = ctx.delivered
-        if not answered and (sent is None or sent.status != 200):
-            return 0, 0
+        if not answered:
+            if sent is None:
+                if ctx.client_gone and ctx.reached_worker:  # hung up while the worker had it: not for free
+                    return admitted.answer or (admitted.prompt_estimate, 0)
+                return 0, 0
+            if sent.status != 200:
+                return 0, 0
         if sent is None or sent.stream_tokens is None:  # an answer (also a cached one replayed as a stream)
             return admitted.answer or (admitted.prompt_estimate, 0)
         usage = sent.usage
         if usage is not None and admitted.answer is not None and (sent.complete or answered):
             return admitted.answer
-        if sent.stream_tokens == 0 and not (sent.complete or answered):
-            return 0, 0  # cut before any token went out: a failure, like an error before the first byte
+        if sent.stream_tokens == 0 and not (sent.complete or answered or ctx.client_gone):
+            return 0, 0  # the worker cut it before any token went out: a failure, like an error before the first byte
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         return (prompt if isinstance(prompt, int) else admitted.prompt_estimate), sent.stream_tokens
 

@@ -133,6 +133,7 @@ class MessagesEndpoint(InferenceEndpoints):
                 snapshot=snapshot,
                 started=cycle.started,
             )
+            cycle.ctx = ctx  # the disconnect watch marks it: a client that hangs up still pays (billing)
             turn = MessagesTurn(self.proxy, self.metrics, ctx, req.model)
             cycle.self_recorded = True  # from here on the turn records its own metrics and access log line
             return await turn.reply(pin)

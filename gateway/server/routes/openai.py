@@ -165,6 +165,8 @@ class InferenceEndpoints:
             if message["type"] == "http.disconnect":
                 if not cycle.finished and cycle.task is not None:
                     cycle.client_gone = True
+                    if cycle.ctx is not None:  # for the finalizers (billing: a client gone still pays)
+                        cycle.ctx.client_gone = True
                     cycle.task.cancel()
                 return
 

@@ -112,6 +112,7 @@ class ResponsesService:
                 snapshot=snapshot,
                 started=cycle.started,
             )
+            cycle.ctx = ctx  # the disconnect watch marks it: a client that hangs up still pays (billing)
             if dropped:  # said on the answer (and in the access log): the worker read fewer turns than stored
                 ctx.response_headers[TRUNCATED_HEADER] = str(dropped)
                 ctx.log["truncated_items"] = dropped

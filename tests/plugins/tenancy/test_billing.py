@@ -5,6 +5,8 @@ the request ended, and refusals and failures give the reservation back."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -275,6 +277,102 @@ def test_a_stream_the_worker_cuts_is_charged_for_what_was_sent(
         day = settled(server, lambda d: d["tokens"] < 15)
     assert b'"type":"server_error"' in reply.content  # the stream ends with an error event
     assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (5, 4, 9)
+
+
+def hang_up(
+    server: ServerThread,
+    reached: Callable[[], bool],
+    body: dict[str, Any],
+    *,
+    read_first: bool = False,
+    path: str = "/v1/chat/completions",
+) -> None:
+    """POST ``body`` to ``path`` as the billing key, wait until ``reached()`` (and, with ``read_first``,
+    until the stream's first bytes came back), then close the connection without reading the answer."""
+    raw = orjson.dumps(body)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST %s HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), KEY.encode(), len(raw), raw)
+        )
+        if read_first:
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 15
+        while not reached() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert reached(), "the request never got there"
+
+
+class Stall(Plugin):
+    """A plugin before routing that holds every request (as a full queue would), so none reaches a worker."""
+
+    name = "stall"
+    reached = threading.Event()
+
+    async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
+        type(self).reached.set()
+        await asyncio.Event().wait()
+        return None
+
+
+def test_a_client_that_hangs_up_before_its_request_reached_a_worker_pays_nothing(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    Stall.reached.clear()
+    cfg = config(prefix, upstream_url, {"tokens_per_day": 1000}, between=("stall",))
+    with gateway_factory(cfg, plugins={"stall": Stall}, admin_token="adm") as (_, server):
+        hang_up(server, Stall.reached.is_set, {"model": "m1", "messages": MESSAGES, "max_tokens": 50})
+        day = settled(server, lambda d: d["tokens"] < 55)  # the reservation is released
+    assert not upstream.requests
+    assert (day["tokens"], day["requests"]) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 50}),
+        ("/v1/messages", {"messages": MESSAGES, "max_tokens": 50}),
+        ("/v1/responses", {"input": "abcd", "max_output_tokens": 50, "store": False}),
+    ],
+)
+def test_a_client_that_hangs_up_while_the_worker_generates_pays_the_prompt(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    prefix: str,
+    path: str,
+    body: dict[str, Any],
+) -> None:
+    """A non-streamed request's answer comes when its generation is over: a client that hangs up just
+    before it got the worker's prefill (and its generation so far) for nothing, over and over."""
+    upstream.behavior.hang = True  # generating until the gateway closes the connection
+    with gateway_factory(config(prefix, upstream_url, {"tokens_per_day": 1000}), admin_token="adm") as (_, server):
+        hang_up(server, lambda: bool(upstream.requests), {"model": "m1", **body}, path=path)
+        day = settled(server, lambda d: d["tokens"] == 5)
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (5, 0, 5)
+    assert day["requests"] == 1
+
+
+def test_a_client_that_hangs_up_before_the_first_token_pays_the_prompt(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    upstream.behavior.hang_after = 1  # the role event, then nothing until the gateway goes away
+    with gateway_factory(config(prefix, upstream_url, {"tokens_per_day": 1000}), admin_token="adm") as (_, server):
+        body = {"model": "m1", "messages": MESSAGES, "max_tokens": 50, "stream": True}
+        hang_up(server, lambda: bool(upstream.requests), body, read_first=True)
+        day = settled(server, lambda d: d["tokens"] == 5)
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (5, 0, 5)
+
+
+def test_a_stream_the_worker_cuts_before_its_first_token_is_not_charged(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    upstream.behavior.cut_after = 1  # the role event, then the connection ends
+    with gateway_factory(config(prefix, upstream_url, {"tokens_per_day": 1000}), admin_token="adm") as (_, server):
+        reply = chat(server, stream=True, max_tokens=10)
+        day = settled(server, lambda d: d["tokens"] < 15)
+    assert b'"type":"server_error"' in reply.content
+    assert (day["tokens"], day["requests"]) == (0, 1)
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
