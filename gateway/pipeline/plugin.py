@@ -62,7 +62,8 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   reservation must cover wherever a request may go).
 - ``async on_side_request(call)``: optional; a route that does not run the inference pipeline is about
   to answer: ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /tokenize`` and ``/detokenize``, the stored
-  Responses' reads, input items, deletes and cancels. ``call``
+  Responses' reads, input items, deletes and cancels, and every Files and Batch API call (``/v1/files``,
+  ``/v1/batches``: the lines a batch runs later go through ``on_request``, not here). ``call``
   (``SideCall``) names the route, the request's lower-cased headers and, for tokenize and detokenize,
   the parsed body and the model (its config name, or None when the model does not exist or this
   caller may not see it: both look the same). Runs in list order, once per request; return None to
@@ -109,6 +110,15 @@ SideRoute = Literal[
     "responses.input_items",
     "responses.delete",
     "responses.cancel",
+    "files.create",
+    "files.list",
+    "files.retrieve",
+    "files.content",
+    "files.delete",
+    "batches.create",
+    "batches.list",
+    "batches.retrieve",
+    "batches.cancel",
 ]
 
 

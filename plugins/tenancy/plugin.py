@@ -241,9 +241,9 @@ class TenancyPlugin(Plugin):
         return [card for card in models if info.allows(card["id"], card.get("root", card["id"]))]
 
     async def on_side_request(self, call: SideCall) -> None:
-        """A request to a route without inference (models, tokenize, detokenize) counts against the
-        key's and the tenant's request limits like any other (a 429 past them); it is charged no tokens
-        and touches no token bucket or budget."""
+        """A request to a route without inference (models, tokenize, detokenize, stored Responses, the
+        Files and Batch APIs) counts against the key's and the tenant's request limits like any other (a
+        429 past them); it is charged no tokens and touches no token bucket or budget."""
         info = await self._authenticate(call.headers) if self.config.auth else None
         tenant = info.tenant if info is not None else self.config.anonymous_tenant
         plan = self.plans.of(info, tenant)

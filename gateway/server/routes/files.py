@@ -6,6 +6,10 @@ An upload is streamed to the file store as it arrives, bounded by ``batches.max_
 read (a 413 ``file_too_large``, and nothing kept), and by what the caller's tenant may store
 (``batches.max_tenant_bytes`` and ``max_tenant_files``: a 400 ``stored_bytes_exceeded`` or
 ``stored_files_exceeded``, and nothing kept); the caller is authenticated before a byte is read.
+
+Every call, of this API and the Batch API, is metered first like any other route without inference (the
+plugins' ``on_side_request``: tenancy counts it against the key's and the tenant's request limits, a 429
+past them, and answers 401 without a valid key).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from starlette.responses import StreamingResponse
 
 from gateway.batch.files import UPLOAD_PURPOSES, FileTooLarge
 from gateway.batch.service import BatchService, file_not_found
+from gateway.pipeline.plugin import SideCall, SideRoute
+from gateway.pipeline.runtime import RuntimeHolder
 from gateway.server.multipart import FormReader
 from gateway.server.routes import JSON
 from gateway.wire.batch_openapi import FILE_ID_PATTERN, FILES_CREATE_DOC
@@ -38,9 +44,21 @@ def service_of(request: Request) -> BatchService:
     return service
 
 
-async def scope_of(request: Request) -> tuple[BatchService, str]:
+async def metered(request: Request, route: SideRoute) -> dict[str, str]:
+    """The request's headers, once the plugins' ``on_side_request`` metered it as ``route`` (a 401 or a
+    429 from tenancy), before anything is read, stored or listed."""
+    headers = header_dict(request.scope["headers"])
+    holder: RuntimeHolder = request.app.state.gateway.holder
+    if holder.loaded:
+        with holder.pin() as snapshot:
+            await snapshot.pipeline.run_side(SideCall(route, headers))
+    return headers
+
+
+async def scope_of(request: Request, route: SideRoute) -> tuple[BatchService, str]:
+    """The service and the caller's scope, once the call was metered as ``route``."""
     service = service_of(request)
-    caller = await service.caller_of(header_dict(request.scope["headers"]))
+    caller = await service.caller_of(await metered(request, route))
     return service, service.scope(caller)
 
 
@@ -65,7 +83,7 @@ def limit_of(request: Request, default: int, most: int) -> int:
 
 @router.post("/v1/files", openapi_extra=FILES_CREATE_DOC)
 async def create_file(request: Request) -> JSON:
-    service, scope = await scope_of(request)
+    service, scope = await scope_of(request, "files.create")
     limit = service.config.max_file_bytes
     declared = decimal(request.headers.get("content-length", ""))
     if declared is not None and declared > limit + _FORM_SLACK:
@@ -87,7 +105,7 @@ async def create_file(request: Request) -> JSON:
 
 @router.get("/v1/files")
 async def list_files(request: Request) -> JSON:
-    service, scope = await scope_of(request)
+    service, scope = await scope_of(request, "files.list")
     query = request.query_params
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
@@ -101,7 +119,7 @@ async def list_files(request: Request) -> JSON:
 
 @router.get("/v1/files/{file_id}")
 async def retrieve_file(request: Request, file_id: FileId) -> JSON:
-    service, scope = await scope_of(request)
+    service, scope = await scope_of(request, "files.retrieve")
     obj = await service.files.get(scope, file_id)
     if obj is None:
         raise file_not_found(file_id)
@@ -110,7 +128,7 @@ async def retrieve_file(request: Request, file_id: FileId) -> JSON:
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(request: Request, file_id: FileId) -> StreamingResponse:
-    service, scope = await scope_of(request)
+    service, scope = await scope_of(request, "files.content")
     if await service.files.get(scope, file_id) is None:
         raise file_not_found(file_id)
     pieces = service.files.content(file_id)
@@ -132,7 +150,7 @@ async def file_content(request: Request, file_id: FileId) -> StreamingResponse:
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(request: Request, file_id: FileId) -> JSON:
-    service, scope = await scope_of(request)
+    service, scope = await scope_of(request, "files.delete")
     if not await service.files.delete(scope, file_id):
         raise file_not_found(file_id)
     return JSON({"id": file_id, "object": "file", "deleted": True})
