@@ -73,6 +73,11 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   ``POST /admin/plugins/{name}/{action}`` (e.g. the cache's ``purge``); returns a JSON-able dict or
   raises a ``GatewayError``. Only the live snapshot's instance is called. Never loads code or files
   named in ``body``.
+- ``went_live()``: optional, a plain function: the instance's config has just become the live one (called
+  once, right after the swap; never for a refused config). The place to make process-wide state match
+  this config (e.g. routing drops adapter pins of adapters it no longer lists): ``start`` may belong to a
+  config that a later plugin's ``start`` refuses. No I/O, no waiting; an exception is logged, the config
+  stays live.
 - ``async aclose()``: the runtime owning the instance was retired (reload, shutdown) and its in-flight
   requests drained.
 - ``default_on_error``: ``fail_closed`` (a hook failure answers 503) or ``fail_open`` (the failure is
@@ -180,6 +185,9 @@ class Plugin:
 
     async def on_admin(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
         raise NotFound(f"The '{self.name}' plugin has no admin action '{action}'.", param="action")
+
+    def went_live(self) -> None:
+        return None
 
     async def aclose(self) -> None:
         return None

@@ -2,8 +2,9 @@
 
 Reload is prepare-then-swap: ``prepare`` parses nothing itself but validates every plugin's config,
 builds and starts the plugins (any failure closes what was built and raises ``ConfigError``, leaving
-the live snapshot untouched); ``swap`` is one reference assignment. Each request pins the snapshot it
-started with; a retired snapshot's plugins are closed once its last pinned request finishes.
+the live snapshot untouched); ``swap`` is one reference assignment, after which the new plugins'
+``went_live`` runs. Each request pins the snapshot it started with; a retired snapshot's plugins are
+closed once its last pinned request finishes.
 """
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ async def build_snapshot(config: GatewayConfig, registry: PluginRegistry, servic
     )
 
 
+def _went_live(snapshot: RuntimeSnapshot) -> None:
+    """Tell the live snapshot's plugins it is live. The swap is done: a plugin that fails here is logged
+    and the config stays live."""
+    for bound in snapshot.pipeline.plugins:
+        try:
+            bound.plugin.went_live()
+        except Exception:
+            log.exception("plugin '%s' failed on going live with config %s", bound.name, snapshot.version)
+
+
 def _hook_observer(services: Services) -> HookObserver:
     metrics = services.metrics
     return metrics if services.tracing is None else services.tracing.hook_observer(metrics)
@@ -118,6 +129,7 @@ class RuntimeHolder:
             snapshot = await build_snapshot(config, self.registry, self.services)
             old, self._current = self._current, snapshot
             self._apply(snapshot)
+            _went_live(snapshot)
             if old is not None:
                 self._retire(old)
             log.info("config %s is live", snapshot.version)

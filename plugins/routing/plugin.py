@@ -15,6 +15,7 @@ what each worker holds is read back from the workers in the background (``gatewa
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from functools import partial
@@ -47,6 +48,8 @@ from plugins.routing.workerload import WorkerLoadScraper
 
 if TYPE_CHECKING:
     from gateway.upstream.workers import WorkerTable
+
+log = logging.getLogger("gateway.routing.adapters")
 
 
 class ModelRoute:
@@ -221,6 +224,21 @@ class RoutingPlugin(Plugin):
         loader = partial(self.shared.loader, self.config.adapters.load_timeout_s)
         admin = AdapterAdmin(self._adapter_names, self._lora, lambda name: self.pool(name).workers, loader)
         return await admin.handle(action, body)
+
+    def went_live(self) -> None:
+        """Pins are kept on the workers across reloads; a pin this config no longer backs (its adapter was
+        removed or renamed, or the worker no longer serves the adapter's base model) is dropped, so the
+        adapter is evicted as any other when room is needed, or unloaded by the operator."""
+        backed: dict[str, set[str]] = {}  # worker URL -> served names of the adapters it serves
+        for model in self._adapter_names.values():
+            for worker in self.pool(model.base).workers:
+                backed.setdefault(worker.url, set()).add(model.upstream_name)
+        for worker in self.services.workers.all():
+            pinned = worker.adapters.pinned
+            stale = pinned - backed.get(worker.url, set())
+            if stale:
+                pinned -= stale
+                log.info("unpinned adapters %s on %s: not in the live config", ", ".join(sorted(stale)), worker.url)
 
     def lora_workers(self) -> list[Worker]:
         """The workers of the models that serve adapters (each once)."""

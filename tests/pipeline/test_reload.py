@@ -305,3 +305,43 @@ def test_configmap_symlink_swap_is_picked_up(upstream: FakeUpstream, upstream_ur
         mount.publish(yaml.safe_dump(tagged(upstream_url, "v3")))
         assert wait_for(lambda: live_version(server) not in (first, second))
         serves_tag(server, "v3")
+
+
+class LiveConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tag: str = "a"
+    fail: bool = False
+
+
+class GoesLive(Plugin):
+    """Records the configs that went live; ``fail`` makes its ``went_live`` raise."""
+
+    name = "goes_live"
+    Config = LiveConfig
+
+    def went_live(self) -> None:
+        self.services.shared.setdefault("went_live", []).append(self.config.tag)
+        if self.config.fail:
+            raise RuntimeError("broken")
+
+
+def test_went_live_runs_once_per_config_that_goes_live_and_never_for_a_refused_one(
+    gateway_factory: GatewayFactory, upstream_url: str
+) -> None:
+    def config(tag: str, fail: bool = False, after: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        plugins = [{"name": "goes_live", "config": {"tag": tag, "fail": fail}}, {"name": "routing"}, *(after or [])]
+        return base_config([upstream_url], plugins=plugins)
+
+    plugins: dict[str, type[Plugin]] = {**PLUGINS, "goes_live": GoesLive}
+    with gateway_factory(config("a"), plugins=plugins, admin_token=TOKEN) as (app, server):
+        went_live = app.state.services.shared.setdefault("went_live", [])
+        assert went_live == ["a"]
+        assert put(server, config("b")).status_code == 200
+        assert put(server, config("b")).json()["changed"] is False  # the same config: no swap
+        unreachable = [{"name": "needs_redis", "config": {"url": "redis://127.0.0.1:1/0"}}]
+        assert put(server, config("c", after=unreachable)).status_code == 400  # started, then refused
+        assert went_live == ["a", "b"]
+        # A failure there is the plugin's: the swap is done, the config stays live.
+        assert put(server, config("d", fail=True)).status_code == 200
+        assert went_live == ["a", "b", "d"]
+        assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200

@@ -15,6 +15,7 @@ import openai
 import orjson
 import pytest
 
+from gateway.pipeline.plugin import Plugin
 from gateway.server.app import GatewayApp
 from gateway.upstream.workers import Worker
 from plugins.routing.telemetry import RoutingShared
@@ -369,3 +370,64 @@ def test_an_adapter_pinned_while_a_load_waits_for_the_worker_is_not_evicted_by_t
         assert ("unload", {"lora_name": "sql"}) not in fake.lora_calls
         assert sorted(fake.adapters) == ["sql", "support"]
         assert ("sql", "held") in _states(app, server) and "sql" in worker(app, server).adapters.pinned
+
+
+def test_a_reload_that_removes_a_pinned_adapter_drops_its_pin(gateway_factory: GatewayFactory) -> None:
+    """An operator pins sql (one slot); a reload removes sql from the config. The pin must go with it: the
+    next adapter's load evicts sql as any adapter nobody uses, instead of loading beside it for good."""
+    with fleet(1) as workers, gateway_factory(lora_config(workers, max_loras=1), admin_token=ADMIN_TOKEN) as (app, gw):
+        fake, server = workers[0]
+        assert admin(gw, "pin_adapter", adapter="sql", worker=server.url).status_code == 200
+        config = lora_config(workers, max_loras=1)
+        config["models"][0]["adapters"] = ADAPTERS[1:]
+        reply = httpx.put(gw.url + "/admin/config", headers=ADMIN, content=orjson.dumps(config), timeout=10)
+        assert reply.status_code == 200, reply.text
+        view = {w["url"]: w for w in _rows(gw)}[server.url]["adapters"]
+        assert {a["name"]: a["pinned"] for a in view} == {"sql": False}
+        ask(gw, "support")
+        assert fake.lora_calls[-2:] == [
+            ("unload", {"lora_name": "sql"}),
+            ("load", {"lora_name": "support", "lora_path": "/adapters/support"}),
+        ]
+        assert fake.adapters == {"support": "/adapters/support"}
+        assert worker(app, server).adapters.pinned == set()
+
+
+def test_a_reload_that_keeps_a_pinned_adapter_keeps_its_pin(gateway_factory: GatewayFactory) -> None:
+    with fleet(1) as workers, gateway_factory(lora_config(workers, max_loras=1), admin_token=ADMIN_TOKEN) as (app, gw):
+        fake, server = workers[0]
+        assert admin(gw, "pin_adapter", adapter="sql", worker=server.url).status_code == 200
+        config = lora_config(workers, max_loras=1)
+        config["models"][0]["adapters"] = [*ADAPTERS, {"name": "fresh", "path": "/adapters/fresh"}]
+        reply = httpx.put(gw.url + "/admin/config", headers=ADMIN, content=orjson.dumps(config), timeout=10)
+        assert reply.status_code == 200, reply.text
+        ask(gw, "support")  # no room, sql pinned: loaded beside it
+        assert ("unload", {"lora_name": "sql"}) not in fake.lora_calls
+        assert sorted(fake.adapters) == ["sql", "support"]
+        assert worker(app, server).adapters.pinned == {"sql"}
+
+
+class RefusesToStart(Plugin):
+    """A plugin after routing whose start fails: the config is refused once routing has started."""
+
+    async def start(self) -> None:
+        raise RuntimeError("not today")
+
+
+def test_a_refused_reload_leaves_the_pins_of_the_live_config(gateway_factory: GatewayFactory) -> None:
+    with (
+        fleet(1) as workers,
+        gateway_factory(
+            lora_config(workers, max_loras=1), plugins={"refuses": RefusesToStart}, admin_token=ADMIN_TOKEN
+        ) as (app, gw),
+    ):
+        fake, server = workers[0]
+        assert admin(gw, "pin_adapter", adapter="sql", worker=server.url).status_code == 200
+        config = lora_config(workers, max_loras=1)
+        config["models"][0]["adapters"] = ADAPTERS[1:]
+        config["plugins"].append({"name": "refuses"})
+        reply = httpx.put(gw.url + "/admin/config", headers=ADMIN, content=orjson.dumps(config), timeout=10)
+        assert reply.status_code == 400 and "could not start" in reply.text
+        assert worker(app, server).adapters.pinned == {"sql"}
+        ask(gw, "support")  # the live config still pins sql: loaded beside it
+        assert ("unload", {"lora_name": "sql"}) not in fake.lora_calls
