@@ -9,7 +9,9 @@
   with a 409 while requests are using it there. The next request for it loads it again somewhere.
 
 ``adapter`` is an adapter's name or alias, ``worker`` the URL of a worker of its base model (as
-``GET /admin/workers`` lists them).
+``GET /admin/workers`` lists them). ``unpin_adapter`` and ``unload_adapter`` also take an adapter the live
+config does not give that worker (removed by a reload, its base model moved to other workers, loaded by
+another gateway): by the name the worker holds it under, on any worker the gateway knows that holds it.
 """
 
 from __future__ import annotations
@@ -36,19 +38,21 @@ class AdapterAdmin:
         lora: dict[str, LoraSettings],
         workers_of: Callable[[str], Sequence[Worker]],
         loader: Callable[[], AdapterLoader],
+        every_worker: Callable[[], Sequence[Worker]],
     ) -> None:
         self._names = names
         self._lora = lora
         self._workers_of = workers_of
         self._loader = loader
+        self._every_worker = every_worker
 
     async def handle(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
         if action == "adapters":
             return self.overview()
-        model, worker = self._target(body)
-        name = model.upstream_name
+        model, worker, name = self._target(action, body)
         state = worker.adapters
         if action == "pin_adapter":
+            assert model is not None  # a pin loads the adapter: _target finds it in the config or refuses
             # Pinned from before the load is awaited: a load queued behind it on the worker runs before this
             # resumes, and must not evict it.
             was_pinned = name in state.pinned
@@ -68,7 +72,7 @@ class AdapterAdmin:
                 busy = state.active.get(name, 0)
                 if busy:
                     raise GatewayError(
-                        f"Adapter '{model.name}' is in use by {busy} request(s) on {worker.url}; try again when"
+                        f"Adapter '{body['adapter']}' is in use by {busy} request(s) on {worker.url}; try again when"
                         " they end.",
                         code="adapter_in_use",
                         status=409,
@@ -84,18 +88,29 @@ class AdapterAdmin:
                 seen.setdefault(worker.url, worker)
         return {"workers": [{"url": url, "adapters": w.adapters.describe(now)} for url, w in seen.items()]}
 
-    def _target(self, body: dict[str, Any]) -> tuple[AdapterModel, Worker]:
+    def _target(self, action: str, body: dict[str, Any]) -> tuple[AdapterModel | None, Worker, str]:
+        """The adapter's config (None: one the live config does not give that worker), the worker, and the
+        name the worker knows the adapter by."""
         name, url = body.get("adapter"), body.get("worker")
         if not isinstance(name, str) or not isinstance(url, str):
             raise InvalidRequest('Send {"adapter": NAME, "worker": URL}.', code="invalid_action_body")
+        url = url.rstrip("/")
         model = self._names.get(name)
+        if model is not None:
+            worker = next((w for w in self._workers_of(model.base) if w.url == url), None)
+            if worker is not None:
+                return model, worker, model.upstream_name
+        if action != "pin_adapter":
+            # Letting go of an adapter needs no config: one a reload left on a worker still holds a slot there.
+            served = model.upstream_name if model is not None else name
+            for worker in self._every_worker():
+                state = worker.adapters
+                if worker.url == url and (state.holds(served) or served in state.pinned):
+                    return None, worker, served
         if model is None:
             raise NotFound(f"No adapter '{name}' in the live config.", param="adapter", code="adapter_not_found")
-        worker = next((w for w in self._workers_of(model.base) if w.url == url.rstrip("/")), None)
-        if worker is None:
-            raise NotFound(
-                f"'{url}' is not a worker of '{model.base}', the base model of '{model.name}'.",
-                param="worker",
-                code="worker_not_found",
-            )
-        return model, worker
+        raise NotFound(
+            f"'{url}' is not a worker of '{model.base}', the base model of '{model.name}'.",
+            param="worker",
+            code="worker_not_found",
+        )

@@ -222,7 +222,9 @@ class RoutingPlugin(Plugin):
         if action not in ADAPTER_ACTIONS:
             return await super().on_admin(action, body)
         loader = partial(self.shared.loader, self.config.adapters.load_timeout_s)
-        admin = AdapterAdmin(self._adapter_names, self._lora, lambda name: self.pool(name).workers, loader)
+        admin = AdapterAdmin(
+            self._adapter_names, self._lora, lambda name: self.pool(name).workers, loader, self.services.workers.all
+        )
         return await admin.handle(action, body)
 
     def went_live(self) -> None:

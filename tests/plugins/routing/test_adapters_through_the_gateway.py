@@ -431,3 +431,30 @@ def test_a_refused_reload_leaves_the_pins_of_the_live_config(gateway_factory: Ga
         assert worker(app, server).adapters.pinned == {"sql"}
         ask(gw, "support")  # the live config still pins sql: loaded beside it
         assert ("unload", {"lora_name": "sql"}) not in fake.lora_calls
+
+
+def test_operators_unload_adapters_a_reload_left_on_the_workers(gateway_factory: GatewayFactory) -> None:
+    """A reload takes every adapter off the model: the worker still holds the two it loaded, and the
+    operator can let go of them by the name the worker lists, though the live config names neither."""
+    with fleet(1) as workers, gateway_factory(lora_config(workers), admin_token=ADMIN_TOKEN) as (app, gw):
+        fake, server = workers[0]
+        assert admin(gw, "pin_adapter", adapter="sql", worker=server.url).status_code == 200
+        ask(gw, "support")
+        config = lora_config(workers)
+        del config["models"][0]["adapters"], config["models"][0]["lora"]
+        reply = httpx.put(gw.url + "/admin/config", headers=ADMIN, content=orjson.dumps(config), timeout=10)
+        assert reply.status_code == 200, reply.text
+        assert admin(gw, "unpin_adapter", adapter="sql", worker=server.url).status_code == 200
+        unloaded = admin(gw, "unload_adapter", adapter="sql", worker=server.url)
+        assert unloaded.status_code == 200, unloaded.text
+        assert [a["name"] for a in unloaded.json()["result"]["adapters"]] == ["support"]
+        assert admin(gw, "unload_adapter", adapter="support", worker=server.url + "/").status_code == 200
+        assert fake.adapters == {} and worker(app, server).adapters.held == {}
+        assert [call for call in fake.lora_calls if call[0] == "unload"] == [
+            ("unload", {"lora_name": "sql"}),
+            ("unload", {"lora_name": "support"}),
+        ]
+        # gone now, and never loadable without a config: named as before
+        for action in ("unload_adapter", "pin_adapter"):
+            refused = admin(gw, action, adapter="sql", worker=server.url)
+            assert refused.status_code == 404 and refused.json()["error"]["code"] == "adapter_not_found"
