@@ -221,17 +221,34 @@ class GatewayConfig(StrictModel):
     def managed_workers(self) -> list[ManagedWorkerSpec]:
         """``engine.workers`` as they are launched: a worker of a model that serves adapters runs with
         LoRA enabled (the model's ``lora`` settings), unless its own ``lora`` says otherwise."""
+        wanted = self._lora_wanted()
+        out = []
+        for spec in self.engine.workers:
+            lora = spec.lora or merged_lora(wanted.get(spec.name, []))
+            out.append(spec if lora is spec.lora else spec.model_copy(update={"lora": lora}))
+        return out
+
+    def worker_lora(self) -> dict[str, LoraSettings]:
+        """The LoRA settings each worker of a model with adapters runs with, by its ref in ``models[].workers``:
+        a managed worker's as it is launched, an external one's the largest each of its models asks for (as a
+        managed one shared by several models; docs/adapters.md). Every model on a worker shares its slots."""
+        launched = {spec.name: spec.lora for spec in self.managed_workers()}
+        out = {}
+        for ref, settings in self._lora_wanted().items():
+            lora = launched.get(ref) or merged_lora(settings)
+            if lora is not None:
+                out[ref] = lora
+        return out
+
+    def _lora_wanted(self) -> dict[str, list[LoraSettings]]:
+        """Worker ref -> the LoRA settings of each model with adapters that lists it."""
         wanted: dict[str, list[LoraSettings]] = {}
         for model in self.models:
             settings = model.lora_settings
             if settings is not None:
                 for ref in model.workers:
                     wanted.setdefault(ref, []).append(settings)
-        out = []
-        for spec in self.engine.workers:
-            lora = spec.lora or merged_lora(wanted.get(spec.name, []))
-            out.append(spec if lora is spec.lora else spec.model_copy(update={"lora": lora}))
-        return out
+        return wanted
 
     batches: BatchesConfig = Field(
         default_factory=BatchesConfig, description="the Files and Batch APIs, run on idle capacity (gateway.batch)"

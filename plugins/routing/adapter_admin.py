@@ -36,12 +36,14 @@ class AdapterAdmin:
         self,
         names: dict[str, AdapterModel],
         lora: dict[str, LoraSettings],
+        lora_of: Callable[[Worker, str], LoraSettings],
         workers_of: Callable[[str], Sequence[Worker]],
         loader: Callable[[], AdapterLoader],
         every_worker: Callable[[], Sequence[Worker]],
     ) -> None:
         self._names = names
         self._lora = lora
+        self._lora_of = lora_of
         self._workers_of = workers_of
         self._loader = loader
         self._every_worker = every_worker
@@ -58,7 +60,7 @@ class AdapterAdmin:
             was_pinned = name in state.pinned
             state.pinned.add(name)
             try:
-                await self._loader().ensure(worker, model.adapter, self._lora[model.base])
+                await self._loader().ensure(worker, model.adapter, self._lora_of(worker, model.base))
             except BaseException:
                 if not was_pinned:
                     state.pinned.discard(name)

@@ -23,25 +23,30 @@ from plugins.routing.placement import Scene, Scorer, WorkerView, load_cap, rank
 from plugins.routing.plan import Plan
 from plugins.routing.policies import LoadBias, WorkerPool
 
+#: ``lora_of(worker, base)``: the LoRA settings a worker runs with (its ``max_loras`` slots are shared by every
+#: model whose adapters it serves), ``base`` the adapter's base model.
+LoraOf = Callable[[Worker, str], LoraSettings]
+
 
 class AdapterRoute:
     """One adapter as a request may use it: the base model's pool, ranked by the placement scorers."""
 
-    __slots__ = ("_pool", "_routing", "_rr", "_scorers", "_settings", "bias", "model")
+    __slots__ = ("_base", "_lora_of", "_pool", "_routing", "_rr", "_scorers", "bias", "model")
 
     def __init__(
         self,
         model: AdapterModel,
         routing: ModelRouting,
         pool: WorkerPool,
-        settings: LoraSettings,
+        lora_of: LoraOf,
         weighted: Sequence[tuple[Scorer, float]],
         bias: LoadBias | None,
     ) -> None:
         self.model: ModelConfig = model
+        self._base = model.base
         self._routing = routing
         self._pool = pool
-        self._settings = settings
+        self._lora_of = lora_of
         self._scorers = weighted
         self._rr = 0
         self.bias = bias
@@ -59,13 +64,13 @@ class AdapterRoute:
         start = self._rr % len(workers) if workers else 0
         self._rr += 1
         bias = self.bias
-        max_loras = self._settings.max_loras
+        lora_of, base = self._lora_of, self._base
         return [
             WorkerView(
                 worker=w,
                 load=w.in_flight + (bias(w) if bias is not None else 0.0),
                 holds=w.adapters.holds(name),
-                free_slots=max_loras - w.adapters.occupied(),
+                free_slots=lora_of(w, base).max_loras - w.adapters.occupied(),
             )
             for w in workers[start:] + workers[:start]
             if w.available(now) and w not in tried
@@ -85,8 +90,8 @@ class AdapterPlan(Plan):
 
     __slots__ = ("_loader", "_settings_of", "_using")
 
-    def use(self, loader: AdapterLoader, settings_of: Callable[[str], LoraSettings]) -> AdapterPlan:
-        """Called once, right after construction: the loader and each base model's LoRA settings."""
+    def use(self, loader: AdapterLoader, settings_of: LoraOf) -> AdapterPlan:
+        """Called once, right after construction: the loader and the LoRA settings of each worker."""
         self._loader = loader
         self._settings_of = settings_of
         self._using: dict[Worker, str] = {}
@@ -103,7 +108,7 @@ class AdapterPlan(Plan):
         # not find its adapter evicted, by a third request's load, between that load and its attempt.
         worker.adapters.acquire(name)
         try:
-            await self._loader.ensure(worker, model.adapter, self._settings_of(model.base))
+            await self._loader.ensure(worker, model.adapter, self._settings_of(worker, model.base))
         except BaseException:
             worker.adapters.release(name)
             raise

@@ -21,6 +21,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from gateway.engine.spec import merged_lora
 from gateway.ops.tasks import cancel_and_wait
 from gateway.pipeline.adapters import LoraSettings
 from gateway.pipeline.config import AdapterModel, GatewayConfig, ModelConfig
@@ -134,7 +135,9 @@ class RoutingPlugin(Plugin):
         self._precise: dict[str, PrecisePlacement] = {}
         self._following: asyncio.Task[None] | None = None
         self._refollow = False
-        self._lora: dict[str, LoraSettings] = {}  # base model -> its workers' adapter settings
+        self._lora: dict[str, LoraSettings] = {}  # base model -> its own adapter settings
+        self._worker_lora: dict[str, LoraSettings] = {}  # worker URL or dns:// ref -> what it runs with
+        self._lora_by_url: tuple[int, dict[str, LoraSettings]] = (-1, {})  # per worker table generation
         self._adapter_names: dict[str, AdapterModel] = {}  # every adapter name and alias
         self._adapter_sync: AdapterSync | None = None
         weights = config.adapters
@@ -159,6 +162,8 @@ class RoutingPlugin(Plugin):
             targets = self.config.for_model(model.name).targets
             if targets and model.name in self.config.models:
                 self._targets[model.name] = WeightedTargets(targets, self.rng)
+        for ref, settings in config.worker_lora().items():
+            self._worker_lora[managed.get(ref, ref)] = settings
         self._gateway_config = config
         self._tokenizers = tokenizer_sources(self.config, config, self.services.settings.model_dir)
         refs = [ref for refs in self._refs.values() for ref in refs if ref.startswith("dns://")]
@@ -223,7 +228,12 @@ class RoutingPlugin(Plugin):
             return await super().on_admin(action, body)
         loader = partial(self.shared.loader, self.config.adapters.load_timeout_s)
         admin = AdapterAdmin(
-            self._adapter_names, self._lora, lambda name: self.pool(name).workers, loader, self.services.workers.all
+            self._adapter_names,
+            self._lora,
+            self.lora_of,
+            lambda name: self.pool(name).workers,
+            loader,
+            self.services.workers.all,
         )
         return await admin.handle(action, body)
 
@@ -242,6 +252,20 @@ class RoutingPlugin(Plugin):
                 pinned -= stale
                 log.info("unpinned adapters %s on %s: not in the live config", ", ".join(sorted(stale)), worker.url)
 
+    def lora_of(self, worker: Worker, base: str) -> LoraSettings:
+        """The LoRA settings ``worker`` runs with, its ``max_loras`` slots shared by every model whose adapters
+        it serves (``base``'s own settings for a worker the config does not list, e.g. one leaving)."""
+        table: WorkerTable = self.services.workers
+        generation, by_url = self._lora_by_url
+        if generation != table.generation:
+            wanted: dict[str, list[LoraSettings]] = {}
+            for ref, settings in self._worker_lora.items():
+                for url in table.expand((ref,)):
+                    wanted.setdefault(url, []).append(settings)
+            by_url = {url: lora for url, settings in wanted.items() if (lora := merged_lora(settings)) is not None}
+            self._lora_by_url = (table.generation, by_url)
+        return by_url.get(worker.url) or self._lora[base]
+
     def lora_workers(self) -> list[Worker]:
         """The workers of the models that serve adapters (each once)."""
         workers = {id(w): w for name in self._lora for w in self.pool(name).workers}
@@ -250,8 +274,7 @@ class RoutingPlugin(Plugin):
     def route(self, model: ModelConfig, ctx: RequestContext, bias: LoadBias | None) -> ModelRoute | AdapterRoute:
         routing = self.config.for_model(model.name)
         if isinstance(model, AdapterModel):
-            settings = self._lora[model.base]
-            return AdapterRoute(model, routing, self.pool(model.name), settings, self._scorers, bias)
+            return AdapterRoute(model, routing, self.pool(model.name), self.lora_of, self._scorers, bias)
         return ModelRoute(model, routing, self.pool(model.name), ctx, bias)
 
     def pool(self, model: str) -> WorkerPool:
@@ -310,7 +333,7 @@ class RoutingPlugin(Plugin):
             on_budget_refused=self._count_budget_refused,
         )
         if isinstance(plan, AdapterPlan):
-            plan.use(self.shared.loader(self.config.adapters.load_timeout_s), self._lora.__getitem__)
+            plan.use(self.shared.loader(self.config.adapters.load_timeout_s), self.lora_of)
         ctx.plan = plan
         return None
 

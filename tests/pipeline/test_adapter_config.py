@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from gateway.pipeline.config import AdapterModel, ConfigError, parse_config
@@ -72,6 +73,31 @@ def test_a_model_without_adapters_runs_its_workers_without_lora() -> None:
     assert config.models[0].lora_settings is None
     with_slots = parse_config(yaml_with([], lora={"max_loras": 2, "max_lora_rank": 8}))
     assert with_slots.models[0].lora_settings is not None  # ready for adapters added by a later reload
+
+
+def test_each_worker_has_one_set_of_lora_settings_whatever_the_models_sharing_it_ask_for() -> None:
+    """A worker's adapter slots are its own: a managed worker's as launched (its own ``lora:`` first), an
+    external one's the largest its models ask for, as a managed one shared by several models."""
+    config = parse_config(
+        orjson.dumps(
+            {
+                "models": [
+                    {"name": "a", "workers": ["own", "plain", "http://x:1"], "lora": {"max_loras": 2}},
+                    {"name": "b", "workers": ["own", "plain", "http://x:1", "dns://y:2"], "adapters": ADAPTERS},
+                    {"name": "c", "workers": ["http://z:3"]},
+                ],
+                "engine": {
+                    "workers": [
+                        {"name": "own", "model": "smollm2", "port": 8001, "lora": {"max_loras": 1}},
+                        {"name": "plain", "model": "smollm2", "port": 8002},
+                    ]
+                },
+            }
+        )
+    )
+    slots = {ref: lora.max_loras for ref, lora in config.worker_lora().items()}
+    assert slots == {"own": 1, "plain": 4, "http://x:1": 4, "dns://y:2": 4}
+    assert {w.name: w.lora and w.lora.max_loras for w in config.managed_workers()} == {"own": 1, "plain": 4}
 
 
 def test_models_lists_each_adapter_with_its_base_model_as_parent(

@@ -458,3 +458,50 @@ def test_operators_unload_adapters_a_reload_left_on_the_workers(gateway_factory:
         for action in ("unload_adapter", "pin_adapter"):
             refused = admin(gw, action, adapter="sql", worker=server.url)
             assert refused.status_code == 404 and refused.json()["error"]["code"] == "adapter_not_found"
+
+
+def two_models(refs: list[str], m1_lora: dict[str, int] | None, **extra: Any) -> dict[str, Any]:
+    """m1 serves sql, m2 support and legal, both on the workers ``refs``; m2 keeps at most 2 adapters."""
+    config = base_config(refs, plugins=[{"name": "routing", "config": {"adapters": {"sync_interval_s": 0.1}}}])
+    config["models"] = [
+        {"name": "m1", "workers": refs, "adapters": ADAPTERS[:1], **({"lora": m1_lora} if m1_lora else {})},
+        {"name": "m2", "workers": refs, "lora": {"max_loras": 2}, "adapters": ADAPTERS[1:]},
+    ]
+    return {**config, **extra}
+
+
+def test_a_worker_shared_by_two_models_is_counted_with_its_own_adapter_slots(gateway_factory: GatewayFactory) -> None:
+    """m1 (max_loras 1) and m2 (max_loras 2) share one worker, which runs with the larger of the two
+    (docs/adapters.md: 2 slots). Loading m1's adapter beside m2's must not evict m2's: the worker has room
+    for both. A third adapter then evicts the least recently used, as on any worker with two slots."""
+    with fleet(1) as workers:
+        fake, server = workers[0]
+        with gateway_factory(two_models([server.url], {"max_loras": 1})) as (_, gw):
+            ask(gw, "support")
+            ask(gw, "sql")
+            assert loads(fake) == ["support", "sql"] and sorted(fake.adapters) == ["sql", "support"]
+            ask(gw, "legal")
+            assert fake.lora_calls[-2:] == [
+                ("unload", {"lora_name": "support"}),
+                ("load", {"lora_name": "legal", "lora_path": "/adapters/legal"}),
+            ]
+            assert sorted(fake.adapters) == ["legal", "sql"]
+
+
+def test_a_managed_workers_own_lora_settings_bound_its_adapters(gateway_factory: GatewayFactory) -> None:
+    """A managed worker's own ``lora:`` is what it is started with (--max-loras 1 here), whatever its
+    models ask for (m2: 2): a second adapter must evict the first rather than be loaded past the worker's
+    slot."""
+    with fleet(1) as workers:
+        fake, server = workers[0]
+        port = int(server.url.rsplit(":", 1)[1])
+        spec = {"name": "w0", "model": "smollm2", "port": port, "lora": {"max_loras": 1, "max_lora_rank": 8}}
+        with gateway_factory(two_models(["w0"], None, engine={"workers": [spec]})) as (_, gw):
+            ask(gw, "support")
+            ask(gw, "legal")
+            assert fake.lora_calls == [
+                ("load", {"lora_name": "support", "lora_path": "/adapters/support"}),
+                ("unload", {"lora_name": "support"}),
+                ("load", {"lora_name": "legal", "lora_path": "/adapters/legal"}),
+            ]
+            assert fake.adapters == {"legal": "/adapters/legal"}
