@@ -45,6 +45,25 @@ class TenantConfig(Limits):
 NO_LIMITS = TenantConfig()  # a tenant the config does not name
 
 
+class MediaTokens(BaseModel):
+    """Tokens the admission estimate counts for one media part of a chat message. The gateway cannot
+    know them (each model's processor makes its own number of tokens of an image, a clip, a video, and
+    vLLM ignores OpenAI's ``detail``), so a deployment sets what its models take at most per item; the
+    defaults suit common vision and audio models. Usage corrects the charge afterwards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    image: int = Field(
+        2048,
+        ge=0,
+        le=1_000_000,
+        description="an image part (image_url, input_image, image_embeds; a file part, and a part type the "
+        "gateway does not know, count as one too)",
+    )
+    audio: int = Field(750, ge=0, le=1_000_000, description="an audio part (input_audio, audio_url, audio_embeds)")
+    video: int = Field(4096, ge=0, le=1_000_000, description="a video part (video_url, video_embeds)")
+
+
 class ConfigKey(BaseModel):
     """A client key declared in config.yaml (by digest). Revoke it by removing it and reloading."""
 

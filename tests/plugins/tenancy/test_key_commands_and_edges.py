@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from plugins.tenancy.__main__ import main as tenancy_cli
-from plugins.tenancy.config import TenancyConfig
+from plugins.tenancy.config import MediaTokens, TenancyConfig
 from plugins.tenancy.estimate import prompt_tokens, reported_usage, reserved_completion
 from plugins.tenancy.keys import hash_key
 from tests.plugins.tenancy.test_keys import ADMIN, admin, chat, tenancy
@@ -231,6 +231,61 @@ def test_tenancy_config_refusals(config: dict[str, Any], message: str) -> None:
 )
 def test_prompt_token_estimates(endpoint: str, body: dict[str, Any], tokens: int) -> None:
     assert prompt_tokens(endpoint, body) == tokens
+
+
+_BIG_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 4_000_000, "detail": "low"}}
+
+
+def _user(*parts: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": list(parts)}]}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "tokens"),
+    [
+        # an image is 2048 tokens whatever its URL's size or detail (vLLM ignores detail); + 4 for the message
+        ("chat/completions", _user({"type": "text", "text": "x" * 8}, _BIG_IMAGE), 2 + 2048 + 4),
+        ("chat/completions", _user({"type": "image_url", "image_url": {"url": "https://a.example/i.png"}}), 2052),
+        ("chat/completions", _user({"type": "input_image", "image_url": "https://a.example/i.png"}), 2052),
+        ("chat/completions", _user({"type": "image_embeds", "image_embeds": "AAAA"}), 2052),
+        ("chat/completions", _user({"image_url": {"url": "https://a.example/i.png"}, "uuid": "u"}), 2052),  # untyped
+        ("chat/completions", _user({"type": "file", "file": {"file_data": "JVBERi0" * 1000}}), 2052),
+        ("chat/completions", _user({"type": "some_future_part", "x": 1}), 2052),  # unknown: vLLM refuses it
+        ("chat/completions", _user({"type": "input_audio", "input_audio": {"data": "UklG", "format": "wav"}}), 754),
+        ("chat/completions", _user({"type": "audio_url", "audio_url": {"url": "https://a.example/a.mp3"}}), 754),
+        ("chat/completions", _user({"audio_embeds": "AAAA"}), 754),
+        ("chat/completions", _user({"type": "video_url", "video_url": {"url": "https://a.example/v.mp4"}}), 4100),
+        ("chat/completions", _user({"type": "video_embeds", "video_embeds": "AAAA"}), 4100),
+        # text in the parts vLLM reads as text; an untyped part with nothing vLLM reads is nothing
+        (
+            "chat/completions",
+            _user({"type": "thinking", "thinking": "x" * 8}, {"type": "refusal", "refusal": "abcd"}),
+            7,
+        ),
+        ("chat/completions", _user({"type": "tool_reference", "name": "x" * 8}, {"what": "ever"}), 6),
+        # prompt embeddings: a row of at least 1024 bytes per token (4096 base64 characters: 3072 bytes)
+        ("chat/completions", _user({"type": "prompt_embeds", "data": "A" * 4096}), 3 + 4),
+        ("completions", {"prompt_embeds": ["A" * 4096, "A" * 8]}, 3 + 1),
+        # multimodal scoring items, and the pooling routes' conversations in input
+        ("score", {"data_1": "abcd", "data_2": {"content": [_BIG_IMAGE]}}, 1 + 2048),
+        ("rerank", {"query": "abcd", "documents": [{"content": [_BIG_IMAGE]}, "efgh"]}, 1 + 2048 + 1),
+        ("embeddings", {"input": [{"role": "user", "content": [_BIG_IMAGE, {"type": "text", "text": "abcd"}]}]}, 2049),
+        (
+            "embeddings",
+            {"input": [[{"role": "user", "content": [_BIG_IMAGE]}], [{"role": "user", "content": "ab"}]]},
+            2049,
+        ),
+        ("classify", _user({"type": "video_url", "video_url": {"url": "https://a.example/v.mp4"}}), 4100),
+    ],
+)
+def test_media_parts_count_a_per_part_estimate(endpoint: str, body: dict[str, Any], tokens: int) -> None:
+    assert prompt_tokens(endpoint, body) == tokens
+
+
+def test_media_part_estimates_are_given_by_the_caller() -> None:
+    media = MediaTokens(image=85, audio=10, video=0)
+    parts = [_BIG_IMAGE, _BIG_IMAGE, {"type": "input_audio", "input_audio": {}}, {"video_url": {"url": "v"}}]
+    assert prompt_tokens("chat/completions", _user(*parts), media) == 85 * 2 + 10 + 4
 
 
 def test_reserved_completion_is_the_budget_times_n() -> None:

@@ -196,3 +196,30 @@ def test_redis_down_fail_open_enforces_a_local_limit(
     assert codes == [200, 200, 200, 429]  # half of 6 on this replica alone
     assert unknown.status_code == 503
     assert len(upstream.requests) == 3
+
+
+def test_images_are_reserved_against_the_token_limit(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    """Each image part reserves the image estimate (2048 tokens by default) on admission: a request with
+    one image leaves the limit minus 5 + 2048 + 3, and one whose three images exceed the limit is refused
+    before a worker sees it, through the chat and the Messages APIs alike (their images were free)."""
+    data = "iVBORw0KGgo" + "A" * 1_000_000  # a base64 PNG of 750 kB
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+    text = {"type": "text", "text": "abcd"}
+    config = tenancy(prefix, upstream_url, {"tokens_per_minute": 5000})
+    with gateway_factory(config) as (_, server):
+        url = server.url + "/v1/chat/completions"
+        one = httpx.post(url, json={**BODY, "messages": [{"role": "user", "content": [text, image]}]}, headers=HEADERS)
+        assert one.status_code == 200
+        assert one.headers["x-ratelimit-remaining-tokens"] == str(5000 - (5 + 2048 + 3))
+        three = {**BODY, "messages": [{"role": "user", "content": [text, image, image, image]}]}
+        refused = httpx.post(url, json=three, headers=HEADERS)
+        assert refused.status_code == 429
+        assert "Request too large for tokens per min (TPM)" in refused.json()["error"]["message"]
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+        messages = {"model": "m1", "max_tokens": 3, "messages": [{"role": "user", "content": [block] * 3}]}
+        anthropic = httpx.post(server.url + "/v1/messages", json=messages, headers=HEADERS)
+        assert anthropic.status_code == 429
+        assert anthropic.json()["type"] == "error"
+    assert len(upstream.requests) == 1
