@@ -123,6 +123,11 @@ class TenancyConfig(BaseModel):
     default_context_tokens: int = Field(
         4096, ge=16, description="a model's context when neither it nor its managed worker sets max_model_len"
     )
+    media_tokens: MediaTokens = Field(
+        default_factory=MediaTokens,
+        description="tokens the admission estimate counts for each image, audio and video part of a message: "
+        "what the served models make of one at most",
+    )
     batch_price_factor: float = Field(
         1.0, ge=0, le=10, description="a batch line is charged this share of its tokens (e.g. 0.5: half price)"
     )

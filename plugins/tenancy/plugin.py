@@ -186,7 +186,7 @@ class TenancyPlugin(Plugin):
         ctx.priority = LINE_PRIORITY if line is not None else self._priority(tenant_config, ctx.headers)
         factor = self.config.batch_price_factor if line is not None else 1.0
         plan = self.plans.of(info, tenant)
-        prompt = estimate.prompt_tokens(ctx.endpoint, ctx.body)
+        prompt = estimate.prompt_tokens(ctx.endpoint, ctx.body, self.config.media_tokens)
         want, least, clamp = self._reservation(ctx, prompt)
         want, least = min(priced(want, factor), MAX_RESERVATION), min(priced(least, factor), MAX_RESERVATION)
         decision, via_redis = await self._admit(plan, want, least, tenant)

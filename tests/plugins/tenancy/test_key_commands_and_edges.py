@@ -194,6 +194,7 @@ DIGEST = "ab" * 32
         ({"redis_timeout_ms": 0}, "greater than 0"),
         ({"fail_open_share": 1.5}, "less than or equal to 1"),
         ({"key_cache_ttl_s": 2}, "less than or equal to 1"),
+        ({"media_tokens": {"image": -1}}, "greater than or equal to 0"),
     ],
 )
 def test_tenancy_config_refusals(config: dict[str, Any], message: str) -> None:

@@ -223,3 +223,20 @@ def test_images_are_reserved_against_the_token_limit(
         assert anthropic.status_code == 429
         assert anthropic.json()["type"] == "error"
     assert len(upstream.requests) == 1
+
+
+def test_the_media_part_estimates_are_a_setting(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    """``media_tokens`` sets what an image, audio or video part reserves: with images of 100 tokens and
+    clips of 10, "abcd", an image, a clip and max_tokens 3 reserve 1 + 100 + 10 + 4 + 3."""
+    image = {"type": "image_url", "image_url": {"url": "https://images.example.com/cat.png"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRiQAAABXQVZF", "format": "wav"}}
+    content = [{"type": "text", "text": "abcd"}, image, audio]
+    limits = {"tokens_per_minute": 5000}
+    config = tenancy(prefix, upstream_url, limits, media_tokens={"image": 100, "audio": 10})
+    with gateway_factory(config) as (_, server):
+        body = {**BODY, "messages": [{"role": "user", "content": content}]}
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, headers=HEADERS)
+    assert reply.status_code == 200
+    assert reply.headers["x-ratelimit-remaining-tokens"] == str(5000 - (1 + 100 + 10 + 4 + 3))
