@@ -49,3 +49,18 @@ def test_the_sdk_runs_a_batch_end_to_end(
     assert refused["status_code"] == 404 and refused["body"]["error"]["code"] == "model_not_found"
     asked = sorted(r.body["messages"][0]["content"] for r in upstream.requests if r.path == "/v1/chat/completions")
     assert asked == sorted(f"question {i}" for i in range(6))  # each line once, the bad ones never
+
+
+def test_a_files_content_is_served_nosniff(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """What a tenant uploaded comes back as bytes a browser must not sniff: without ``nosniff`` it would run
+    a file as a script of the gateway's origin (where the console may be served) if a page asked it to."""
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server.url)
+        uploaded = client.files.create(file=("x.jsonl", b"window.__pwned = 1;\n"), purpose="batch")
+        answer = client.files.with_raw_response.content(uploaded.id)
+        assert answer.headers["content-type"] == "application/octet-stream"
+        assert answer.headers["x-content-type-options"] == "nosniff"
+        assert answer.content == b"window.__pwned = 1;\n"

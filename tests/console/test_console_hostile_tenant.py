@@ -196,3 +196,39 @@ def reported(page: Any, wanted: set[str]) -> set[str]:
             assert wanted <= directives, directives
             return directives
         page.wait_for_timeout(50)
+
+
+def test_a_tenants_file_is_no_script_for_the_console(
+    browser: Any,
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    batch_names: dict[str, Any],
+) -> None:
+    """Without an admin port the console shares its origin with the Files API, and its policy allows this
+    origin's scripts: a file a tenant uploaded must not be one. Were markup ever to get into the page (an
+    ``<iframe srcdoc>`` with a ``<script src>`` needs no inline script), the file's content would run
+    with the page's rights, the token's included."""
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    with gateway_factory(config, admin_token=TOKEN) as (_, server):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        planted = client.files.create(file=("x.jsonl", b"window.__pwned = 'from a file';\n"), purpose="batch")
+        # The console on the public port, behind something that adds the admin token (as docs/console.md says).
+        context = browser.new_context(extra_http_headers={"authorization": f"Bearer {TOKEN}"})
+        try:
+            page = context.new_page()
+            page.goto(server.url + "/admin/ui")
+            page.wait_for_selector("#login:not([hidden])", timeout=WAIT_MS)
+            outcome = page.evaluate(
+                """(src) => new Promise((resolve) => {
+                     const script = document.createElement('script');
+                     script.src = src;
+                     script.addEventListener('load', () => resolve('load'));
+                     script.addEventListener('error', () => resolve('error'));
+                     document.head.append(script);
+                   })""",
+                f"/v1/files/{planted.id}/content",
+            )
+            assert (outcome, page.evaluate("() => window.__pwned")) == ("error", None)
+        finally:
+            context.close()

@@ -10,6 +10,9 @@ read (a 413 ``file_too_large``, and nothing kept), and by what the caller's tena
 Every call, of this API and the Batch API, is metered first like any other route without inference (the
 plugins' ``on_side_request``: tenancy counts it against the key's and the tenant's request limits, a 429
 past them, and answers 401 without a valid key).
+
+A file's content is served as ``application/octet-stream`` with ``X-Content-Type-Options: nosniff``: what a
+tenant wrote is never run as a script nor shown as a page of the gateway's origin.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ router = APIRouter()
 SERVICE_KEY = "batches"
 _FORM_SLACK = 64 * 1024  # multipart framing and small fields beside the file itself
 FileId = Annotated[str, Path(json_schema_extra={"pattern": FILE_ID_PATTERN})]
+#: A file's content is a tenant's bytes: a browser must not sniff them into a script or a page of this origin
+#: (where the operator console may be served, whose policy allows this origin's scripts).
+_BYTES_ONLY = {"x-content-type-options": "nosniff"}
 
 
 def service_of(request: Request) -> BatchService:
@@ -145,7 +151,7 @@ async def file_content(request: Request, file_id: FileId) -> StreamingResponse:
         finally:
             await pieces.aclose()  # type: ignore[attr-defined]
 
-    return StreamingResponse(body(), media_type="application/octet-stream")
+    return StreamingResponse(body(), media_type="application/octet-stream", headers=_BYTES_ONLY)
 
 
 @router.delete("/v1/files/{file_id}")
