@@ -6,7 +6,6 @@ which the ``anthropic`` SDK raises. A scripted worker sends the exact bytes."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import anthropic
 import httpx
@@ -15,33 +14,9 @@ import pytest
 
 from tests.support.fakes import ServerThread
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.scripted_worker import GOOD_CHOICE, ScriptedWorker, chunk, completion
 
-
-class ScriptedWorker:
-    """Answers every chat request with ``body`` (status 200), or a streamed one with ``events`` (each the
-    data of one SSE event), whatever they hold."""
-
-    def __init__(self) -> None:
-        self.body = b"{}"
-        self.events: list[bytes] = []
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        streamed = bool(raw) and orjson.loads(raw).get("stream") is True
-        kind = b"text/event-stream" if streamed else b"application/json"
-        body = b"".join(b"data: " + e + b"\n\n" for e in self.events) if streamed else self.body
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
-        await send({"type": "http.response.body", "body": body})
+ASK = {"model": "m1", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}
 
 
 @pytest.fixture
@@ -49,19 +24,6 @@ def scripted(gateway_factory: GatewayFactory) -> Iterator[tuple[ScriptedWorker, 
     worker = ScriptedWorker()
     with ServerThread(worker) as server, gateway_factory(base_config([server.url])) as (_, gateway):
         yield worker, gateway.url
-
-
-ASK = {"model": "m1", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}
-GOOD_CHOICE = {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop"}
-
-
-def completion(**members: Any) -> bytes:
-    return orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion", "choices": [GOOD_CHOICE], **members})
-
-
-def chunk(choice: Any = None, **members: Any) -> bytes:
-    choices = [choice] if choice is not None else []
-    return orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": choices, **members})
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,49 @@
+"""A worker that answers every chat request with exact bytes, whatever they hold: for tests of what the
+gateway does with an answer a real worker would not send (the translations into other APIs must call it
+the worker's failure). Builders for a chat completion and a stream chunk with members replaced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+GOOD_CHOICE = {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop"}
+
+
+class ScriptedWorker:
+    """Answers every chat request with ``body`` (status 200), or a streamed one with ``events`` (each the
+    data of one SSE event), whatever they hold."""
+
+    def __init__(self) -> None:
+        self.body = b"{}"
+        self.events: list[bytes] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        streamed = bool(raw) and orjson.loads(raw).get("stream") is True
+        kind = b"text/event-stream" if streamed else b"application/json"
+        body = b"".join(b"data: " + e + b"\n\n" for e in self.events) if streamed else self.body
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def completion(**members: Any) -> bytes:
+    """A chat completion whose choice 0 says "Hello", with ``members`` replaced."""
+    return orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion", "choices": [GOOD_CHOICE], **members})
+
+
+def chunk(choice: Any = None, **members: Any) -> bytes:
+    """A chat completion chunk with the one ``choice`` (none: ``choices`` is empty), ``members`` replaced."""
+    choices = [choice] if choice is not None else []
+    return orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": choices, **members})
