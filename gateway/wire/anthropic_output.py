@@ -10,19 +10,20 @@ call's arguments) and ``content_block_stop``, then ``message_delta`` with ``stop
 A worker's answer that does not have the shape the translation reads (no ``choices`` list, a choice
 without its ``message``, a ``finish_reason`` or ``content`` that is not a string, a tool call that is not
 an object, ...) is the worker's failure, not the gateway's: it raises ``BadGateway`` (a 502, or the
-stream's ``error`` event), never a half-read Message. Only ``usage`` is read leniently (a count that is
-not a number counts 0), as the proxy reads it.
+stream's ``error`` event), never a half-read Message (``gateway.wire.chat_answer`` reads it, as for the
+Responses API). Only ``usage`` is read leniently (a count that is not a number counts 0), as the proxy
+reads it.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
 
-from gateway.wire.errors import BadGateway, anthropic_sse
+from gateway.wire.chat_answer import count, first_choice, first_choice_deltas
+from gateway.wire.errors import anthropic_sse
 
 
 def new_message_id() -> str:
@@ -43,18 +44,14 @@ def stop_reason(finish_reason: object, matched: object, used_tools: bool) -> tup
     return ("end_turn", None) if finish_reason is not None else (None, None)
 
 
-def _count(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def usage_of(usage: object) -> dict[str, Any]:
     """Anthropic counts cached prompt tokens apart: ``input_tokens`` are the ones that were not."""
     if not isinstance(usage, dict):
         return {"input_tokens": 0, "output_tokens": 0}
-    prompt = _count(usage.get("prompt_tokens")) or 0
+    prompt = count(usage.get("prompt_tokens")) or 0
     details = usage.get("prompt_tokens_details")
-    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
-    out = {"input_tokens": prompt - (cached or 0), "output_tokens": _count(usage.get("completion_tokens")) or 0}
+    cached = count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    out = {"input_tokens": prompt - (cached or 0), "output_tokens": count(usage.get("completion_tokens")) or 0}
     if cached is not None:
         out["cache_read_input_tokens"] = cached
     return out
@@ -85,62 +82,9 @@ def message_object(message_id: str, model: str) -> dict[str, Any]:
     }
 
 
-def _malformed(what: str) -> BadGateway:
-    return BadGateway(f"The model worker's answer is not a valid chat completion: {what}.", code="upstream_error")
-
-
-_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
-               float: "a number", type(None): "null"}  # fmt: skip
-
-
-def _json_type(value: object) -> str:
-    return _JSON_TYPES.get(type(value), type(value).__name__)
-
-
-def _member(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
-    """``obj[name]`` when it is absent, null or of ``kind``; anything else is a malformed answer."""
-    value = obj.get(name)
-    if value is not None and not isinstance(value, kind):
-        raise _malformed(f"{where}{name} is {_json_type(value)}")
-    return value
-
-
-def _tool_call(call: object, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A chat tool call (whole, or a stream's delta of one) and its ``function``, checked for the members
-    the translation reads."""
-    if not isinstance(call, dict):
-        raise _malformed(f"{where} is {_json_type(call)}, not an object")
-    function = _member(call, "function", dict, f"{where}.") or {}
-    _member(call, "id", str, f"{where}.")
-    _member(function, "name", str, f"{where}.function.")
-    _member(function, "arguments", str, f"{where}.function.")
-    return call, function
-
-
-def _checked_choice(choice: dict[str, Any], part: str, where: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """The tool calls (each with its ``function``) of a choice whose ``finish_reason`` and ``part`` (its
-    ``message``, or a chunk's ``delta``: text and tool calls) were checked."""
-    _member(choice, "finish_reason", str, where)
-    answer = choice.get(part) or {}
-    _member(answer, "content", str, f"{where}{part}.")
-    calls = _member(answer, "tool_calls", list, f"{where}{part}.")
-    return [_tool_call(call, f"{where}{part}.tool_calls[{i}]") for i, call in enumerate(calls or ())]
-
-
 def message_from_chat(message_id: str, model: str, chat: object) -> dict[str, Any]:
     """A non-streamed chat completion as a Message (``BadGateway`` when it is not one)."""
-    if not isinstance(chat, dict):
-        raise _malformed(f"it is {_json_type(chat)}, not an object")
-    choices = chat.get("choices")
-    if not isinstance(choices, list) or not choices:
-        raise _malformed("it has no list of choices")
-    choice = choices[0]
-    if not isinstance(choice, dict):
-        raise _malformed(f"choices[0] is {_json_type(choice)}, not an object")
-    answer = choice.get("message")
-    if not isinstance(answer, dict):
-        raise _malformed("choices[0] has no message object")
-    calls = _checked_choice(choice, "message", "choices[0].")
+    choice, answer, calls, usage = first_choice(chat)
     out = message_object(message_id, model)
     content = answer.get("content")
     if content:
@@ -157,21 +101,8 @@ def message_from_chat(message_id: str, model: str, chat: object) -> dict[str, An
     out["stop_reason"], out["stop_sequence"] = stop_reason(
         choice.get("finish_reason"), choice.get("stop_reason"), bool(calls)
     )
-    out["usage"] = usage_of(chat.get("usage"))
+    out["usage"] = usage_of(usage)
     return out
-
-
-def _first_choice(chunk: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any], list[Any]]]:
-    """(choice, delta, its tool calls and their functions) of a chat chunk's choice 0, the only one a Message
-    carries; a chunk or choice 0 of another shape is a ``BadGateway`` (other choices are not read)."""
-    choices = _member(chunk, "choices", list, "the stream chunk's ")
-    for i, choice in enumerate(choices or ()):
-        if not isinstance(choice, dict):
-            raise _malformed(f"the stream chunk's choices[{i}] is {_json_type(choice)}, not an object")
-        if choice.get("index", 0) == 0:
-            _member(choice, "delta", dict, f"the stream chunk's choices[{i}].")
-            calls = _checked_choice(choice, "delta", f"the stream chunk's choices[{i}].")
-            yield choice, choice.get("delta") or {}, calls
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -214,7 +145,7 @@ class MessageStream:
         out: list[bytes] = []
         if chunk.get("usage"):
             self._usage = chunk["usage"]
-        for choice, delta, calls in _first_choice(chunk):
+        for choice, delta, calls in first_choice_deltas(chunk):
             text = delta.get("content")
             if text:
                 out += self._block("text", {"type": "text", "text": ""})

@@ -1,6 +1,13 @@
 """A chat completions answer as a Responses API answer: a Response object from a whole chat completion
 (``response_from_chat``), or OpenAI's Responses event sequence from a chat SSE stream, chunk by chunk
 (``EventStream``), with ``sequence_number``. Pure: no I/O.
+
+The worker's answer is read by ``gateway.wire.chat_answer``, as for the Messages API: one that does not have
+the shape the translation reads (no ``choices`` list, a choice without its ``message``, a ``finish_reason``,
+``content`` or logprob that is not of the chat API's type, a tool call that is not an object, ...) is the
+worker's failure, not the gateway's: it raises ``BadGateway`` (a 502, or the stream's ``error`` event),
+never a Response made of what could be read, so none is stored for a later turn to continue. Only
+``usage`` is read leniently (a count that is not a number counts 0), as the proxy reads it.
 """
 
 from __future__ import annotations
@@ -10,9 +17,9 @@ from typing import Any
 
 import orjson
 
+from gateway.wire.chat_answer import count, first_choice, first_choice_deltas, json_type, malformed, member
 from gateway.wire.responses_items import message_item, new_id, text_part
 from gateway.wire.responses_request import ResponsesRequest
-from gateway.wire.streaming import first_choice_deltas
 
 #: A chat finish_reason that makes a Response incomplete, and the reason it then gives.
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -73,56 +80,58 @@ def finish(response: dict[str, Any], finish_reason: str | None, usage: object) -
 def _usage(usage: object) -> dict[str, Any] | None:
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens") or 0
-    completion = usage.get("completion_tokens") or 0
+    prompt = count(usage.get("prompt_tokens")) or 0
+    completion = count(usage.get("completion_tokens")) or 0
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached = count(details.get("cached_tokens")) if isinstance(details, dict) else None
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage.get("total_tokens") or prompt + completion,
+        "total_tokens": count(usage.get("total_tokens")) or prompt + completion,
     }
 
 
 def response_from_chat(
-    req: ResponsesRequest, response_id: str, model: str, created_at: int, chat: dict[str, Any]
+    req: ResponsesRequest, response_id: str, model: str, created_at: int, chat: object
 ) -> dict[str, Any]:
-    """A non-streamed chat completion as a Response object."""
-    choices = chat.get("choices") or [{}]
-    choice = choices[0] if isinstance(choices[0], dict) else {}
-    message = choice.get("message") or {}
+    """A non-streamed chat completion as a Response object (``BadGateway`` when it is not one)."""
+    choice, message, calls, usage = first_choice(chat)
+    logprobs = logprobs_of(choice, "choices[0].")
     output: list[dict[str, Any]] = []
     content = message.get("content")
     if content:
-        part = {**text_part("output_text", content), "logprobs": logprobs_of(choice)}
+        part = {**text_part("output_text", content), "logprobs": logprobs}
         output.append(message_item("assistant", [part]))
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") or {}
+    for call, function in calls:
         output.append(_function_call(call.get("id"), function.get("name") or "", function.get("arguments") or ""))
     response = response_object(req, response_id, model, created_at, "completed", output)
-    finish(response, choice.get("finish_reason"), chat.get("usage"))
+    finish(response, choice.get("finish_reason"), usage)
     return response
 
 
-def logprobs_of(choice: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat choice's (or chunk choice's) token logprobs, as the Responses API lists them on output_text."""
-    logprobs = choice.get("logprobs")
-    content = logprobs.get("content") if isinstance(logprobs, dict) else None
-    return [_logprob(entry, top=True) for entry in content or () if isinstance(entry, dict)]
+def logprobs_of(choice: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A chat choice's (or chunk choice's) token logprobs, as the Responses API lists them on output_text
+    (``BadGateway`` when they are not the chat API's; ``where`` names the choice in that error)."""
+    logprobs = member(choice, "logprobs", dict, where)
+    content = member(logprobs, "content", list, f"{where}logprobs.") if logprobs else None
+    return [_logprob(entry, f"{where}logprobs.content[{i}]", top=True) for i, entry in enumerate(content or ())]
 
 
-def _logprob(entry: dict[str, Any], *, top: bool) -> dict[str, Any]:
-    raw_bytes = entry.get("bytes")
+def _logprob(entry: object, where: str, *, top: bool) -> dict[str, Any]:
+    if not isinstance(entry, dict):
+        raise malformed(f"{where} is {json_type(entry)}, not an object")
+    token = member(entry, "token", str, f"{where}.") or ""
+    raw_bytes = member(entry, "bytes", list, f"{where}.")
     out: dict[str, Any] = {
-        "token": str(entry.get("token") or ""),
-        "logprob": float(entry.get("logprob") or 0.0),
-        "bytes": raw_bytes if isinstance(raw_bytes, list) else list(str(entry.get("token") or "").encode()),
+        "token": token,
+        "logprob": float(member(entry, "logprob", (int, float), f"{where}.") or 0.0),
+        "bytes": raw_bytes if raw_bytes is not None else list(token.encode()),
     }
     if top:
-        alternatives = entry.get("top_logprobs") or ()
-        out["top_logprobs"] = [_logprob(alt, top=False) for alt in alternatives if isinstance(alt, dict)]
+        alternatives = enumerate(member(entry, "top_logprobs", list, f"{where}.") or ())
+        out["top_logprobs"] = [_logprob(alt, f"{where}.top_logprobs[{i}]", top=False) for i, alt in alternatives]
     return out
 
 
@@ -183,15 +192,17 @@ class EventStream:
         )
 
     def feed(self, chunk: dict[str, Any]) -> list[bytes]:
+        """The events of one chat chunk (``BadGateway`` when the chunk is not one the translation reads)."""
         out: list[bytes] = []
         if chunk.get("usage"):
             self._usage = chunk["usage"]
-        for choice, delta in first_choice_deltas(chunk):
+        for choice, delta, calls in first_choice_deltas(chunk):
+            logprobs = logprobs_of(choice, "the stream chunk's choice 0's ")
             text = delta.get("content")
             if text:
-                out += self._text(text, logprobs_of(choice))
-            for call in delta.get("tool_calls") or ():
-                out += self._tool_delta(call)
+                out += self._text(text, logprobs)
+            for call, function in calls:
+                out += self._tool_delta(call, function)
             if choice.get("finish_reason"):
                 self._finish_reason = choice["finish_reason"]
         return out
@@ -230,10 +241,9 @@ class EventStream:
         )
         return out
 
-    def _tool_delta(self, call: dict[str, Any]) -> list[bytes]:
+    def _tool_delta(self, call: dict[str, Any], function: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
         index = call.get("index", 0)
-        function = call.get("function") or {}
         item = self._calls.get(index)
         if item is None:
             out += self._close_message()

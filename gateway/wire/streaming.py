@@ -43,14 +43,6 @@ def encode_event(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def first_choice_deltas(chunk: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-    """(choice, delta) of a chat chunk's choice 0, the only one an answer translated into another API
-    (Responses, Messages) carries; other choices and malformed entries are skipped."""
-    for choice in chunk.get("choices") or ():
-        if isinstance(choice, dict) and choice.get("index", 0) == 0:
-            yield choice, choice.get("delta") or {}
-
-
 def wants_usage(body: dict[str, Any]) -> bool:
     """Whether a stream request asks for the usage chunk (``stream_options.include_usage``)."""
     options = body.get("stream_options")

@@ -86,12 +86,13 @@ STOP = chunk({"index": 0, "delta": {}, "finish_reason": "stop"})
         chunk({"index": 0, "delta": {"tool_calls": "get_weather"}}),
         chunk({"index": 0, "delta": {"tool_calls": ["get_weather"]}}),
         chunk({"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": 7}}]}}),
+        chunk({"index": 0, "delta": {"tool_calls": [{"index": [0], "function": {"name": "f", "arguments": "{}"}}]}}),
         chunk({"index": 0, "delta": {}, "finish_reason": 1}),
         b"[1]",
         b"null",
     ],
     ids=["choices-string", "choices-object", "choice-string", "delta-string", "content-number", "tool-calls-string",
-         "tool-call-string", "arguments-number", "finish-reason-number", "array", "null"],
+         "tool-call-string", "arguments-number", "index-array", "finish-reason-number", "array", "null"],
 )  # fmt: skip
 def test_a_malformed_chunk_midway_ends_the_stream_with_an_error_event(
     scripted: tuple[ScriptedWorker, str], bad: bytes
