@@ -190,12 +190,12 @@ class TranslatedTurn(abc.ABC):
     ) -> AsyncIterator[bytes]:
         status = 200
         out = self.translator()
+        pieces: list[bytes] = []  # the events of this read's chunks, not sent yet: an error ending it follows them
         try:
             yield b"".join(out.start())
             parser = SSEParser()
             done = False
             async for raw in chunks:
-                pieces: list[bytes] = []
                 for payload in parser.feed(raw):
                     if payload == b"[DONE]":
                         done = True
@@ -212,6 +212,7 @@ class TranslatedTurn(abc.ABC):
                     pieces += out.feed(chunk)
                 if pieces:
                     yield b"".join(pieces)
+                    pieces = []
                 if done:
                     break
             if not done:
@@ -228,10 +229,10 @@ class TranslatedTurn(abc.ABC):
             yield b"".join(tail) + last
         except GatewayError as error:
             status = error.status_code
-            yield out.error(error.body()["error"])
+            yield b"".join(pieces) + out.error(error.body()["error"])
         except orjson.JSONDecodeError:
             status = 502
-            yield out.error(_NOT_JSON)
+            yield b"".join(pieces) + out.error(_NOT_JSON)
         except BaseException:  # cancelled (the client went away) or closed early
             status = 499
             raise

@@ -121,3 +121,22 @@ def test_a_well_formed_stream_still_translates(scripted: tuple[ScriptedWorker, s
         final = stream.get_final_message()
     assert final.content[0].text == "Hello" and final.stop_reason == "end_turn"  # type: ignore[union-attr]
     assert (final.usage.input_tokens, final.usage.output_tokens) == (4, 0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [chunk({"index": 0, "delta": {"content": 42}}), b"[1]", b"{not json"],
+    ids=["content-number", "array", "not-json"],
+)
+def test_the_events_of_the_chunks_before_a_malformed_one_come_before_the_error(
+    scripted: tuple[ScriptedWorker, str], bad: bytes
+) -> None:
+    """The worker's chunks before the malformed one arrive with it (one read): their events are sent, so
+    the client has the text so far when the error ends the stream."""
+    worker, url = scripted
+    worker.events = [HELLO, bad, STOP, b"[DONE]"]
+    reply = httpx.post(url + "/v1/messages", json={**ASK, "stream": True})
+    events = [orjson.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "error" and "message_stop" not in [event["type"] for event in events]
+    deltas = [event["delta"] for event in events if event["type"] == "content_block_delta"]
+    assert deltas == [{"type": "text_delta", "text": "Hello"}]

@@ -195,3 +195,16 @@ def test_a_well_formed_stream_with_odd_usage_still_translates(scripted: Scripted
     assert final.output_text == "Hello" and final.status == "completed"
     assert final.usage is not None
     assert (final.usage.input_tokens, final.usage.output_tokens, final.usage.total_tokens) == (4, 0, 4)
+
+
+@pytest.mark.parametrize("bad", [delta(content=42), b"[1]", b"{not json"], ids=["content-number", "array", "not-json"])
+def test_the_events_of_the_chunks_before_a_malformed_one_come_before_the_error(scripted: Scripted, bad: bytes) -> None:
+    """The worker's chunks before the malformed one arrive with it (one read): their events are sent, so
+    the client has the text so far and ``sequence_number`` counts without a gap up to the error."""
+    scripted.worker.events = [HELLO, bad, STOP, b"[DONE]"]
+    reply = httpx.post(scripted.url + "/v1/responses", json={**ASK, "stream": True})
+    events = [orjson.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    kinds = [event["type"] for event in events]
+    assert kinds[-1] == "error" and "response.completed" not in kinds
+    assert [event["delta"] for event in events if event["type"] == "response.output_text.delta"] == ["Hello"]
