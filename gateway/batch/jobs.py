@@ -1,9 +1,10 @@
 """Batch objects in Redis, with OpenAI's status lifecycle, shared by every replica.
 
 - ``<prefix>:batch:<id>``: a hash; each field of the OpenAI batch object JSON-encoded, plus the
-  owner (``_scope``, ``_caller``) and the counters the runner increments atomically (``n_total``,
-  ``n_completed``, ``n_failed``, ``n_input_tokens``, ``n_output_tokens``). A final batch expires with
-  its output files (``output_ttl_s``).
+  owner (``_scope``, ``_caller``), who cancelled it (``_cancelled_by``, ``owner`` or ``operator``: what
+  the lines it cuts are charged depends on it) and the counters the runner increments atomically
+  (``n_total``, ``n_completed``, ``n_failed``, ``n_input_tokens``, ``n_output_tokens``). A final batch
+  expires with its output files (``output_ttl_s``).
 - ``<prefix>:batches:<scope>``: the scope's batch ids by creation time (listing, newest first); pruned
   of expired batches as it is read.
 - ``<prefix>:active``: the ids of batches not yet in a final state: what the runners look at.

@@ -7,6 +7,13 @@ while there is idle capacity for them (``gateway.batch.capacity``) and this repl
 result is recorded once. A background loop renews the leases of the lines running here; a replica that
 dies stops renewing, and the others take its lines over when the leases lapse. A finished line wakes
 the loop at once, so a busy batch does not wait for the poll interval between lines.
+
+Lines are stopped midway in three ways, billed as the live request each resembles: a batch cancelled
+by its owner stops its lines as a client that hangs up (``LineRun.abandon``: a line that had reached a
+worker pays its prompt); a batch that expired, or that an operator cancelled, stops them by the
+gateway's own decision, free like a timeout (the completion window is the gateway's promise, not the
+owner's choice); and a replica that shuts down gives its lines back (their leases are released) to run
+again, here or elsewhere, and be charged then.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from gateway.batch.lifecycle import Lifecycle
 from gateway.batch.lines import output_line
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.redis_errors import REDIS_ERRORS
-from gateway.batch.submit import Outcome, Submitter
+from gateway.batch.submit import LineRun, Outcome, Submitter
 from gateway.batch.work import Work
 from gateway.ops.tasks import cancel_and_wait, stop_if_cancelled
 from gateway.pipeline.batch_config import BatchesConfig, BatchLine, Caller
@@ -44,11 +51,12 @@ SWEEP_INTERVAL_S = 60.0  # how often a replica deletes the contents of expired f
 
 @dataclass(frozen=True, slots=True)
 class RunningLine:
-    """A line this replica runs: its batch, its index in the input file, its model's name."""
+    """A line this replica runs: its batch, its index in the input file, its model's name, its run."""
 
     batch_id: str
     index: int
     model: str
+    run: LineRun
 
 
 def rotated_after(runnable: list[tuple[str, Any]], last: str) -> list[tuple[str, Any]]:
@@ -147,10 +155,10 @@ class Runner:
         """Move the batch on; True when it has lines to run."""
         status = record["status"]
         if status == "cancelling":
-            self._stop_local(batch_id)
+            self._stop_local(batch_id, abandoned=record.get("_cancelled_by") != "operator")
             await self.lifecycle.finalize(batch_id, record, "cancelled")
         elif status in ("validating", "in_progress") and time.time() >= record["expires_at"]:
-            self._stop_local(batch_id)
+            self._stop_local(batch_id, abandoned=False)
             await self.lifecycle.finalize(batch_id, record, "expired")
         elif status == "validating":
             await self.lifecycle.validate(batch_id, record)
@@ -162,10 +170,13 @@ class Runner:
             await self.lifecycle.finalize(batch_id, record, "completed")
         return False
 
-    def _stop_local(self, batch_id: str) -> None:
-        """Cancel this replica's lines of the batch (their worker requests are closed, vLLM aborts them)."""
+    def _stop_local(self, batch_id: str, *, abandoned: bool) -> None:
+        """Cancel this replica's lines of the batch (their worker requests are closed, vLLM aborts them);
+        ``abandoned``: the batch's owner stopped them (it cancelled the batch), billed as a client gone."""
         for task, line in list(self.running.items()):
             if line.batch_id == batch_id:
+                if abandoned:
+                    line.run.abandon()
                 task.cancel()
 
     async def _dispatch(self, runnable: list[tuple[str, dict[str, Any]]]) -> None:
@@ -197,8 +208,9 @@ class Runner:
             await self.work.release(batch_id, self.owner, [index])
             return False
         caller = Caller(**record["_caller"])
-        task = asyncio.create_task(self._run(batch_id, index, line, caller), name=f"batch-line-{index}")
-        self.running[task] = RunningLine(batch_id, index, model.name if model is not None else "")
+        run = LineRun()
+        task = asyncio.create_task(self._run(batch_id, index, line, caller, run), name=f"batch-line-{index}")
+        self.running[task] = RunningLine(batch_id, index, model.name if model is not None else "", run)
         self.metrics.running.set(len(self.running))
         task.add_done_callback(self._line_finished)
         return True
@@ -208,10 +220,11 @@ class Runner:
         self.metrics.running.set(len(self.running))
         self._wake.set()
 
-    async def _run(self, batch_id: str, index: int, line: dict[str, Any], caller: Caller) -> None:
+    async def _run(self, batch_id: str, index: int, line: dict[str, Any], caller: Caller, run: LineRun) -> None:
         custom_id = line["custom_id"]
+        whose = BatchLine(caller, batch_id, custom_id)
         try:
-            outcome = await self.submitter.submit(line["url"], line["body"], BatchLine(caller, batch_id, custom_id))
+            outcome = await self.submitter.submit(line["url"], line["body"], whose, run)
         except asyncio.CancelledError:
             with contextlib.suppress(*REDIS_ERRORS):
                 await self.work.release(batch_id, self.owner, [index])

@@ -90,19 +90,24 @@ class BatchService:
         scope = self.scope(await self.caller_of(headers))
         if await self.jobs.get(scope, batch_id) is None:
             raise batch_not_found(batch_id)
-        await self.cancel(batch_id)
+        await self.cancel(batch_id, by_operator=False)
         batch = await self.jobs.get(scope, batch_id)
         assert batch is not None
         return batch
 
-    async def cancel(self, batch_id: str) -> None:
-        """Ask the runners to cancel the batch (its owner was checked, or an operator asks)."""
+    async def cancel(self, batch_id: str, *, by_operator: bool) -> None:
+        """Ask the runners to cancel the batch (its owner was checked, or an operator asks). Who asked is
+        kept on the record (``_cancelled_by``): the owner's cancel bills the lines it cuts as a client
+        that hung up, an operator's does not (``gateway.batch.runner``)."""
         record = await self.jobs.load(batch_id)
         if record is None:
             raise batch_not_found(batch_id)
         status = record["status"]
         if status in ("validating", "in_progress"):
-            await self.jobs.move(batch_id, ("validating", "in_progress"), "cancelling", cancelling_at=int(time.time()))
+            by = "operator" if by_operator else "owner"
+            await self.jobs.move(
+                batch_id, ("validating", "in_progress"), "cancelling", cancelling_at=int(time.time()), _cancelled_by=by
+            )
             self.runner.wake()
         elif status not in ("cancelling", "cancelled"):
             raise InvalidRequest(

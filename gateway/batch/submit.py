@@ -4,6 +4,12 @@ tenancy, safety, cache, guided JSON and routing see it as any request. What come
 JSON body or the OpenAI error a live client would have been given.
 
 Kept to this module so that a change to the proxy's or the routes' shapes is re-pointed here only.
+
+A line stopped because its batch's owner cancelled the batch is, for the plugins, a client that hung up:
+the runner says so through the line's ``LineRun`` (``abandon``) before it cancels the line, and the
+context then carries ``client_gone`` to the finalizers (tenancy charges the prompt of a line that had
+reached a worker, as it does a live client's). A line stopped for any other reason (the batch expired,
+an operator cancelled it, the replica shuts down and the line runs again elsewhere) is not.
 """
 
 from __future__ import annotations
@@ -50,6 +56,21 @@ class Outcome:
         return (prompt if isinstance(prompt, int) else 0), (completion if isinstance(completion, int) else 0)
 
 
+@dataclass(slots=True)
+class LineRun:
+    """One run of a line, shared by the runner and the submitter: the line's request context once it is
+    built (None before, and for a line refused before it had one)."""
+
+    ctx: RequestContext | None = None
+
+    def abandon(self) -> None:
+        """The batch's owner stopped this line (it cancelled the batch): mark the line's request as one
+        whose client went away. Called before the line's task is cancelled, as the live routes' disconnect
+        watch marks a request before cancelling it."""
+        if self.ctx is not None:
+            self.ctx.client_gone = True
+
+
 class Submitter:
     """Runs batch lines through the live pipeline of the pinned config."""
 
@@ -57,7 +78,8 @@ class Submitter:
         self.holder, self.proxy, self.metrics = holder, proxy, metrics
         self.engine_priority = engine_priority
 
-    async def submit(self, url: str, body: dict[str, Any], line: BatchLine) -> Outcome:
+    async def submit(self, url: str, body: dict[str, Any], line: BatchLine, run: LineRun) -> Outcome:
+        """Run one line; ``run`` is given the line's request context as soon as it exists."""
         request_id = "batch-" + uuid.uuid4().hex
         try:
             self._ready()
@@ -66,15 +88,15 @@ class Submitter:
                 raise PayloadTooLarge(f"The request body is larger than this gateway accepts ({limit} bytes).",
                                       code="request_too_large")  # fmt: skip
             if url == "/v1/responses":
-                reply = await self._responses(body, line, request_id)
+                reply = await self._responses(body, line, request_id, run)
             else:
-                reply = await self._inference(url, body, line, request_id)
+                reply = await self._inference(url, body, line, request_id, run)
         except GatewayError as error:
             return Outcome(error.status_code, error.body(), request_id)
         return Outcome(reply.status, orjson.loads(reply.body), request_id)
 
     def _context(self, endpoint_name: str, path: str, body: dict[str, Any], requested: str, line: BatchLine,
-                 request_id: str, snapshot: Any, model: Any) -> RequestContext:  # fmt: skip
+                 request_id: str, snapshot: Any, model: Any, run: LineRun) -> RequestContext:  # fmt: skip
         if self.engine_priority is not None and endpoint_name in _PRIORITIZED:
             body["priority"] = self.engine_priority  # after the allow-list: the client may not set it
         ctx = RequestContext(
@@ -94,9 +116,12 @@ class Submitter:
         ctx.priority = LINE_PRIORITY
         ctx.log["batch_id"] = line.batch_id
         ctx.log["custom_id"] = line.custom_id
+        run.ctx = ctx
         return ctx
 
-    async def _inference(self, url: str, body: dict[str, Any], line: BatchLine, request_id: str) -> JSONReply:
+    async def _inference(
+        self, url: str, body: dict[str, Any], line: BatchLine, request_id: str, run: LineRun
+    ) -> JSONReply:
         endpoint = ENDPOINTS[url]
         self._ready()
         with self.holder.pin() as snapshot:
@@ -108,7 +133,7 @@ class Submitter:
             if model is None:
                 raise model_not_found(requested)
             body["model"] = model.upstream_name
-            ctx = self._context(endpoint.name, endpoint.path, body, requested, line, request_id, snapshot, model)
+            ctx = self._context(endpoint.name, endpoint.path, body, requested, line, request_id, snapshot, model, run)
             in_flight = self.metrics.in_flight.labels(model.name)
             in_flight.inc()
             try:
@@ -120,7 +145,7 @@ class Submitter:
             raise ServerError("The batch line was answered as a stream.", code="internal_error")
         return reply
 
-    async def _responses(self, body: dict[str, Any], line: BatchLine, request_id: str) -> JSONReply:
+    async def _responses(self, body: dict[str, Any], line: BatchLine, request_id: str, run: LineRun) -> JSONReply:
         # A line's Response is not stored (no tenant's conversation to continue it in): its answer says
         # store false, and a line asking to store is refused rather than answered as if it were stored.
         if body.get("store") is True:
@@ -141,7 +166,7 @@ class Submitter:
             limits = snapshot.config.limits
             ParamAllowList(limits.extra_params, max_n=limits.max_n).check(_CHAT.name, chat)
             check_request(_CHAT, chat)
-            ctx = self._context(_CHAT.name, _CHAT.path, chat, req.model, line, request_id, snapshot, model)
+            ctx = self._context(_CHAT.name, _CHAT.path, chat, req.model, line, request_id, snapshot, model, run)
             ctx.log["api"] = "responses"
             reply = await ResponsesTurn(self.proxy, self.metrics, req, ctx, None).start()
         if not isinstance(reply, JSONReply):

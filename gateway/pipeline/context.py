@@ -239,7 +239,8 @@ class RequestContext:
     #: ends before then cost the fleet nothing.
     reached_worker: bool = False
     #: Set by the core when the client went away before its answer was complete (the request was then
-    #: cancelled): a request that ends without it and without ``delivered`` failed, or was refused.
+    #: cancelled; for a batch line, its batch's owner cancelled the batch while the line ran): a request
+    #: that ends without it and without ``delivered`` failed, was refused, or was stopped by the gateway.
     client_gone: bool = False
     #: Set by an access-control plugin (tenancy): may this request be served by the named model?
     #: A plugin that moves the request to another model (routing: canaries, fallbacks) asks first.

@@ -1,19 +1,23 @@
 """Batches and files with tenancy on: one tenant can never list, read, download, delete, run or cancel
 another's (the same 404 an unknown id gets); lines run as the key that created the batch (its model
-allow-list, a revoked key refused line by line) and are charged at the batch price."""
+allow-list, a revoked key refused line by line) and are charged at the batch price; a line cut midway
+pays its prompt when its owner cancelled the batch, and nothing when the gateway stopped it (an
+operator's cancel, expiry, a shutdown that gives the line back to run again)."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any
 
 import httpx
 import openai
+import pytest
 import redis
 
 from plugins.tenancy.keys import hash_key
-from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, wait_for
+from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, start, wait_for
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
 from tests.support.tenancy import PEPPER, prefix
@@ -210,3 +214,131 @@ def test_a_tenant_may_have_only_so_many_unfinished_batches(
             acme.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
     finally:
         upstream.behavior.hold.set()
+
+
+def cut_midway(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    config: dict[str, Any],
+    stop: Any,
+    *,
+    lines: int = 3,
+    running: int = 2,
+    endpoint: str = "/v1/chat/completions",
+) -> tuple[dict[str, Any], set[str]]:
+    """Run a batch of ``lines`` lines (prompt "abcd", 50 tokens at most) as acme-1, ``running`` of them at
+    once; once they are all at the worker (which holds them), ``stop(server, client, batch_id)`` ends the
+    batch. The key's day usage once every reservation is settled, and the error codes of the lines."""
+    config["batches"]["max_in_flight"] = running
+    upstream.behavior.hold = threading.Event()  # each line stays at the worker: generating, as it were
+    reserved = -(-(5 + 50) // 2)  # a line's reservation at half price: the prompt estimate and max_tokens
+    try:
+        with gateway_factory(config, admin_token="adm") as (_, server):
+            acme = sdk(server, "acme-1")
+            if endpoint == "/v1/responses":
+                body = {"model": "m1", "input": "abcd", "max_output_tokens": 50}
+                line = {"method": "POST", "url": endpoint, "body": body}
+                inputs = [{"custom_id": f"c-{i}", **line} for i in range(lines)]
+            else:
+                inputs = [chat_line(f"c-{i}", "abcd", max_tokens=50) for i in range(lines)]
+            batch = start(acme, inputs, endpoint)
+            deadline = time.monotonic() + 15
+            while len(upstream.requests) < running and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert len(upstream.requests) == running, "the lines never reached the worker"
+            done = stop(server, acme, batch.id)
+            day = settled_usage(server, lambda d: d.get("tokens", 0) < reserved)
+            codes = set()
+            if done.error_file_id is not None:
+                codes = {line["error"]["code"] for line in parse_jsonl(acme.files.content(done.error_file_id).content)}
+    finally:
+        upstream.behavior.hold.set()
+    return day, codes
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/responses"])
+def test_lines_cut_by_their_owners_cancel_pay_their_prompt(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    prefix: str,
+    batch_names: dict[str, Any],
+    endpoint: str,
+) -> None:
+    """A line the owner's cancel cuts at the worker is a client that hung up: it pays its prompt (at the
+    batch price), or cancelling a batch of long generations just before they end would get them for
+    free, batch after batch. A line that never reached a worker pays nothing."""
+
+    def cancel(server: ServerThread, client: openai.OpenAI, batch_id: str) -> Any:
+        client.batches.cancel(batch_id)
+        return wait_for(client, batch_id, ("cancelled",), timeout_s=15)
+
+    config = gateway_config(upstream_url, prefix, batch_names, batch_price_factor=0.5)
+    day, codes = cut_midway(gateway_factory, upstream, config, cancel, endpoint=endpoint)
+    assert codes == {"batch_cancelled"}
+    # two lines were at the worker: each pays its prompt estimate (5) at half price, rounded up; the
+    # third was never sent
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (2 * 3, 0, 2 * 3)
+
+
+def test_lines_cut_by_an_operators_cancel_or_by_expiry_pay_nothing(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    prefix: str,
+    batch_names: dict[str, Any],
+) -> None:
+    """Stopped by the gateway's decision, not the owner's: an operator's cancel, or the completion window
+    passing (the gateway did not finish in time, like a timeout). Their reservations are released."""
+
+    def operator_cancels(server: ServerThread, client: openai.OpenAI, batch_id: str) -> Any:
+        reply = httpx.post(server.url + f"/admin/batches/{batch_id}/cancel", headers={"authorization": "Bearer adm"})
+        assert reply.status_code == 200, reply.text
+        return wait_for(client, batch_id, ("cancelled",), timeout_s=15)
+
+    def expires(server: ServerThread, client: openai.OpenAI, batch_id: str) -> Any:
+        redis_client = redis.Redis()
+        redis_client.hset(f"{batch_names['prefix']}:batch:{batch_id}", "expires_at", str(int(time.time()) - 1))
+        redis_client.close()
+        return wait_for(client, batch_id, ("expired",), timeout_s=15)
+
+    config = gateway_config(upstream_url, prefix, batch_names, batch_price_factor=0.5)
+    day, codes = cut_midway(gateway_factory, upstream, config, operator_cancels, lines=2, running=1)
+    assert codes == {"batch_cancelled"}
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (0, 0, 0)
+
+    upstream.requests.clear()
+    day, codes = cut_midway(gateway_factory, upstream, config, expires, lines=2, running=1)
+    assert codes == {"batch_expired"}
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (0, 0, 0)
+
+
+def test_a_line_cut_by_a_shutdown_is_charged_once_when_it_runs_again(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    prefix: str,
+    batch_names: dict[str, Any],
+) -> None:
+    """A replica that shuts down gives its running lines back (their leases released): the line runs
+    again, here after a restart, and is charged then, once; the cut run costs nothing."""
+    config = gateway_config(upstream_url, prefix, batch_names, batch_price_factor=0.5)
+    upstream.behavior.hold = threading.Event()
+    try:
+        with gateway_factory(config, admin_token="adm") as (_, server):
+            acme = sdk(server, "acme-1")
+            batch = start(acme, [chat_line("s-1", "abcd", max_tokens=3)])
+            deadline = time.monotonic() + 15
+            while not upstream.requests and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert upstream.requests, "the line never reached the worker"
+    finally:
+        upstream.behavior.hold.set()
+    upstream.behavior.hold = None
+    with gateway_factory(config, admin_token="adm") as (_, server):
+        acme = sdk(server, "acme-1")
+        assert wait_for(acme, batch.id, ("completed",), timeout_s=30).request_counts.completed == 1  # type: ignore[union-attr]
+        day = settled_usage(server, lambda d: d.get("completion_tokens", 0) > 0 and d.get("tokens", 0) <= 5)
+    assert len(upstream.requests) == 2  # the cut run and the one that completed
+    # the answer's 5 prompt and 3 completion tokens at half price, rounded up; nothing for the cut run
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (3, 2, 5)
