@@ -65,6 +65,12 @@ def rotated_after(runnable: list[tuple[str, Any]], last: str) -> list[tuple[str,
     return runnable[start:] + runnable[:start]
 
 
+def cancelled_by_owner(record: dict[str, Any]) -> bool:
+    """Whether the batch is being, or was, cancelled by its owner rather than an operator (its lines cut
+    midway are then billed as a client that hung up)."""
+    return record["status"] in ("cancelling", "cancelled") and record.get("_cancelled_by") != "operator"
+
+
 def replica_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
@@ -129,6 +135,7 @@ class Runner:
         """One round over the batches not final yet."""
         active = await self.jobs.active()
         self.metrics.batches.set(len(active))
+        await self._stop_finished_elsewhere(active)
         queued = 0
         runnable: list[tuple[str, dict[str, Any]]] = []
         for batch_id in active:
@@ -155,7 +162,7 @@ class Runner:
         """Move the batch on; True when it has lines to run."""
         status = record["status"]
         if status == "cancelling":
-            self._stop_local(batch_id, abandoned=record.get("_cancelled_by") != "operator")
+            self._stop_local(batch_id, abandoned=cancelled_by_owner(record))
             await self.lifecycle.finalize(batch_id, record, "cancelled")
         elif status in ("validating", "in_progress") and time.time() >= record["expires_at"]:
             self._stop_local(batch_id, abandoned=False)
@@ -169,6 +176,17 @@ class Runner:
                 return True
             await self.lifecycle.finalize(batch_id, record, "completed")
         return False
+
+    async def _stop_finished_elsewhere(self, active: list[str]) -> None:
+        """Stop this replica's lines of batches no longer unfinished: the replica that took a cancel (or
+        saw the window pass) finalizes the batch at once, usually before this one's next round could see
+        it ``cancelling``. Their results would be thrown away, and their workers would go on generating."""
+        unfinished = set(active)
+        for batch_id in {line.batch_id for line in self.running.values()} - unfinished:
+            record = await self.jobs.load(batch_id)
+            if record is not None and record["status"] not in FINAL:
+                continue
+            self._stop_local(batch_id, abandoned=record is not None and cancelled_by_owner(record))
 
     def _stop_local(self, batch_id: str, *, abandoned: bool) -> None:
         """Cancel this replica's lines of the batch (their worker requests are closed, vLLM aborts them);

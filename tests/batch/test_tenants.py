@@ -342,3 +342,37 @@ def test_a_line_cut_by_a_shutdown_is_charged_once_when_it_runs_again(
     assert len(upstream.requests) == 2  # the cut run and the one that completed
     # the answer's 5 prompt and 3 completion tokens at half price, rounded up; nothing for the cut run
     assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (3, 2, 5)
+
+
+def test_a_cancel_another_replica_finalizes_stops_this_replicas_lines(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    prefix: str,
+    batch_names: dict[str, Any],
+) -> None:
+    """The replica that takes the cancel finalizes the batch at once; the one running its line looks at
+    its batches only every poll interval, by when the batch is no longer among the unfinished ones. Its
+    line must still stop (and be charged as the owner's cancel says), not go on generating an answer
+    nobody will get, charged in full."""
+    config = gateway_config(upstream_url, prefix, batch_names, batch_price_factor=0.5)
+    config["upstream"]["first_byte_timeout_s"] = 60  # the line is not ended by the gateway's timeout either
+    runs = {**config, "batches": {**config["batches"], "poll_interval_s": 2}}
+    reserved = -(-(5 + 50) // 2)
+    upstream.behavior.hold = threading.Event()
+    try:
+        with gateway_factory(runs, admin_token="adm") as (_, running):
+            acme = sdk(running, "acme-1")
+            batch = start(acme, [chat_line("r-1", "abcd", max_tokens=50)])
+            deadline = time.monotonic() + 15
+            while not upstream.requests and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert upstream.requests, "the line never reached the worker"
+            with gateway_factory(config, admin_token="adm") as (_, other):
+                sdk(other, "acme-1").batches.cancel(batch.id)
+                wait_for(acme, batch.id, ("cancelled",), timeout_s=15)
+                day = settled_usage(running, lambda d: d.get("tokens", 0) < reserved)
+    finally:
+        upstream.behavior.hold.set()
+    assert len(upstream.requests) == 1
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (3, 0, 3)
