@@ -33,6 +33,16 @@ from plugins.guided_json.validate import error_for, find_problems, retry_budget,
 
 log = logging.getLogger("plugins.guided_json")
 _GUIDED_ENDPOINTS = frozenset({"chat/completions", "completions"})
+#: The finish_reason label's values: OpenAI's and vLLM's. A worker may answer anything there (a hostile or
+#: broken one, a new reason each time), and every label value is a series kept for the process's life.
+_FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call", "abort"})
+
+
+def _finish_label(reason: object) -> str:
+    """``reason`` as a label value: one of ``_FINISH_REASONS``, "none" when missing, else "other"."""
+    if not reason:
+        return "none"
+    return reason if isinstance(reason, str) and reason in _FINISH_REASONS else "other"
 
 
 @dataclass
@@ -130,7 +140,7 @@ class GuidedJSONPlugin(Plugin):
         model = ctx.model.name
         broken = next((p for p in problems if not p.truncated), None)
         if broken is not None:
-            invalid.labels(model, broken.finish_reason or "none", "refused").inc()
+            invalid.labels(model, _finish_label(broken.finish_reason), "refused").inc()
             raise error_for(broken, compiled.kind)
         # Only cut answers: returned as OpenAI returns them (finish_reason "length", the partial text),
         # after one retry when the client set no limit and the context has room for more.
@@ -156,7 +166,7 @@ class GuidedJSONPlugin(Plugin):
         again = find_problems(compiled, retried.json)
         broken = next((p for p in again if not p.truncated), None)
         if broken is not None:
-            invalid.labels(model, broken.finish_reason or "none", "refused").inc()
+            invalid.labels(model, _finish_label(broken.finish_reason), "refused").inc()
             raise error_for(broken, compiled.kind)
         invalid.labels(model, "length", "returned" if again else "retry_ok").inc()
         return retried

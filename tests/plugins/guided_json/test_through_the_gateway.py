@@ -269,3 +269,22 @@ def test_a_repeated_schema_is_served_from_the_compile_cache(
         metrics = httpx.get(server.url + "/metrics", timeout=5).text
     assert 'gateway_guided_json_constraints_total{outcome="compiled"} 1.0' in metrics
     assert 'gateway_guided_json_constraints_total{outcome="cached"} 1.0' in metrics
+
+
+def test_a_worker_s_own_finish_reasons_do_not_grow_the_metric_s_series(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    """A finish_reason is the worker's word: a hostile or broken worker answering a new one each time
+    adds no series (every refused answer's reason is one of OpenAI's, or "other")."""
+    upstream.behavior.text = '{"name": "a"}'
+    with gateway_factory(_config(upstream_url), plugins={"guided_json": GuidedJSONPlugin}) as (app, server):
+        for i in range(60):
+            upstream.behavior.finish_reason = f"made-up-{i}"
+            reply = _chat(server, response_format=_schema_format(PERSON))
+            assert reply.status_code == 422, (i, reply.text)
+        upstream.behavior.finish_reason = "stop"
+        assert _chat(server, response_format=_schema_format(PERSON)).status_code == 422
+        registry = app.state.services.metrics.registry
+        family = next(f for f in registry.collect() if f.name == "gateway_guided_json_invalid_answers")
+    reasons = {s.labels["finish_reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert reasons == {"other": 60.0, "stop": 1.0}
