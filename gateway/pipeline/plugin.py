@@ -26,6 +26,16 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   other plugin reads it, and its ``on_response`` gets a response whose JSON is ``{"usage": ...}`` (the
   worker's usage event, which the core asks for and hides from a client that did not), called before
   ``[DONE]`` goes out; ``ctx.delivered`` then counts the tokens sent.
+- ``replaces_answers`` and ``keeps_answers``: class attributes, False by default. A plugin whose
+  ``on_response`` may give the request another answer than the one it was handed (guided_json: a cut
+  answer retried) or mark it ``Cache-Control: no-store`` sets ``replaces_answers``; one whose
+  ``on_response`` keeps the answer it is handed, to give it to later requests (the cache), sets
+  ``keeps_answers``. ``on_response`` runs in reverse order, so a config that lists a plugin that
+  replaces answers before one that keeps them is refused when it loads: the keeper would keep each
+  answer before it was replaced, and give it to later requests where there is no worker to replace it
+  with. A plugin that only refuses answers or changes them in place need not set it: listed before the
+  keeper, its ``on_request`` runs on every request the keeper answers, so its ``on_response`` checks
+  each answer the keeper gives back (safety's output rules).
 - ``ctx.record_stream(self, max_bytes)``: an ``on_request`` whose plugin reads a stream's text only once
   it is complete and changes no chunk (the cache, to store it) asks for a recording instead of chunks:
   when no other plugin must read the stream chunk by chunk, it passes through as bytes, its ``on_chunk``
@@ -154,6 +164,8 @@ class Plugin:
     default_on_error: ClassVar[OnError] = "fail_closed"
     default_timeout_ms: ClassVar[float | None] = None
     reads_stream_text: ClassVar[bool] = True
+    replaces_answers: ClassVar[bool] = False
+    keeps_answers: ClassVar[bool] = False
 
     def __init__(self, config: Any, services: Services) -> None:
         self.config = config

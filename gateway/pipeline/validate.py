@@ -1,5 +1,6 @@
-"""Resolves and validates a config's plugin sections: every enabled plugin exists and its ``config:``
-validates against the plugin's own ``Config`` model. Used by reload (before anything is built) and by
+"""Resolves and validates a config's plugin sections: every enabled plugin exists, its ``config:``
+validates against the plugin's own ``Config`` model, and the order of the list keeps what the contract
+needs (``Plugin.replaces_answers``). Used by reload (before anything is built) and by
 ``gateway check-config``."""
 
 from __future__ import annotations
@@ -41,6 +42,25 @@ def resolve_plugins(config: GatewayConfig, registry: PluginRegistry) -> list[Res
             resolved.append(ResolvedPlugin(index, entry, cls, cls.Config.model_validate(entry.config)))
         except ValidationError as exc:
             problems.extend(format_validation_error(exc, prefix=f"plugins[{index}].config"))
+    problems += _order_problems(resolved)
     if problems:
         raise ConfigError(problems)
     return resolved
+
+
+def _order_problems(resolved: list[ResolvedPlugin]) -> list[str]:
+    """A plugin that keeps answers listed after one that replaces them: ``on_response`` runs in reverse
+    order, so it would keep an answer before it was replaced (or refused) on the way back."""
+    problems: list[str] = []
+    for at, replacer in enumerate(resolved):
+        if not replacer.cls.replaces_answers:
+            continue
+        for keeper in resolved[at + 1 :]:
+            if keeper.cls.keeps_answers:
+                problems.append(
+                    f"plugins[{keeper.index}].name: '{keeper.entry.name}' must come before '{replacer.entry.name}'"
+                    f" (plugins[{replacer.index}]) in plugins: it keeps answers for later requests, and"
+                    f" '{replacer.entry.name}' may replace or refuse an answer on the way back, which runs in"
+                    " reverse order"
+                )
+    return problems

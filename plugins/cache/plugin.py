@@ -13,7 +13,8 @@ needs the answer as an object assembles it from them, and the first one that is 
 into the entry. The writes after a reply run in the background (``writes``). Because the cache runs
 before output-validating plugins and ``on_response`` runs in reverse order, an answer that a later
 plugin rejected raises before it reaches the cache and is never stored, and one that a later plugin
-marked ``Cache-Control: no-store`` is not stored either.
+marked ``Cache-Control: no-store`` is not stored either. The core refuses a config that lists a plugin
+that replaces answers (``Plugin.replaces_answers``: guided_json's retry) before the cache.
 
 Redis trouble never fails a request: every call is bounded (``store``), failures open a circuit
 breaker shared across reloads, and the request goes to the engine with ``x-cache: bypass``.
@@ -86,6 +87,7 @@ class CachePlugin(Plugin):
     Config = CacheConfig
     default_on_error = "fail_open"
     default_timeout_ms = None  # every Redis call and every wait is bounded inside the plugin
+    keeps_answers = True  # a plugin that replaces answers must come after it (``Plugin.replaces_answers``)
 
     def __init__(self, config: CacheConfig, services: Services) -> None:
         super().__init__(config, services)

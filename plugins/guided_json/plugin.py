@@ -8,8 +8,9 @@ enforce constraints (``probe``), then rewrite the body into the one form vLLM 0.
 stream that would have been is marked ``Cache-Control: no-store``), an invalid complete one is refused
 with a 422.
 
-The cache plugin runs before this one, so its key is computed from the client's own fields and it
-only stores answers this plugin let through.
+The cache plugin runs before this one (a config that lists this one first is refused:
+``replaces_answers``), so its key is computed from the client's own fields and it only stores answers
+this plugin let through, as this plugin left them.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ class GuidedShared:
 class GuidedJSONPlugin(Plugin):
     name = "guided_json"
     Config = GuidedJSONConfig
+    # on_response may retry a cut answer or mark a stream no-store: a plugin that keeps answers (the
+    # cache) must see the answer after that, so a config listing this plugin before it is refused.
+    replaces_answers = True
 
     def __init__(self, config: GuidedJSONConfig, services: Services) -> None:
         super().__init__(config, services)

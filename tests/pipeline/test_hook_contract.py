@@ -233,6 +233,41 @@ def test_unknown_plugin_and_invalid_plugin_config_are_refused_with_field_paths(
     assert info.value.problems[1].startswith("plugins[1].config.tag:")
 
 
+class Replacer(Plugin):
+    """Stands for a plugin whose on_response may put another answer in place (a retry)."""
+
+    replaces_answers = True
+
+
+class Keeper(Plugin):
+    """Stands for a plugin whose on_response keeps answers for later requests (a cache)."""
+
+    keeps_answers = True
+
+
+def test_a_plugin_that_keeps_answers_must_come_before_one_that_replaces_them(upstream_url: str) -> None:
+    """on_response runs in reverse order: listed after a plugin that replaces answers, a keeper would keep
+    an answer before it was replaced. The order is refused by name, whatever the plugins are called; a
+    disabled replacer, a keeper listed first, and plugins that set neither attribute are taken."""
+    from gateway.pipeline.config import ConfigError, GatewayConfig
+    from gateway.pipeline.registry import PluginRegistry
+    from gateway.pipeline.validate import resolve_plugins
+
+    registry = PluginRegistry({"retrier": Replacer, "store": Keeper, "plain": Recorder}, discover=False)
+
+    def resolve(*entries: dict[str, Any]) -> list[str]:
+        config = GatewayConfig.model_validate(base_config([upstream_url], plugins=list(entries)))
+        return [item.entry.name for item in resolve_plugins(config, registry)]
+
+    with pytest.raises(ConfigError) as info:
+        resolve({"name": "retrier"}, {"name": "plain"}, {"name": "store"})
+    [problem] = info.value.problems
+    assert problem.startswith("plugins[2].name: 'store' must come before 'retrier' (plugins[0])")
+    assert resolve({"name": "store"}, {"name": "retrier"}) == ["store", "retrier"]
+    assert resolve({"name": "retrier", "enabled": False}, {"name": "store"}) == ["store"]
+    assert resolve({"name": "plain"}, {"name": "store"}) == ["plain", "store"]
+
+
 # -- stepping aside: per-request opt-out of the way back -------------------------------------------
 
 COMMENT = b": from the worker\n\n"  # an SSE comment: kept by a byte pass-through, dropped by parsing
