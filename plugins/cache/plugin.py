@@ -8,6 +8,8 @@ lock (this request will compute the answer), or finds another request computing 
 (``flight``). On the way back (``on_response``, which for a stream the core calls once with the
 assembled answer, and only for complete streams) it stores complete answers in the background, so a
 store never delays a reply (a stream's events too, recorded in ``on_chunk`` or by the core). A stream
+parsed chunk by chunk is stored as the answer its events add up to as they reached ``on_chunk``, after
+the chunk hooks of the plugins listed after the cache, not as the worker's assembled answer. A stream
 the core recorded is stored as the worker's events, not parsed (``replay.marked_events``); a hit that
 needs the answer as an object assembles it from them, and the first one that is not streamed writes it
 into the entry. The writes after a reply run in the background (``writes``). Because the cache runs
@@ -36,6 +38,7 @@ from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.services import Services
 from gateway.wire.errors import GatewayTimeout, InvalidRequest, ServiceUnavailable
+from gateway.wire.streaming import StreamAssembler
 from plugins.cache.config import CacheConfig
 from plugins.cache.flight import wait_for_leader
 from plugins.cache.keys import CacheKey, backing_of, entry_pattern, make_key
@@ -80,6 +83,10 @@ class _Pending:
     # kept so a streaming hit replays the same chunking; None once they outgrow ``max_value_bytes``.
     chunks: list[bytes] | None = None
     chunk_bytes: int = 0
+    # A stream parsed chunk by chunk: the answer its events add up to as they reached the cache, which is
+    # what went out after the chunk hooks of the plugins listed after it (safety's output rules redact or
+    # cut a stream there), where the core's assembly is the worker's answer.
+    sent: StreamAssembler | None = None
 
 
 class CachePlugin(Plugin):
@@ -270,6 +277,9 @@ class CachePlugin(Plugin):
         return chunk
 
     def _record(self, pending: _Pending, chunk: dict[str, Any]) -> None:
+        if pending.sent is None:
+            pending.sent = StreamAssembler()
+        pending.sent.add(chunk)
         if pending.chunks is not None:
             event = recorded_event(chunk)
             pending.chunk_bytes += len(event) + 1
@@ -315,13 +325,16 @@ class CachePlugin(Plugin):
                 return None
             self._record_all(pending, response.recorded)
         try:
-            complete = is_complete(response.json)
+            # Parsed chunk by chunk, the answer is what went out, not the worker's: a whole request must
+            # not be served text a chunk hook redacted or cut from the stream.
+            answer = pending.sent.result() if pending.sent is not None else response.json
+            complete = is_complete(answer)
         except orjson.JSONDecodeError:
             complete = False
         if not complete:
             self.metrics.not_stored.labels(model, "incomplete").inc()
             return None
-        body = stored_body(response.json)
+        body = stored_body(answer)
         if len(body) > self.config.max_value_bytes:
             self.metrics.not_stored.labels(model, "too_large").inc()
             return None

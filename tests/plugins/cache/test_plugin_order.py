@@ -3,6 +3,10 @@ with real Redis. ``on_request`` runs in list order and ``on_response`` / ``on_ch
 
 - guided_json listed before the cache would have the cache keep each answer before guided_json retried
   it, refused it or marked it no-store; such a config is refused (``Plugin.replaces_answers``).
+- safety listed before the cache (where it screens prompts before a hit can answer) sees every answer
+  the cache gives back: its output rules apply to hits as to fresh answers.
+- safety listed after the cache changes a stream's events before the cache records them: what the
+  cache keeps is the answer as safety left it, for streamed and whole requests alike.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import redis
 from plugins.cache import CachePlugin
 from plugins.guided_json import GuidedJSONPlugin
 from plugins.safety import SafetyPlugin
-from tests.plugins.cache.test_with_guided_json import VALID, LimitedWorker, _chat, _whole
-from tests.support.cache import namespace, redis_client, wait_stored
+from tests.plugins.cache.test_with_guided_json import VALID, LimitedWorker, _chat, _streamed, _whole
+from tests.server.test_app_lifecycle import read_body
+from tests.support.cache import entry_names, namespace, redis_client, wait_stored
 from tests.support.fakes import ServerThread
 from tests.support.gateways import GatewayFactory, base_config
 
@@ -109,3 +114,91 @@ def test_the_shipped_plugins_refuse_guided_json_before_the_cache(namespace: str)
             resolve(order)
     assert resolve(["safety", "cache", "guided_json"]) == ["safety", "cache", "guided_json", "routing"]
     assert resolve(["cache", "guided_json", "safety"]) == ["cache", "guided_json", "safety", "routing"]
+
+
+# -- safety's output rules, in either order --------------------------------------------------------
+
+
+def _content(reply: httpx.Response, stream: bool) -> tuple[str, str | None]:
+    if stream:
+        text, finish, errors = _streamed(reply)
+        assert errors == []
+        return text, finish
+    return _whole(reply)
+
+
+def _ask(url: str, stream: bool) -> httpx.Response:
+    body = {"model": "m1", "messages": [{"role": "user", "content": "the code?"}], "temperature": 0}
+    return httpx.post(url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=30)
+
+
+@pytest.mark.parametrize("order", [["safety", "cache"], ["cache", "safety"]], ids=["safety_first", "cache_first"])
+@pytest.mark.parametrize("first", [False, True], ids=["whole_miss", "stream_miss"])
+@pytest.mark.parametrize("then", [False, True], ids=["whole_hit", "stream_hit"])
+def test_an_answer_safety_redacts_is_redacted_on_every_hit(
+    gateway: Any, redis_client: redis.Redis, namespace: str, order: list[str], first: bool, then: bool
+) -> None:
+    """Whichever shape stored the answer and whichever shape hits it, the client of a hit gets the
+    answer as safety's output rules leave it, as the client of the miss did."""
+    worker = LimitedWorker(ANSWER)
+    url, _ = gateway(worker, order)
+    redacted = ("the code is [REDACTED], keep it", "stop")
+    miss = _ask(url, first)
+    assert miss.headers["x-cache"] == "miss" and _content(miss, first) == redacted
+    wait_stored(redis_client, namespace)
+    hit = _ask(url, then)
+    assert hit.headers["x-cache"] == "hit"
+    assert _content(hit, then) == redacted
+    assert len(worker.bodies) == 1
+
+
+class LastPieceWorker(LimitedWorker):
+    """Streams its pieces with the last one and ``finish_reason`` in the same event, as vLLM ends an
+    answer cut by a token limit; whole answers as ``LimitedWorker``."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/v1/chat/completions":  # the health checks
+            await super().__call__(scope, receive, send)
+            return
+        body = orjson.loads(await read_body(receive))
+        if not body.get("stream"):
+            raise AssertionError("only streams are asked of this worker")
+        self.bodies.append(body)
+        pieces = [self.text[i : i + 3] for i in range(0, len(self.text), 3)]
+        base = {"id": "chatcmpl-w", "object": "chat.completion.chunk", "created": 1, "model": body.get("model")}
+        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}, *({"content": p} for p in pieces)]
+        last = len(deltas) - 1
+        events = [
+            {**base, "choices": [{"index": 0, "delta": d, "finish_reason": "length" if i == last else None}]}
+            for i, d in enumerate(deltas)
+        ]
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for event in events:
+            data = b"data: " + orjson.dumps(event) + b"\n\n"
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+@pytest.mark.parametrize("order", [["safety", "cache"], ["cache", "safety"]], ids=["safety_first", "cache_first"])
+@pytest.mark.parametrize("then", [False, True], ids=["whole_hit", "stream_hit"])
+def test_a_stream_safety_blocked_is_not_served_unblocked(
+    gateway: Any, redis_client: redis.Redis, namespace: str, order: list[str], then: bool
+) -> None:
+    """The worker's last event carries the blocked text and ends the answer: safety cuts the stream there
+    with finish_reason content_filter. No later request, whole or streamed, gets the blocked text from
+    the cache. Listed after the cache, safety has cut the stream before the cache keeps it: no entry
+    holds the text (listed before, the entry keeps the worker's answer and safety cuts every hit)."""
+    worker = LastPieceWorker(ANSWER[:15])  # "the code is zz1": the match is in the last piece
+    url, _ = gateway(worker, order, rule=BLOCK)
+    blocked = _content(_ask(url, True), True)
+    assert blocked == ("the code is ", "content_filter")
+    wait_stored(redis_client, namespace)
+    later = _ask(url, then)
+    assert later.headers["x-cache"] == "hit"
+    assert _content(later, then) == blocked
+    [name] = entry_names(redis_client, namespace)
+    if order[0] == "cache":
+        assert b"zz1" not in redis_client.get(name)
