@@ -40,7 +40,7 @@ BLOCK = {**REDACT, "action": "block"}
 def _sections(namespace: str, order: list[str], rule: dict[str, Any]) -> list[dict[str, Any]]:
     sections = {
         "cache": {"name": "cache", "config": {"namespace": namespace, "timeout_ms": 100}},
-        "guided_json": {"name": "guided_json", "config": {"probe": False}},
+        "guided_json": {"name": "guided_json", "config": {"probe": False, "compile_timeout_ms": 30_000}},
         "safety": {"name": "safety", "config": {"rules": [rule]}},
     }
     return [sections[name] for name in order] + [{"name": "routing"}]
