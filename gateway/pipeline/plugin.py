@@ -96,7 +96,9 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   ``timeout_ms``); running over it counts as a failure under the same policy.
 - The hooks above marked ``async`` must be coroutine functions (``async def``): a config whose plugin
   overrides one with a plain function is refused when it loads, since such a hook would run before its
-  time budget and failure policy apply.
+  time budget and failure policy apply. Likewise ``prepare``, ``model_moves`` and ``went_live`` must be
+  plain functions: the core calls them without awaiting, so an ``async def`` one would only make a
+  coroutine that never runs; a config naming such a plugin is refused when it loads.
 """
 
 from __future__ import annotations
@@ -154,6 +156,8 @@ class EmptyConfig(BaseModel):
 
 #: The hooks of the contract that are coroutine functions.
 ASYNC_HOOKS = ("start", "on_request", "on_response", "on_chunk", "on_models", "on_side_request", "on_admin", "aclose")
+#: The hooks of the contract that the core calls without awaiting.
+PLAIN_HOOKS = ("prepare", "model_moves", "went_live")
 
 
 class Plugin:
@@ -213,3 +217,14 @@ class Plugin:
         """The contract's ``async`` hooks that this class overrides with a plain function (a config
         naming such a plugin is refused)."""
         return [h for h in ASYNC_HOOKS if cls.overrides(h) and not inspect.iscoroutinefunction(getattr(cls, h))]
+
+    @classmethod
+    def async_hooks(cls) -> list[str]:
+        """The contract's plain hooks that this class overrides with an ``async def`` (a config naming
+        such a plugin is refused: the core would never await what it returns)."""
+        return [
+            h
+            for h in PLAIN_HOOKS
+            if cls.overrides(h)
+            and (inspect.iscoroutinefunction(getattr(cls, h)) or inspect.isasyncgenfunction(getattr(cls, h)))
+        ]

@@ -34,9 +34,10 @@ def resolve_plugins(config: GatewayConfig, registry: PluginRegistry) -> list[Res
         except (KeyError, TypeError, ImportError, AttributeError) as exc:
             problems.append(f"plugins[{index}].name: {exc.args[0] if exc.args else exc}")
             continue
-        plain = cls.plain_hooks()
-        if plain:
+        plain, awaitable = cls.plain_hooks(), cls.async_hooks()
+        if plain or awaitable:
             problems += [f"plugins[{index}].name: {cls.__name__}.{hook} must be an 'async def'" for hook in plain]
+            problems += [f"plugins[{index}].name: {cls.__name__}.{hook} must be a plain 'def'" for hook in awaitable]
             continue
         try:
             resolved.append(ResolvedPlugin(index, entry, cls, cls.Config.model_validate(entry.config)))

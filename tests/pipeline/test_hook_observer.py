@@ -164,3 +164,27 @@ def test_a_config_naming_a_plugin_with_a_plain_hook_is_refused_before_it_starts(
     assert "plugins[0].name: Started.on_response must be an 'async def'" in str(info.value)
     assert not Started.started
     assert Plain.plain_hooks() == [] and Started.plain_hooks() == ["on_response"]
+
+
+def test_a_config_naming_a_plugin_with_an_async_plain_hook_is_refused() -> None:
+    import json
+
+    from gateway.pipeline.config import ConfigError, parse_config
+    from gateway.pipeline.registry import PluginRegistry
+    from gateway.pipeline.validate import resolve_plugins
+    from tests.support.gateways import base_config
+
+    class Live(Plugin):
+        # The core calls went_live without awaiting it: this body would never run.
+        async def went_live(self) -> None:  # type: ignore[override]
+            return None
+
+        async def model_moves(self) -> Any:  # type: ignore[override]
+            return {}
+
+    config = parse_config(json.dumps(base_config(["http://127.0.0.1:9"], plugins=[{"name": "p"}, {"name": "routing"}])))
+    with pytest.raises(ConfigError) as info:
+        resolve_plugins(config, PluginRegistry({"p": Live}, discover=False))
+    assert "plugins[0].name: Live.model_moves must be a plain 'def'" in str(info.value)
+    assert "plugins[0].name: Live.went_live must be a plain 'def'" in str(info.value)
+    assert Plain.async_hooks() == [] and Live.async_hooks() == ["model_moves", "went_live"]
