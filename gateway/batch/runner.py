@@ -14,12 +14,17 @@ worker pays its prompt); a batch that expired, or that an operator cancelled, st
 gateway's own decision, free like a timeout (the completion window is the gateway's promise, not the
 owner's choice); and a replica that shuts down gives its lines back (their leases are released) to run
 again, here or elsewhere, and be charged then.
+
+A line two replicas both ran (one took over the lapsed lease of the other, still running it) has its
+result written once, by whichever run finishes first; the other run's answer is delivered to nobody and
+billed so (``gateway.batch.submit``): the tenant pays for one answer per line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -241,25 +246,33 @@ class Runner:
     async def _run(self, batch_id: str, index: int, line: dict[str, Any], caller: Caller, run: LineRun) -> None:
         custom_id = line["custom_id"]
         whose = BatchLine(caller, batch_id, custom_id)
+        keep = functools.partial(self._keep, batch_id, index, custom_id)
         try:
-            outcome = await self.submitter.submit(line["url"], line["body"], whose, run)
+            await self.submitter.submit(line["url"], line["body"], whose, run, keep)
         except asyncio.CancelledError:
             with contextlib.suppress(*REDIS_ERRORS):
                 await self.work.release(batch_id, self.owner, [index])
             raise
         except Exception:  # a fault of the gateway's: the line fails once rather than running forever
             log.exception("batch %s: line %d failed", batch_id, index)
-            failure = ServerError("The gateway failed to run this line; it has been logged.", code="internal_error")
-            outcome = Outcome(failure.status_code, failure.body(), "")
+            if run.kept is None:
+                failure = ServerError("The gateway failed to run this line; it has been logged.", code="internal_error")
+                await keep(Outcome(failure.status_code, failure.body(), ""))
+
+    async def _keep(self, batch_id: str, index: int, custom_id: str, outcome: Outcome) -> bool:
+        """Write what a run of the line got as its result, unless another run's was written first (a lease
+        taken over from a slow replica): whether this run's was. The submitter calls it before the line's
+        request is over, so a run whose answer was not written is billed as delivering nothing."""
         ok = outcome.status == 200
         result = output_line(custom_id, outcome.status, outcome.request_id, outcome.body)
         try:
             written = await self.work.record(batch_id, index, custom_id, result, ok=ok, tokens=outcome.tokens)
         except REDIS_ERRORS as exc:  # the lease lapses and the line runs again, here or elsewhere
             log.warning("batch %s: line %d's result could not be recorded (%s)", batch_id, index, exc)
-            return
+            return False
         if written:
             self.metrics.line_done(ok, outcome.tokens)
+        return written
 
     async def _renew_loop(self) -> None:
         while True:

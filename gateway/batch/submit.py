@@ -10,12 +10,20 @@ the runner says so through the line's ``LineRun`` (``abandon``) before it cancel
 context then carries ``client_gone`` to the finalizers (tenancy charges the prompt of a line that had
 reached a worker, as it does a live client's). A line stopped for any other reason (the batch expired,
 an operator cancelled it, the replica shuts down and the line runs again elsewhere) is not.
+
+A line's answer is delivered when the runner writes it as the line's result (``keep``), which happens
+once per line however many runs it had (a replica that took over the lapsed lease of a slow one runs it
+again). So an answer is handed to ``keep`` before the line's request is over, as a live answer is sent
+before its finalizers run; a run whose answer was not written (another run's was, first) delivered
+nothing, and its context says so (``ctx.delivered`` None): the plugins bill it as a request whose client
+got no answer (tenancy gives back what ``on_response`` charged), and the tenant pays for one answer per line.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +40,7 @@ from gateway.wire.errors import GatewayError, InvalidRequest, PayloadTooLarge, S
 from gateway.wire.media_urls import check_request_media
 from gateway.wire.protocol import ENDPOINTS, check_request
 from gateway.wire.responses_chat import chat_request
-from gateway.wire.responses_request import parse_request
+from gateway.wire.responses_request import ResponsesRequest, parse_request
 
 _CHAT = ENDPOINTS["/v1/chat/completions"]
 _PRIORITIZED = ("chat/completions", "completions", "embeddings")  # vLLM bodies with a "priority" field
@@ -56,12 +64,19 @@ class Outcome:
         return (prompt if isinstance(prompt, int) else 0), (completion if isinstance(completion, int) else 0)
 
 
+#: Writes what a run of a line got as the line's result, unless a result was written already (by another
+#: run of the line): whether this call wrote it.
+Keep = Callable[[Outcome], Awaitable[bool]]
+
+
 @dataclass(slots=True)
 class LineRun:
     """One run of a line, shared by the runner and the submitter: the line's request context once it is
-    built (None before, and for a line refused before it had one)."""
+    built (None before, and for a line refused before it had one), and whether what it got was handed to
+    ``keep`` (None: not yet; then whether it was written as the line's result)."""
 
     ctx: RequestContext | None = None
+    kept: bool | None = None
 
     def abandon(self) -> None:
         """The batch's owner stopped this line (it cancelled the batch): mark the line's request as one
@@ -78,8 +93,9 @@ class Submitter:
         self.holder, self.proxy, self.metrics = holder, proxy, metrics
         self.engine_priority = engine_priority
 
-    async def submit(self, url: str, body: dict[str, Any], line: BatchLine, run: LineRun) -> Outcome:
-        """Run one line; ``run`` is given the line's request context as soon as it exists."""
+    async def submit(self, url: str, body: dict[str, Any], line: BatchLine, run: LineRun, keep: Keep) -> None:
+        """Run one line and hand what it got (its answer or its refusal) to ``keep``, once: an answer before
+        the line's request is over. ``run`` is given the line's request context as soon as it exists."""
         request_id = "batch-" + uuid.uuid4().hex
         try:
             self._ready()
@@ -88,12 +104,12 @@ class Submitter:
                 raise PayloadTooLarge(f"The request body is larger than this gateway accepts ({limit} bytes).",
                                       code="request_too_large")  # fmt: skip
             if url == "/v1/responses":
-                reply = await self._responses(body, line, request_id, run)
+                await self._responses(body, line, request_id, run, keep)
             else:
-                reply = await self._inference(url, body, line, request_id, run)
+                await self._inference(url, body, line, request_id, run, keep)
         except GatewayError as error:
-            return Outcome(error.status_code, error.body(), request_id)
-        return Outcome(reply.status, orjson.loads(reply.body), request_id)
+            if run.kept is None:
+                await hand_over(run, keep, Outcome(error.status_code, error.body(), request_id))
 
     def _context(self, endpoint_name: str, path: str, body: dict[str, Any], requested: str, line: BatchLine,
                  request_id: str, snapshot: Any, model: Any, run: LineRun) -> RequestContext:  # fmt: skip
@@ -120,8 +136,8 @@ class Submitter:
         return ctx
 
     async def _inference(
-        self, url: str, body: dict[str, Any], line: BatchLine, request_id: str, run: LineRun
-    ) -> JSONReply:
+        self, url: str, body: dict[str, Any], line: BatchLine, request_id: str, run: LineRun, keep: Keep
+    ) -> None:
         endpoint = ENDPOINTS[url]
         self._ready()
         with self.holder.pin() as snapshot:
@@ -138,14 +154,16 @@ class Submitter:
             in_flight.inc()
             try:
                 reply = await self.proxy.serve(ctx)
+                if not isinstance(reply, JSONReply):  # never: a line's body cannot ask to stream
+                    raise ServerError("The batch line was answered as a stream.", code="internal_error")
+                await hand_over(run, keep, Outcome(reply.status, orjson.loads(reply.body), request_id))
             finally:
                 in_flight.dec()
                 ctx.finalize()
-        if not isinstance(reply, JSONReply):  # never: a line's body cannot ask to stream
-            raise ServerError("The batch line was answered as a stream.", code="internal_error")
-        return reply
 
-    async def _responses(self, body: dict[str, Any], line: BatchLine, request_id: str, run: LineRun) -> JSONReply:
+    async def _responses(
+        self, body: dict[str, Any], line: BatchLine, request_id: str, run: LineRun, keep: Keep
+    ) -> None:
         # A line's Response is not stored (no tenant's conversation to continue it in): its answer says
         # store false, and a line asking to store is refused rather than answered as if it were stored.
         if body.get("store") is True:
@@ -168,11 +186,38 @@ class Submitter:
             check_request(_CHAT, chat)
             ctx = self._context(_CHAT.name, _CHAT.path, chat, req.model, line, request_id, snapshot, model, run)
             ctx.log["api"] = "responses"
-            reply = await ResponsesTurn(self.proxy, self.metrics, req, ctx, None).start()
-        if not isinstance(reply, JSONReply):
+            reply = await LineTurn(self.proxy, self.metrics, req, ctx, run, keep).start()
+        if not isinstance(reply, JSONReply):  # never: a line's body cannot ask to stream
             raise ServerError("The batch line was answered as a stream.", code="internal_error")
-        return reply
 
     def _ready(self) -> None:
         if not self.holder.loaded:
             raise ServerError("The gateway has no config loaded yet.", code="not_ready", status=503)
+
+
+async def hand_over(run: LineRun, keep: Keep, outcome: Outcome) -> None:
+    """Hand what the run got to ``keep``. An answer that was not written (another run's was, or the write
+    failed and the line runs again) reached nobody: the run's context says nothing was delivered."""
+    run.kept = False  # once, whatever ``keep`` raises
+    try:
+        run.kept = await keep(outcome)
+    finally:
+        if not run.kept and run.ctx is not None:
+            run.ctx.delivered = None
+
+
+class LineTurn(ResponsesTurn):
+    """A ``/v1/responses`` line's turn: not stored, and its Response handed to ``keep`` once translated,
+    before the turn's request is over."""
+
+    def __init__(
+        self, proxy: Proxy, metrics: Metrics, req: ResponsesRequest, ctx: RequestContext, run: LineRun, keep: Keep
+    ) -> None:
+        super().__init__(proxy, metrics, req, ctx, None)
+        self.run, self.keep = run, keep
+
+    async def translate_json(self, reply: JSONReply) -> JSONReply:
+        translated = await super().translate_json(reply)
+        outcome = Outcome(translated.status, orjson.loads(translated.body), self.ctx.request_id)
+        await hand_over(self.run, self.keep, outcome)
+        return translated

@@ -190,7 +190,9 @@ class Delivered:
     - A JSON answer (or an early one, e.g. a cache hit, also when replayed as a stream): set when the
       response passed every ``on_response`` hook (``status`` is the one sent; its usage is the
       response's, which ``on_response`` saw). An error reply (a refusal, an upstream failure) leaves
-      ``ctx.delivered`` None.
+      ``ctx.delivered`` None. A batch line's answer is delivered when it is written as the line's
+      result, before its finalizers run: a run of the line whose answer was not (another run, on a
+      replica that took its lapsed lease over, wrote one first) has ``ctx.delivered`` set back to None.
     - A stream: set when its first event is about to go out, then kept current until it ends, however
       it ends (``[DONE]``, the client went away, the worker cut it): ``stream_tokens`` counts the
       completion tokens already handed to the client's connection (one per worker choice delta that

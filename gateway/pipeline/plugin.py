@@ -56,7 +56,8 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   there ``ctx.delivered`` (``Delivered``, set by the core) says what the client was given: an answer
   and its status, or for a stream, however it ended (``[DONE]``, the client gone, the worker cut it),
   how many completion tokens went out and whether it completed (None: nothing was delivered, e.g. a
-  refusal or an upstream failure). That is the hook to bill by (tenancy). ``ctx.reached_worker`` says
+  refusal or an upstream failure, or a batch line's answer that was not written as the line's result
+  because another run of the line wrote one first). That is the hook to bill by (tenancy). ``ctx.reached_worker`` says
   whether the request was sent to a worker, and ``ctx.client_gone`` whether the client went away before
   its answer was complete: a client that hangs up while the worker generates is not a failure.
 - ``ctx.model_allowed`` (set by an access-control plugin) and ``ctx.allows_model(name)``: a plugin that

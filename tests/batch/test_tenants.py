@@ -18,7 +18,7 @@ import redis
 
 from plugins.tenancy.keys import hash_key
 from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, start, wait_for
-from tests.support.fakes import FakeUpstream, ServerThread
+from tests.support.fakes import Behavior, FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
 from tests.support.tenancy import PEPPER, prefix
 
@@ -376,3 +376,76 @@ def test_a_cancel_another_replica_finalizes_stops_this_replicas_lines(
         upstream.behavior.hold.set()
     assert len(upstream.requests) == 1
     assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (3, 0, 3)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "first"),
+    [("/v1/chat/completions", "taker"), ("/v1/chat/completions", "slow"), ("/v1/responses", "taker")],
+)
+def test_a_line_two_replicas_both_ran_is_charged_once(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    prefix: str,
+    batch_names: dict[str, Any],
+    endpoint: str,
+    first: str,
+) -> None:
+    """A replica whose lease on a running line lapsed (its renewals did not get through in time) is still
+    running it when another replica takes the line over: both runs are answered, but the line's result is
+    written once and the tenant pays for that one answer. The run whose answer came second was delivered
+    to nobody: its charge is given back, whichever replica ran it (``first``: whose run is answered first,
+    the replica that took the line over or the slow one)."""
+    config = gateway_config(upstream_url, prefix, batch_names)
+    config["batches"]["max_in_flight"] = 2  # the slow replica runs lines 0 and 1, and claims nothing more
+    if endpoint == "/v1/responses":
+        body = {"model": "m1", "input": "abcd", "max_output_tokens": 3}
+        inputs = [{"custom_id": f"t-{i}", "method": "POST", "url": endpoint, "body": body} for i in range(3)]
+    else:
+        inputs = [chat_line(f"t-{i}", "abcd", max_tokens=3) for i in range(3)]
+    slow_runs, taker_runs = threading.Event(), threading.Event()
+
+    def wait_until(done: Any, what: str) -> None:
+        deadline = time.monotonic() + 15
+        while not done():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    upstream.behavior.hold = slow_runs
+    try:
+        with gateway_factory(config, admin_token="adm") as (_, slow):
+            acme = sdk(slow, "acme-1")
+            batch = start(acme, inputs, endpoint)
+            wait_until(lambda: len(upstream.requests) == 2, "the lines never reached the worker")
+            # the runs already at the worker stay held (each request read the worker's behaviour as it
+            # arrived); the other replica's are answered at once, or held until the slow ones are answered
+            upstream.behavior = Behavior(hold=taker_runs if first == "slow" else None)
+            # line 0's lease lapses: its owner's renewals no longer extend it, anyone may claim it
+            client = redis.Redis()
+            work = f"{batch_names['prefix']}:b:{batch.id}"
+            client.pipeline().zadd(f"{work}:leases", {"0": 0}).hdel(f"{work}:owners", "0").execute()
+            client.close()
+
+            def completed() -> int:
+                return acme.batches.retrieve(batch.id).request_counts.completed  # type: ignore[union-attr]
+
+            with gateway_factory(config, admin_token="adm") as _:  # takes lines 0 and 2
+                if first == "taker":
+                    wait_until(lambda: completed() == 2, "the other replica never answered lines 0 and 2")
+                    slow_runs.set()  # line 0's second answer: the slow replica's
+                else:
+                    wait_until(lambda: len(upstream.requests) == 4, "the other replica never took lines 0 and 2")
+                    slow_runs.set()
+                    wait_until(lambda: completed() == 2, "the slow replica never answered lines 0 and 1")
+                    taker_runs.set()  # line 0's second answer: the other replica's
+                done = wait_for(acme, batch.id, ("completed",), timeout_s=15)
+                output = parse_jsonl(acme.files.content(done.output_file_id).content)
+                day = settled_usage(slow, lambda d: d.get("requests") == 4 and d.get("tokens", 0) <= 3 * 8)
+    finally:
+        slow_runs.set()
+        taker_runs.set()
+    assert len(upstream.requests) == 4  # line 0 ran on both replicas
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
+    assert sorted(line["custom_id"] for line in output) == ["t-0", "t-1", "t-2"]  # each result written once
+    # three answers of 5 prompt and 3 completion tokens each: line 0's second run costs nothing
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (3 * 5, 3 * 3, 3 * 8)
