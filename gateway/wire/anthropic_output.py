@@ -3,9 +3,15 @@ completion (``message_from_chat``), or Anthropic's event sequence from a chat SS
 (``MessageStream``). Pure: no I/O.
 
 The stream is the one Anthropic sends: ``message_start``, ``ping``, then per content block
-``content_block_start``, ``content_block_delta`` (``text_delta`` for text, ``input_json_delta`` for a tool
-call's arguments) and ``content_block_stop``, then ``message_delta`` with ``stop_reason`` and usage, and
-``message_stop``. Each SSE event carries its type in both the ``event:`` line and the data.
+``content_block_start``, ``content_block_delta`` (``thinking_delta`` for thinking, ``text_delta`` for
+text, ``input_json_delta`` for a tool call's arguments) and ``content_block_stop``, then ``message_delta``
+with ``stop_reason`` and usage, and ``message_stop``. Each SSE event carries its type in both the
+``event:`` line and the data.
+
+A reasoning model's thinking (the chat answer's ``reasoning``/``reasoning_content``) is a ``thinking``
+block before the text and tool calls, as vLLM's own Messages endpoint gives it. Its ``signature`` (sent
+last, as a ``signature_delta``, when streamed) is a random token: the SDKs require one, but nothing checks
+it, since thinking blocks a client sends back are dropped (``gateway.wire.anthropic_request``).
 
 A worker's answer that does not have the shape the translation reads (no ``choices`` list, a choice
 without its ``message``, a ``finish_reason`` or ``content`` that is not a string, a tool call that is not
@@ -22,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from gateway.wire.chat_answer import count, first_choice, first_choice_deltas
+from gateway.wire.chat_answer import count, first_choice, first_choice_deltas, reasoning_of
 from gateway.wire.errors import anthropic_sse
 
 
@@ -57,6 +63,10 @@ def usage_of(usage: object) -> dict[str, Any]:
     return out
 
 
+def _signature() -> str:
+    return uuid.uuid4().hex
+
+
 def _tool_input(arguments: object) -> dict[str, Any]:
     """A tool call's arguments as the ``input`` object. Anthropic's ``input`` is always a JSON object, and
     clients rely on it (the SDK's stream helper raises on a delta it cannot parse), so arguments that are not
@@ -86,6 +96,9 @@ def message_from_chat(message_id: str, model: str, chat: object) -> dict[str, An
     """A non-streamed chat completion as a Message (``BadGateway`` when it is not one)."""
     choice, answer, calls, usage = first_choice(chat)
     out = message_object(message_id, model)
+    thinking = reasoning_of(answer)
+    if thinking:
+        out["content"].append({"type": "thinking", "thinking": thinking, "signature": _signature()})
     content = answer.get("content")
     if content:
         out["content"].append({"type": "text", "text": content})
@@ -124,7 +137,7 @@ class MessageStream:
     def __init__(self, message_id: str, model: str) -> None:
         self.message_id, self.model = message_id, model
         self._index = -1  # the open content block (-1: none yet)
-        self._open: str | None = None  # "text" or "tool:<chat tool call index>"
+        self._open: str | None = None  # "thinking", "text" or "tool:<chat tool call index>"
         self._arguments: list[str] = []  # the open tool call's arguments so far
         self._used_tools = False
         self._finish_reason: object = None
@@ -146,6 +159,10 @@ class MessageStream:
         if chunk.get("usage"):
             self._usage = chunk["usage"]
         for choice, delta, calls in first_choice_deltas(chunk):
+            thinking = reasoning_of(delta)
+            if thinking:
+                out += self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": thinking}))
             text = delta.get("content")
             if text:
                 out += self._block("text", {"type": "text", "text": ""})
@@ -191,7 +208,9 @@ class MessageStream:
         if self._open is None:
             return []
         out: list[bytes] = []
-        if self._open != "text" and self._arguments:
+        if self._open == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": _signature()}))
+        if self._open not in ("thinking", "text") and self._arguments:
             arguments = _tool_input("".join(self._arguments))
             self._arguments = []
             if arguments:

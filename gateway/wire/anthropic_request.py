@@ -180,7 +180,7 @@ def _output_config(config: object) -> dict[str, Any]:
         raise bad("output_config: Input should be an object with 'format' and/or 'effort'", "output_config")
     if config.get("effort") is not None:
         raise bad(
-            "output_config.effort: the models this gateway serves do not reason; omit 'effort'.",
+            "output_config.effort: this gateway does not pass a reasoning effort on to its models; omit 'effort'.",
             "output_config.effort",
             "unsupported_parameter",
         )
@@ -195,12 +195,13 @@ def _output_config(config: object) -> dict[str, Any]:
 
 
 def _check_thinking(thinking: object) -> None:
-    """Extended thinking is refused unless disabled: the served models are not reasoning models, and an
-    option that silently does nothing would mislead the client."""
+    """Extended thinking is refused unless disabled: no thinking budget is passed on to the workers (a
+    reasoning model thinks as its chat template has it, and its thinking is returned as ``thinking``
+    blocks all the same), and an option that silently does nothing would mislead the client."""
     if thinking is None or (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
         return
     raise bad(
-        "thinking: extended thinking is not supported by the models this gateway serves; omit 'thinking' "
+        "thinking: this gateway does not pass a thinking configuration on to its models; omit 'thinking' "
         "or send {'type': 'disabled'}.",
         "thinking",
         "unsupported_parameter",

@@ -1,6 +1,8 @@
 """A worker's chat completion as the translations into other APIs (Messages, Responses) read it: choice 0
 of a whole answer (``first_choice``) or of each stream chunk (``first_choice_deltas``), with its text, its
-``finish_reason`` and its tool calls, checked for the types the chat API gives them. Pure: no I/O.
+reasoning (``reasoning_of``: a reasoning model's thinking, which a worker started with a reasoning parser
+writes apart from the text), its ``finish_reason`` and its tool calls, checked for the types the chat API
+gives them. Pure: no I/O.
 
 An answer of another shape (no ``choices`` list, a choice without its ``message``, a ``finish_reason`` or
 ``content`` that is not a string, a tool call that is not an object, ...) is the worker's failure, not the
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from gateway.wire.errors import BadGateway
+from gateway.wire.streaming import REASONING_FIELDS
 
 #: A tool call as read: the call (whole, or a stream's delta of one) and its ``function``.
 ToolCall = tuple[dict[str, Any], dict[str, Any]]
@@ -45,6 +48,15 @@ def count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def reasoning_of(answer: dict[str, Any]) -> str:
+    """The thinking of a checked message or delta (``""``: none), under whichever of its two names the
+    worker writes it (``gateway.wire.streaming.REASONING_FIELDS``)."""
+    for name in REASONING_FIELDS:
+        if answer.get(name):
+            return str(answer[name])
+    return ""
+
+
 def _tool_call(call: object, where: str) -> ToolCall:
     """A chat tool call (whole, or a stream's delta of one) and its ``function``, checked for the members
     the translations read."""
@@ -60,10 +72,11 @@ def _tool_call(call: object, where: str) -> ToolCall:
 
 def _checked_choice(choice: dict[str, Any], part: str, where: str) -> list[ToolCall]:
     """The tool calls of a choice whose ``finish_reason`` and ``part`` (its ``message``, or a chunk's
-    ``delta``: text and tool calls) were checked."""
+    ``delta``: text, reasoning and tool calls) were checked."""
     member(choice, "finish_reason", str, where)
     answer = choice.get(part) or {}
-    member(answer, "content", str, f"{where}{part}.")
+    for name in ("content", *REASONING_FIELDS):
+        member(answer, name, str, f"{where}{part}.")
     calls = member(answer, "tool_calls", list, f"{where}{part}.")
     return [_tool_call(call, f"{where}{part}.tool_calls[{i}]") for i, call in enumerate(calls or ())]
 

@@ -2,8 +2,11 @@
 store keeps and ``input_items`` lists (each with an ``id``), and the errors that refuse the rest.
 
 Supported: ``message`` items (roles user, system, developer, assistant; text parts), ``function_call``
-and ``function_call_output``. Anything else (images, files, reasoning, built-in tool items) is a 400
-naming it.
+and ``function_call_output``. ``reasoning`` items (a reasoning model's thinking, which clients such as the
+OpenAI SDK send back with the rest of an earlier output) are accepted and dropped: the chat templates of
+vLLM's reasoning models do not take thinking back in, so they are neither sent to the worker nor stored,
+as a stored response's reasoning is not replayed (``output_as_input``). Anything else (images, files,
+built-in tool items) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ def normalize_input(value: object) -> list[dict[str, Any]]:
         return [message_item("user", [{"type": "input_text", "text": value}])]
     if not isinstance(value, list) or not value:
         raise bad("'input' must be a string or a non-empty array of input items.", "input")
-    return [_item(item, f"input[{i}]") for i, item in enumerate(value)]
+    items = [_item(item, f"input[{i}]") for i, item in enumerate(value) if not _is_reasoning(item)]
+    if not items:
+        raise bad("'input' holds only reasoning items; the model reads none of them.", "input")
+    return items
+
+
+def _is_reasoning(item: object) -> bool:
+    return isinstance(item, dict) and item.get("type") == "reasoning"
 
 
 def message_item(role: str, content: list[dict[str, Any]], item_id: str | None = None) -> dict[str, Any]:
@@ -83,7 +93,7 @@ def _item(item: object, where: str) -> dict[str, Any]:
         }
     raise unsupported(
         f"Input items of type {kind!r} are not supported by this gateway; supported: message, function_call, "
-        "function_call_output (reasoning and built-in tool items need OpenAI-hosted features).",
+        "function_call_output, reasoning (built-in tool items need OpenAI-hosted features).",
         f"{where}.type",
     )
 
@@ -122,5 +132,6 @@ def text_of(parts: list[dict[str, Any]]) -> str:
 
 
 def output_as_input(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A stored response's output items, as they enter the next turn's input."""
+    """A stored response's output items, as they enter the next turn's input: its reasoning is left out,
+    as the chat templates of vLLM's reasoning models leave an earlier turn's thinking out."""
     return [dict(item) for item in output if item.get("type") in ("message", "function_call")]

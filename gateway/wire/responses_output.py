@@ -2,6 +2,11 @@
 (``response_from_chat``), or OpenAI's Responses event sequence from a chat SSE stream, chunk by chunk
 (``EventStream``), with ``sequence_number``. Pure: no I/O.
 
+A reasoning model's thinking (the chat answer's ``reasoning``/``reasoning_content``) is a ``reasoning``
+output item before the message and function calls, its text a ``reasoning_text`` content part, as vLLM's
+own Responses endpoint gives it; streamed with ``response.reasoning_text.delta``/``.done``. Its
+``summary`` is empty: no worker writes summaries.
+
 The worker's answer is read by ``gateway.wire.chat_answer``, as for the Messages API: one that does not have
 the shape the translation reads (no ``choices`` list, a choice without its ``message``, a ``finish_reason``,
 ``content`` or logprob that is not of the chat API's type, a tool call that is not an object, ...) is the
@@ -17,7 +22,15 @@ from typing import Any
 
 import orjson
 
-from gateway.wire.chat_answer import count, first_choice, first_choice_deltas, json_type, malformed, member
+from gateway.wire.chat_answer import (
+    count,
+    first_choice,
+    first_choice_deltas,
+    json_type,
+    malformed,
+    member,
+    reasoning_of,
+)
 from gateway.wire.responses_items import message_item, new_id, text_part
 from gateway.wire.responses_request import ResponsesRequest
 
@@ -84,11 +97,14 @@ def _usage(usage: object) -> dict[str, Any] | None:
     completion = count(usage.get("completion_tokens")) or 0
     details = usage.get("prompt_tokens_details")
     cached = count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    # a worker with a reasoning parser counts the thinking among the completion tokens, and tells how many
+    details = usage.get("completion_tokens_details")
+    reasoning = count(details.get("reasoning_tokens")) if isinstance(details, dict) else None
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning or 0},
         "total_tokens": count(usage.get("total_tokens")) or prompt + completion,
     }
 
@@ -100,6 +116,9 @@ def response_from_chat(
     choice, message, calls, usage = first_choice(chat)
     logprobs = logprobs_of(choice, "choices[0].")
     output: list[dict[str, Any]] = []
+    reasoning = reasoning_of(message)
+    if reasoning:
+        output.append(reasoning_item(reasoning))
     content = message.get("content")
     if content:
         part = {**text_part("output_text", content), "logprobs": logprobs}
@@ -135,6 +154,17 @@ def _logprob(entry: object, where: str, *, top: bool) -> dict[str, Any]:
     return out
 
 
+def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    """A ``reasoning`` output item holding a model's thinking as one ``reasoning_text`` part."""
+    return {
+        "id": new_id("rs"),
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
 def _function_call(call_id: object, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
     return {
         "id": new_id("fc"),
@@ -157,7 +187,8 @@ class EventStream:
     """Chat completion chunks in, the Responses event sequence out.
 
     ``start()`` gives response.created and response.in_progress; ``feed(chunk)`` the events of one chunk
-    (output_item.added, content_part.added, output_text.delta, function_call_arguments.delta); ``close()``
+    (output_item.added, content_part.added, reasoning_text.delta, output_text.delta,
+    function_call_arguments.delta); ``close()``
     the ``.done`` events of every open item; ``completed()`` the final response.completed (or
     response.incomplete). ``response`` is the Response object being built, ready to store once closed.
     """
@@ -165,6 +196,7 @@ class EventStream:
     def __init__(self, response: dict[str, Any]) -> None:
         self.response = response
         self._seq = 0
+        self._reasoning: dict[str, Any] | None = None  # the open reasoning item
         self._message: dict[str, Any] | None = None  # the open message item
         self._calls: dict[int, dict[str, Any]] = {}  # tool call index -> its open function_call item
         self._finish_reason: str | None = None
@@ -198,6 +230,9 @@ class EventStream:
             self._usage = chunk["usage"]
         for choice, delta, calls in first_choice_deltas(chunk):
             logprobs = logprobs_of(choice, "the stream chunk's choice 0's ")
+            reasoning = reasoning_of(delta)
+            if reasoning:
+                out += self._reasoning_delta(reasoning)
             text = delta.get("content")
             if text:
                 out += self._text(text, logprobs)
@@ -207,9 +242,62 @@ class EventStream:
                 self._finish_reason = choice["finish_reason"]
         return out
 
+    def _reasoning_delta(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self._reasoning is None:
+            out += self._close_message() + self._close_calls()
+            item = reasoning_item("", status="in_progress")
+            self._reasoning = item
+            index = len(self.response["output"])
+            self.response["output"].append(item)
+            out.append(self._event("response.output_item.added", output_index=index, item=dict(item, content=[])))
+            out.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=dict(item["content"][0]),
+                )
+            )
+        item = self._reasoning
+        item["content"][0]["text"] += text
+        out.append(
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=item["id"],
+                output_index=self.response["output"].index(item),
+                content_index=0,
+                delta=text,
+            )
+        )
+        return out
+
+    def _close_reasoning(self) -> list[bytes]:
+        item, self._reasoning = self._reasoning, None
+        if item is None:
+            return []
+        index = self.response["output"].index(item)
+        part = item["content"][0]
+        item["status"] = self._item_status
+        return [
+            self._event(
+                "response.reasoning_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+            ),
+            self._event(
+                "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+            ),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+
     def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
         out: list[bytes] = []
         if self._message is None:
+            out += self._close_reasoning()
             if self._calls:
                 out += self._close_calls()
             item = message_item("assistant", [])
@@ -246,7 +334,7 @@ class EventStream:
         index = call.get("index", 0)
         item = self._calls.get(index)
         if item is None:
-            out += self._close_message()
+            out += self._close_reasoning() + self._close_message()
             item = _function_call(call.get("id"), function.get("name") or "", "", status="in_progress")
             self._calls[index] = item
             self.response["output"].append(item)
@@ -314,7 +402,7 @@ class EventStream:
         """The ``.done`` events of the open items; the Response then holds its final status and usage."""
         if _INCOMPLETE.get(self._finish_reason or ""):
             self._item_status = "incomplete"
-        out = self._close_message() + self._close_calls()
+        out = self._close_reasoning() + self._close_message() + self._close_calls()
         finish(self.response, self._finish_reason, self._usage)
         return out
 

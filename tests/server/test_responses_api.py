@@ -274,7 +274,6 @@ def test_cancel_explains_background_is_not_supported(server: ServerThread) -> No
     [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools[0].type"),
-        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
             "input[0].content[0].type",

@@ -13,11 +13,12 @@ GOOD_CHOICE = {"index": 0, "message": {"role": "assistant", "content": "Hello"},
 
 class ScriptedWorker:
     """Answers every chat request with ``body`` (status 200), or a streamed one with ``events`` (each the
-    data of one SSE event), whatever they hold."""
+    data of one SSE event), whatever they hold; ``requests`` are the chat bodies it was sent."""
 
     def __init__(self) -> None:
         self.body = b"{}"
         self.events: list[bytes] = []
+        self.requests: list[dict[str, Any]] = []
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -31,7 +32,9 @@ class ScriptedWorker:
             raw += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        streamed = bool(raw) and orjson.loads(raw).get("stream") is True
+        request = orjson.loads(raw) if raw else {}
+        self.requests.append(request)
+        streamed = request.get("stream") is True
         kind = b"text/event-stream" if streamed else b"application/json"
         body = b"".join(b"data: " + e + b"\n\n" for e in self.events) if streamed else self.body
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
