@@ -35,6 +35,13 @@ class CachedLabels:
             child = self._children[values] = fast_child(self.metric.labels(*values))
         return child
 
+    def remove(self, *values: str) -> None:
+        """Stop exporting the ``values`` label set: the cached child is forgotten with the metric's, so
+        a later ``labels(*values)`` starts a new series in the registry rather than counting into the
+        removed child, which no scrape reads."""
+        self._children.pop(values, None)
+        self.metric.remove(*values)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.metric, name)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,6 +66,15 @@ class Metrics:
         # their label values (models, routes, statuses, plugins, hooks) come from small sets.
         for name in ("requests", "latency", "ttft", "in_flight", "tpot", "tokens", "hook_duration"):
             setattr(self, name, CachedLabels(getattr(self, name)))
+        #: The metrics with a ``worker`` label holding a worker's URL: ``forget_worker`` removes a gone
+        #: worker's series from each. A plugin's own such metric joins the list.
+        self.worker_metrics: list[Any] = [
+            self.upstream_errors,
+            self.worker_healthy,
+            self.adapter_loads,
+            self.adapter_evictions,
+            self.adapter_load_seconds,
+        ]
 
     def _declare_requests(self, r: CollectorRegistry) -> None:
         """What every request adds to: counts, latencies, tokens, the in-flight and queued gauges."""
@@ -199,6 +209,20 @@ class Metrics:
             self.worker_healthy.labels(url).set(1 if ok else 0)
         self._health_exported = set(health)
 
+    def forget_worker(self, url: str) -> None:
+        """Stop exporting every series of the worker at ``url``. The worker table calls this when a
+        worker leaves it for good (discovery's answer no longer lists it, a reload removed it, and its
+        last request has finished), not while it is only unhealthy or ejected: otherwise every address
+        ever seen keeps its series, and on Kubernetes each rollout or scale event brings pods with new
+        addresses, so /metrics grows for as long as the gateway runs. A worker that comes back starts
+        new series (counters from 0: a reset to Prometheus). In multiprocess mode each process's file
+        keeps the removed values until that process exits (prometheus_client cannot remove them)."""
+        with warnings.catch_warnings():  # multiprocess mode's "not implemented": as said above
+            warnings.simplefilter("ignore", UserWarning)
+            for metric in self.worker_metrics:
+                remove_series(metric, "worker", url)
+        self._health_exported.discard(url)
+
     def declare_models(self, names: list[str]) -> None:
         """Give every configured model its in-flight and queued series from the start (at 0): a series
         that appears only once a request for a model got past the model lookup would tell, even summed,
@@ -240,6 +264,21 @@ class Metrics:
         if not private:
             source = _PublicView(source, self.private_labels)
         return generate_latest(source)
+
+
+def remove_series(metric: Any, label: str, value: str) -> None:
+    """Remove every series of ``metric`` (a labelled metric or its ``CachedLabels``) whose ``label`` is
+    ``value``, whatever its other labels. Reads the metric's series once: for rare events (a worker
+    gone), not the request path."""
+    names = tuple(metric._labelnames)  # prometheus_client's order of them, which remove() takes
+    found = {
+        tuple(sample.labels[name] for name in names)
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.labels.get(label) == value
+    }
+    for values in found:
+        metric.remove(*values)
 
 
 class _PublicView:

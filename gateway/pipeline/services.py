@@ -41,6 +41,11 @@ class Services:
     _redis: dict[tuple[float, float], aioredis.Redis] = field(default_factory=dict)
     _pipelines: dict[tuple[float, float], RedisPipeline] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # A worker gone from the table for good takes its metric series with it: workers discovered
+        # through DNS change address with every pod, and kept series would grow without bound.
+        self.workers.on_removed.append(self.metrics.forget_worker)
+
     def redis(self, *, socket_timeout_s: float = 0.25, connect_timeout_s: float = 0.25) -> aioredis.Redis:
         """A pooled Redis client for ``settings.redis_url`` with these timeouts (one pool per pair).
 

@@ -85,6 +85,10 @@ class WorkerTable:
         self.max_ejection_s = max_ejection_s
         self._task: asyncio.Task[None] | None = None
         self.on_change: list[Callable[[Worker], None]] = []
+        #: Called with a worker's URL when it leaves the table for good (no longer configured or
+        #: discovered, and its last request finished): what is kept per worker elsewhere (its metric
+        #: series) can go. Not called for a worker that is only unhealthy or ejected.
+        self.on_removed: list[Callable[[str], None]] = []
         self._static: list[str] = []
         self._discovered: dict[str, list[str]] = {}
         # Workers no longer configured that still had requests in flight: dropped once those finish.
@@ -142,6 +146,8 @@ class WorkerTable:
         for url in gone:
             self._workers.pop(url, None)
             self._leaving.discard(url)
+            for callback in self.on_removed:
+                callback(url)
         return bool(gone)
 
     def get(self, url: str) -> Worker:

@@ -99,6 +99,20 @@ def test_cached_labels_hand_out_fast_children_and_the_rest_of_the_child() -> Non
     assert counter.labels("x").child is counter.metric.labels("x")
 
 
+def test_a_removed_label_set_starts_a_new_series_and_not_the_forgotten_child() -> None:
+    """A label set removed (a worker gone) and used again (it came back) counts into the registry: the
+    cached child, which no scrape reads any more, is forgotten with the metric's."""
+    registry = CollectorRegistry()
+    counter = CachedLabels(Counter("c", "c", ["worker", "kind"], registry=registry))
+    counter.labels("w1", "connect").inc(3)
+    counter.labels("w2", "connect").inc()
+    counter.remove("w1", "connect")
+    assert registry.get_sample_value("c_total", {"worker": "w1", "kind": "connect"}) is None
+    assert registry.get_sample_value("c_total", {"worker": "w2", "kind": "connect"}) == 1
+    counter.labels("w1", "connect").inc()
+    assert registry.get_sample_value("c_total", {"worker": "w1", "kind": "connect"}) == 1
+
+
 def test_gauges_in_the_mostrecent_mode_keep_prometheus_clients_methods(tmp_path: Path) -> None:
     code = textwrap.dedent(
         """

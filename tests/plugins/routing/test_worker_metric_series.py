@@ -1,0 +1,119 @@
+"""A worker's metric series live as long as the worker table holds it: a worker discovery no longer
+finds (a pod replaced by a rollout, with a new address) or a reload removes takes its series with it, so
+/metrics does not grow with every address ever seen. One only unhealthy, or kept through a failed lookup,
+keeps them; one that comes back starts new ones."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gateway.ops.metrics import Metrics
+from gateway.ops.settings import Settings
+from gateway.pipeline.config import GatewayConfig
+from gateway.pipeline.registry import PluginRegistry
+from gateway.pipeline.runtime import RuntimeHolder
+from gateway.pipeline.services import Services
+from gateway.upstream.client import UpstreamClient, UpstreamConfig
+from gateway.upstream.workers import WorkerTable
+from plugins.routing.discovery import DnsDiscovery
+from plugins.routing.telemetry import RoutingShared
+from tests.support.gateways import base_config
+
+REF = "dns://vllm-worker.ns.svc:8000"
+
+
+@pytest.fixture
+async def services() -> AsyncIterator[Services]:
+    built = Services(Settings(), UpstreamClient(UpstreamConfig()), WorkerTable(), Metrics())
+    RoutingShared.of(built)  # routing's per-worker gauges, read from the table at each scrape
+    yield built
+    await built.aclose()
+
+
+def serve(services: Services) -> None:
+    """What traffic leaves in each live worker's series: a failure, an adapter loaded and evicted, its
+    health exported (as ``GET /health`` does)."""
+    metrics = services.metrics
+    for worker in services.workers.all():
+        metrics.upstream_errors.labels(worker.url, "connect").inc()
+        metrics.adapter_loads.labels(worker.url, "sql-lora", "ok").inc()
+        metrics.adapter_evictions.labels(worker.url, "sql-lora", "lru").inc()
+        metrics.adapter_load_seconds.labels(worker.url).observe(0.2)
+    metrics.set_worker_health({w.url: w.available() for w in services.workers.all()})
+
+
+def series_by_worker(metrics: Metrics) -> dict[str, int]:
+    """Worker URL -> how many label sets name it in the registry (a histogram's buckets counted once)."""
+    found: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            if "worker" in sample.labels:
+                found.add((family.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))))
+    counts: dict[str, int] = {}
+    for _, labels in found:
+        worker = dict(labels)["worker"]
+        counts[worker] = counts.get(worker, 0) + 1
+    return counts
+
+
+async def test_fifty_replaced_pods_leave_only_the_live_workers_series(services: Services) -> None:
+    pods = ["10.2.0.1", "10.2.0.2"]
+    failing = False
+
+    async def resolver(host: str, port: int) -> list[str]:
+        if failing:
+            raise OSError("SERVFAIL")
+        return list(pods)
+
+    discovery = DnsDiscovery(services.workers, [REF], interval_s=60, timeout_s=1, resolver=resolver)
+    await discovery.refresh()
+    serve(services)
+    per_worker = series_by_worker(services.metrics)["http://10.2.0.1:8000"]
+    for i in range(50):  # a rolling update: each pod in turn replaced by one with a new address
+        pods[i % 2] = f"10.3.0.{i + 1}"
+        await discovery.refresh()
+        serve(services)
+    live = {w.url for w in services.workers.all()}
+    assert live == {"http://10.3.0.49:8000", "http://10.3.0.50:8000"}
+    assert series_by_worker(services.metrics) == dict.fromkeys(live, per_worker)
+
+    # Unhealthy, ejected, or kept through a failed lookup: still a worker, its series stay.
+    unhealthy = services.workers.get("http://10.3.0.49:8000")
+    services.workers.set_health(unhealthy, False, "connection refused")
+    failing = True
+    await discovery.refresh()
+    serve(services)
+    assert series_by_worker(services.metrics) == dict.fromkeys(live, per_worker)
+    failing = False
+
+    # Dropped from the answer while a request is still at it: its series go when that request ends.
+    busy = services.workers.get("http://10.3.0.50:8000")
+    busy.in_flight = 1
+    pods[:] = ["10.3.0.49"]
+    await discovery.refresh()
+    assert "http://10.3.0.50:8000" in series_by_worker(services.metrics)
+    busy.in_flight = 0
+    services.workers.all()  # the health loop's next round notices
+    assert set(series_by_worker(services.metrics)) == {"http://10.3.0.49:8000"}
+
+    # A pod that comes back (same address) starts new series, which /metrics shows.
+    pods[:] = ["10.3.0.49", "10.3.0.50"]
+    await discovery.refresh()
+    services.metrics.upstream_errors.labels("http://10.3.0.50:8000", "connect").inc()
+    sample = services.metrics.registry.get_sample_value(
+        "gateway_upstream_errors_total", {"worker": "http://10.3.0.50:8000", "kind": "connect"}
+    )
+    assert sample == 1
+
+
+async def test_a_worker_removed_by_a_config_reload_takes_its_series(services: Services) -> None:
+    holder = RuntimeHolder(PluginRegistry(discover=False), services)
+    await holder.load(GatewayConfig.model_validate(base_config(["http://a:8000", "http://b:8000"], plugins=[])))
+    serve(services)
+    assert set(series_by_worker(services.metrics)) == {"http://a:8000", "http://b:8000"}
+    await holder.load(GatewayConfig.model_validate(base_config(["http://a:8000"], plugins=[])))
+    serve(services)
+    assert set(series_by_worker(services.metrics)) == {"http://a:8000"}
+    await holder.aclose()
