@@ -69,6 +69,10 @@ class Ring:
         for i in range(len(self.fields)):
             self.values[base + i] = _NAN
 
+    def empty(self) -> bool:
+        """True when no slot holds a value (nothing seen for the whole window)."""
+        return all(math.isnan(value) for value in self.values)
+
     def column(self, index: int, slots: list[int]) -> list[float | None]:
         width = len(self.fields)
         out: list[float | None] = []
@@ -132,9 +136,14 @@ class LiveSeries:
     def _write(
         self, rings: dict[str, Ring], fields: tuple[str, ...], cap: int, slot: int, rows: dict[str, Any]
     ) -> None:
+        gone = []
         for name, quiet in rings.items():
             if name not in rows:
                 quiet.clear(slot)  # a model or worker gone quiet: a gap, not its old value
+                if quiet.empty():
+                    gone.append(name)
+        for name in gone:  # nothing left to chart (a worker replaced by one at a new address): its place
+            del rings[name]  # goes to a newcomer, or the cap would fill with the dead for good
         for name, row in rows.items():
             ring = rings.get(name)
             if ring is None:
@@ -143,6 +152,7 @@ class LiveSeries:
                         self.dropped.add(name)
                     continue
                 ring = rings[name] = Ring(fields, self.points)
+                self.dropped.discard(name)
             ring.write(slot, row)
 
     def as_json(self) -> dict[str, Any]:

@@ -106,6 +106,27 @@ def test_a_model_gone_quiet_leaves_a_gap_not_its_old_value() -> None:
     assert body["workers"]["http://w1"]["in_flight"] == [3.0, 3.0, None]
 
 
+def test_a_worker_gone_for_the_whole_window_gives_its_place_to_a_new_one() -> None:
+    """Pods replaced by a rollout come back at new addresses: a gone worker's ring is freed once its
+    window holds nothing, so the cap does not fill with dead workers and newcomers are charted."""
+    _, series, now = make(points=3, max_workers=1)
+    series.tick()
+    for _ in range(3):
+        now[0] += 5
+        series.tick()
+    series.workers_in_flight = lambda: {"http://w2": 1}  # w1 replaced by w2
+    now[0] += 5
+    series.tick()
+    assert series.as_json()["dropped"] == ["http://w2"]  # w1's window still shows it
+    for _ in range(2):
+        now[0] += 5
+        series.tick()
+    body = series.as_json()
+    assert sorted(body["workers"]) == ["http://w2"]
+    assert body["workers"]["http://w2"]["in_flight"] == [None, None, 1.0]
+    assert body["dropped"] == []
+
+
 async def test_a_failed_sample_does_not_stop_the_timer() -> None:
     _, series, _ = make()
     calls: list[int] = []
