@@ -18,7 +18,8 @@
   without reading or parsing anything, and closed; established connections are served as before.
 - **Answers in OpenAI's error shape** for everything refused before the app sees it (400 for a
   request the parser rejects: smuggling forms such as Content-Length with Transfer-Encoding, two
-  Content-Lengths, obfuscated Transfer-Encoding, bare LF; 414, 431, 408, 503). After such an answer
+  Content-Lengths, obfuscated Transfer-Encoding, bare LF; two Host fields, an invalid Host, none on an
+  HTTP/1.1 request; 414, 431, 408, 503). After such an answer
   the connection is half-closed and what the client still sends is read and dropped for a short
   while (a lingering close), so the client reads the answer rather than a connection reset.
 
@@ -32,6 +33,7 @@ import contextlib
 import enum
 import functools
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +49,10 @@ log = logging.getLogger("gateway.front_door")
 #: How long a refused connection is still read (and the bytes dropped) after its answer.
 LINGER_S = 2.0
 _CRLF2 = b"\r\n\r\n"
+#: A valid Host value (RFC 9110, section 7.2: uri-host [":" port]) with its trailing whitespace (llhttp
+#: strips the leading). No comma, though a reg-name may have one: it is what separates a field's list
+#: items, and a Host read as a list is two hosts to whatever splits it.
+_HOST = re.compile(rb"(?:\[[0-9A-Za-z._~!$&'()*+;=:-]+\]|[0-9A-Za-z._~%!$&'()*+;=-]*)(?::[0-9]*)?[ \t]*")
 
 
 class Phase(enum.Enum):
@@ -113,6 +119,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._chunk_header_fed = False
         # The request being answered; ``self.cycle`` is the last one parsed, which may be queued behind it.
         self._answering: RequestResponseCycle | None = None
+        self._host = b""  # the last valid Host value on this connection
 
     # -- connections ------------------------------------------------------------------------------
 
@@ -316,6 +323,21 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 raise HeadRefused(self.answers.head_too_large)
             if self.parser.get_http_version() not in ("1.0", "1.1"):
                 raise HeadRefused(self.answers.bad_version)
+        # Host (RFC 9112, section 3.2): one at most, valid, and one on HTTP/1.1. One pass over the parsed
+        # names; the value is matched once per connection (a keep-alive client repeats it).
+        host = None
+        for name, value in self.headers:
+            if name == b"host":
+                if host is not None:
+                    raise HeadRefused(self.answers.two_hosts)
+                host = value
+        if host is None:
+            if self.parser.get_http_version() == "1.1":
+                raise HeadRefused(self.answers.no_host)
+        elif host != self._host:
+            if _HOST.fullmatch(host) is None:
+                raise HeadRefused(self.answers.bad_host)
+            self._host = host
         self._head_checked = False
         self._phase = Phase.BODY
         self._deadline = None

@@ -88,6 +88,17 @@ class Answers:
         self.bad_version = error_response(
             400, "Only HTTP/1.0 and HTTP/1.1 requests are served here.", "invalid_http_request"
         )
+        self.no_host = error_response(
+            400, "An HTTP/1.1 request needs a Host header (RFC 9112, section 3.2).", "invalid_http_request"
+        )
+        self.two_hosts = error_response(
+            400, "The request has more than one Host header (RFC 9112, section 3.2).", "invalid_http_request"
+        )
+        self.bad_host = error_response(
+            400,
+            "The request's Host header is not a host with an optional port (RFC 9112, section 3.2).",
+            "invalid_http_request",
+        )
         self.too_many_connections = error_response(
             503,
             "The gateway has too many open connections; try again shortly.",
