@@ -21,7 +21,8 @@
   Content-Lengths, obfuscated Transfer-Encoding, bare LF; two Host fields, an invalid Host, none on an
   HTTP/1.1 request; 414, 431, 408, 503). After such an answer
   the connection is half-closed and what the client still sends is read and dropped for a short
-  while (a lingering close), so the client reads the answer rather than a connection reset.
+  while (a lingering close), so the client reads the answer rather than a connection reset. A
+  WebSocket handshake the WebSocket protocol would reject gets the same shape (``ws_handshake``).
 
 Each bound is a process setting (``GATEWAY_*``, see ``gateway.ops.settings``).
 """
@@ -43,6 +44,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from gateway.ops.settings import Settings
 from gateway.server.head_answers import FrontDoorLimits, HeadRefused, answers_for, error_response
 from gateway.server.uvicorn_internals import missing_internals
+from gateway.server.ws_handshake import handshake_refusal
 
 log = logging.getLogger("gateway.front_door")
 
@@ -291,6 +293,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         # A body still to come: it has body_timeout_s from the end of its head.
         if self._phase is Phase.BODY and self._deadline is None and not self._refused and self.cycle.more_body:
             self._set_deadline(self.limits.body_timeout_s, self._body_expired)
+
+    def handle_websocket_upgrade(self) -> None:
+        """A handshake the WebSocket protocol would reject is answered here, in the error shape
+        (``gateway.server.ws_handshake``); uvicorn's own answer to it is text/plain."""
+        refusal = handshake_refusal(self.scope["method"].encode(), self.url, self.scope["headers"])
+        if refusal is not None:
+            self._refuse(refusal)
+            return
+        super().handle_websocket_upgrade()
 
     def _after_unsupported_upgrade(self) -> None:
         """llhttp stops at a request that asks for an Upgrade (not taken here): to it what follows
