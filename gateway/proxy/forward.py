@@ -88,7 +88,7 @@ class Proxy:
         if not (recording or ctx.snapshot.pipeline.settles_from_usage(ctx)):
             return None
         strip = not ctx.ask_for_usage()
-        choices = requested_choices(ctx.body) * requested_prompts(ctx.body)  # vLLM's choice indices
+        choices = requested_choices(ctx.body) * requested_prompts(ctx.endpoint, ctx.body)  # vLLM's choice indices
         return StreamTap(strip=strip, limit=completion_limit(ctx), choices=choices, record=recording)
 
     async def _settle_usage(self, ctx: RequestContext, settlement: ModelResponse) -> None:

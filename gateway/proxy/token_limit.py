@@ -8,7 +8,7 @@ tenancy never charges more completion tokens than the request allowed. A worker 
 never meets this code: it ends the answer itself at exactly the limit.
 
 The limit is ``max_completion_tokens`` (else ``max_tokens``) times ``n`` times the prompts a completions
-request batches, over all choices together: one
+request batches (a chat request is one prompt, whatever else it carries), over all choices together: one
 choice may then run past its own share while another stops short, which costs the tenant nothing more.
 """
 
@@ -24,7 +24,7 @@ _GENERATING = frozenset({"chat/completions", "completions"})
 
 def completion_limit(ctx: RequestContext) -> int | None:
     """The most completion tokens the client may be sent for ``ctx`` (None: the request sets no limit)."""
-    return requested_completion_tokens(ctx.body) if ctx.endpoint in _GENERATING else None
+    return requested_completion_tokens(ctx.endpoint, ctx.body) if ctx.endpoint in _GENERATING else None
 
 
 def length_end(first: dict[str, Any], indices: list[int]) -> dict[str, Any]:

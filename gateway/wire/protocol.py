@@ -125,23 +125,27 @@ def requested_choices(body: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
-def requested_prompts(body: dict[str, Any]) -> int:
-    """How many prompts the request batches: a completions ``prompt`` that is a list of strings or of
-    token id lists is one generation (of ``n`` choices) per prompt; anything else is one."""
+def requested_prompts(endpoint: str, body: dict[str, Any]) -> int:
+    """How many prompts a request to ``endpoint`` (``Endpoint.name``) batches: a completions ``prompt``
+    that is a list of strings or of token id lists is one generation (of ``n`` choices) per prompt;
+    anything else is one. Only the legacy completions endpoint batches: a ``prompt`` list on any other
+    (an operator's extra field on chat, which vLLM ignores there) asks for nothing more."""
+    if endpoint != "completions":
+        return 1
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         return len(prompt)
     return 1
 
 
-def requested_completion_tokens(body: dict[str, Any]) -> int | None:
-    """The most completion tokens the request allows over all its choices: ``max_completion_tokens``
-    (else ``max_tokens``) times ``n`` times the prompts it batches; None when it sets no positive
-    integer limit."""
+def requested_completion_tokens(endpoint: str, body: dict[str, Any]) -> int | None:
+    """The most completion tokens a request to ``endpoint`` allows over all its choices:
+    ``max_completion_tokens`` (else ``max_tokens``) times ``n`` times the prompts it batches; None when
+    it sets no positive integer limit."""
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
         return None
-    return limit * requested_choices(body) * requested_prompts(body)
+    return limit * requested_choices(body) * requested_prompts(endpoint, body)
 
 
 def check_request(endpoint: Endpoint, body: dict[str, Any]) -> tuple[str, bool]:

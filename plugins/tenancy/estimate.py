@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from gateway.wire.protocol import requested_completion_tokens, requested_prompts
+from gateway.wire.protocol import requested_completion_tokens
 from plugins.tenancy.config import MediaTokens
 
 _PER_MESSAGE = 4  # role markers and separators of a chat template
@@ -170,15 +170,10 @@ def prompt_tokens(endpoint: str, body: dict[str, Any], media: MediaTokens = MEDI
     return max(1, tokens)
 
 
-def prompt_count(endpoint: str, body: dict[str, Any]) -> int:
-    """How many prompts the request batches: a completions request's list of strings or of token id
-    lists is one completion per prompt (and per choice); everything else is one."""
-    return requested_prompts(body) if endpoint == "completions" else 1
-
-
-def reserved_completion(body: dict[str, Any]) -> int:
-    """The most completion tokens the request allows (``max_completion_tokens`` / ``max_tokens``) x n."""
-    return requested_completion_tokens(body) or 0
+def reserved_completion(endpoint: str, body: dict[str, Any]) -> int:
+    """The most completion tokens the request allows (``max_completion_tokens`` / ``max_tokens``) x n x
+    the prompts a completions request batches; 0 when it sets no limit."""
+    return requested_completion_tokens(endpoint, body) or 0
 
 
 def reported_usage(response: dict[str, Any]) -> tuple[int | None, int] | None:

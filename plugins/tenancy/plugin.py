@@ -38,7 +38,7 @@ from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin, SideCall
 from gateway.pipeline.services import TENANT_OF, Services
 from gateway.wire.errors import GatewayError, model_not_found
-from gateway.wire.protocol import requested_choices
+from gateway.wire.protocol import requested_choices, requested_prompts
 from plugins.tenancy import estimate
 from plugins.tenancy.admin import TenancyAdmin
 from plugins.tenancy.admitted import Admitted
@@ -194,7 +194,7 @@ class TenancyPlugin(Plugin):
             raise self._refusal(decision, decision.granted or least, tenant)
         reserved = decision.granted if via_redis or clamp else want
         if clamp:
-            choices = requested_choices(ctx.body) * estimate.prompt_count(ctx.endpoint, ctx.body)
+            choices = requested_choices(ctx.body) * requested_prompts(ctx.endpoint, ctx.body)
             affordable = int(reserved / factor) if factor > 0 else want
             ctx.body["max_tokens"] = max(1, (affordable - prompt) // choices)  # per choice of each prompt
             ctx.mark_body_changed()
@@ -210,13 +210,13 @@ class TenancyPlugin(Plugin):
         the request can cost (context - prompt) per choice; clamping reserves what is left instead."""
         if not self.config.reserve_max_tokens or ctx.endpoint not in _RESERVING:
             return prompt, prompt, False
-        given = estimate.reserved_completion(ctx.body)
+        given = estimate.reserved_completion(ctx.endpoint, ctx.body)
         if given:
             return prompt + given, prompt + given, False
         choices = requested_choices(ctx.body)
         context = self._context_of(ctx)
         # each prompt of a batch may fill the context: (context - its own prompt) per prompt and choice
-        prompts = estimate.prompt_count(ctx.endpoint, ctx.body)
+        prompts = requested_prompts(ctx.endpoint, ctx.body)
         worst = prompt + max(prompts, prompts * context - prompt) * choices
         if self.config.without_max_tokens == "clamp" and ctx.endpoint in _GENERATING:
             return worst, prompt + prompts * choices, True

@@ -34,12 +34,12 @@ class Watcher(Plugin):
 PLUGINS = {"watcher": Watcher}
 
 
-def config(upstream_url: str, prefix: str, *, parsed: bool) -> dict[str, Any]:
+def config(upstream_url: str, prefix: str, *, parsed: bool, **extra: Any) -> dict[str, Any]:
     key = {"id": "k1", "tenant": "t1", "hash": hash_key(KEY, PEPPER.encode()), "limits": {"tokens_per_day": 10_000}}
     plugins: list[dict[str, Any]] = [{"name": "tenancy", "config": {"redis_prefix": prefix, "keys": [key]}}]
     if parsed:
         plugins.append({"name": "watcher"})
-    return base_config([upstream_url], plugins=[*plugins, {"name": "routing"}])
+    return base_config([upstream_url], plugins=[*plugins, {"name": "routing"}], **extra)
 
 
 def stream(server_url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -130,3 +130,46 @@ def test_a_batch_of_prompts_gets_max_tokens_for_each_and_is_reserved_for_each(
     assert reply.json()["usage"]["completion_tokens"] == 6
     assert reply.json()["choices"][0]["text"] == "abcdef" and reply.json()["choices"][0]["finish_reason"] != "length"
     assert charged["completion_tokens"] == 6
+
+
+#: A chat request carrying a ``prompt`` list: an operator's extra field (``limits.extra_params``), which
+#: vLLM's chat ignores. Only the legacy completions endpoint batches prompts.
+STRAY_PROMPTS: dict[str, Any] = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "prompt": ["x"] * 1000}
+EXTRA_PROMPT = {"extra_params": ["prompt"]}
+
+
+@pytest.mark.parametrize("parsed", [False, True], ids=["pass-through", "parsed"])
+def test_a_prompt_list_on_a_chat_stream_does_not_multiply_its_max_tokens(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str, parsed: bool
+) -> None:
+    """The chat stream is one choice: it gets max_tokens (not max_tokens x 1000), and the answer cut
+    there ends that one choice (not 1000 choice indices)."""
+    upstream.behavior.ignore_max_tokens = True
+    upstream.behavior.text = "x" * 2_010
+    upstream.behavior.chunks = 2_010  # the worker sends 2,010 tokens whatever the request says
+    body = {**STRAY_PROMPTS, "stream": True, "max_tokens": 2}
+    gateway = gateway_factory(
+        config(upstream_url, prefix, parsed=parsed, limits=EXTRA_PROMPT), plugins=PLUGINS, admin_token="adm"
+    )
+    with gateway as (_, server):
+        events = stream(server.url, body)
+        charged = day(server.url)
+    texts = [c["delta"].get("content") for e in events for c in e.get("choices", ()) if c["delta"].get("content")]
+    finishes = [
+        (c["index"], c["finish_reason"]) for e in events for c in e.get("choices", ()) if c.get("finish_reason")
+    ]
+    assert len(texts) == 2 and finishes == [(0, "length")]
+    assert charged["completion_tokens"] == 2
+
+
+def test_a_prompt_list_on_a_chat_request_is_reserved_as_one_prompt(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    """max_tokens 11 for one prompt fits the key's 10,000 tokens a day; 11 x 1000 prompts would not."""
+    body = {**STRAY_PROMPTS, "max_tokens": 11}
+    with gateway_factory(config(upstream_url, prefix, parsed=False, limits=EXTRA_PROMPT), admin_token="adm") as (
+        _,
+        server,
+    ):
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 200, reply.text

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.wire.protocol import requested_completion_tokens, requested_prompts
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.faults import wait_for
 from tests.wire.test_error_shape import assert_error_shape
@@ -118,3 +119,22 @@ def test_a_client_that_leaves_while_sending_its_body_is_counted_as_499(
     assert (
         httpx.post(gateway.url + "/v1/chat/completions", json={"model": "m1", "messages": MESSAGES}).status_code == 200
     )
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "prompt", "prompts"),
+    [
+        ("completions", ["a", "b", "c"], 3),
+        ("completions", [[1, 2], [3]], 2),
+        ("completions", [1, 2, 3], 1),  # one prompt of token ids
+        ("completions", "abc", 1),
+        # Only the legacy completions endpoint batches prompts: a list elsewhere (an operator's extra field
+        # on chat, which vLLM's chat ignores) asks for one generation.
+        ("chat/completions", ["a", "b", "c"], 1),
+        ("embeddings", ["a", "b", "c"], 1),
+    ],
+)
+def test_only_a_completions_prompt_list_is_a_batch(endpoint: str, prompt: Any, prompts: int) -> None:
+    body = {"prompt": prompt, "max_tokens": 5, "n": 2}
+    assert requested_prompts(endpoint, body) == prompts
+    assert requested_completion_tokens(endpoint, body) == 5 * 2 * prompts

@@ -290,10 +290,10 @@ def test_media_part_estimates_are_given_by_the_caller() -> None:
 
 
 def test_reserved_completion_is_the_budget_times_n() -> None:
-    assert reserved_completion({"max_tokens": 100, "n": 3}) == 300
-    assert reserved_completion({"max_completion_tokens": 50, "max_tokens": 999}) == 50
-    assert reserved_completion({}) == 0
-    assert reserved_completion({"max_tokens": True}) == 0  # a bool is not a budget
+    assert reserved_completion("chat/completions", {"max_tokens": 100, "n": 3}) == 300
+    assert reserved_completion("chat/completions", {"max_completion_tokens": 50, "max_tokens": 999}) == 50
+    assert reserved_completion("chat/completions", {}) == 0
+    assert reserved_completion("chat/completions", {"max_tokens": True}) == 0  # a bool is not a budget
 
 
 def test_reported_usage_from_usage_or_estimated_from_the_text() -> None:
