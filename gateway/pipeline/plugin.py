@@ -74,7 +74,12 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
 - ``async on_side_request(call)``: optional; a route that does not run the inference pipeline is about
   to answer: ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /tokenize`` and ``/detokenize``, the stored
   Responses' reads, input items, deletes and cancels, and every Files and Batch API call (``/v1/files``,
-  ``/v1/batches``: the lines a batch runs later go through ``on_request``, not here). ``call``
+  ``/v1/batches``: the lines a batch runs later go through ``on_request``, not here); and
+  ``responses.create``, a ``POST /v1/responses`` that continues a stored conversation, before the gateway
+  reads that conversation and has a worker count it for truncation: a check only, since the turn then
+  runs the pipeline, whose ``on_request`` counts and reserves it (tenancy: a 429 for a key or tenant
+  already past a limit, nothing counted; ``call.model`` is the model as for tokenize, after ``on_models``
+  saw the caller). ``call``
   (``SideCall``) names the route, the request's lower-cased headers and, for tokenize and detokenize,
   the parsed body and the model (its config name, or None when the model does not exist or this
   caller may not see it: both look the same). Runs in list order, once per request; return None to
@@ -137,6 +142,7 @@ SideRoute = Literal[
     "batches.list",
     "batches.retrieve",
     "batches.cancel",
+    "responses.create",
 ]
 
 

@@ -22,7 +22,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
@@ -107,6 +107,46 @@ if status ~= 0 then
     redis.call('EXPIRE', KEYS[nb + j], tonumber(ARGV[base + 2*j]))
   end
 end
+return out
+"""
+
+_CHECK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+-- What _ADMIT answers for one request of ARGV[2] tokens (same KEYS and ARGV), reserving nothing:
+-- only a refusal is written, counted in the usage hashes as _ADMIT counts one.
+local least, nb = tonumber(ARGV[2]), tonumber(ARGV[3])
+local status, which, retry = 0, 0, 0
+local levels = {}
+for i = 1, nb do
+  local limit, period = tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
+  local tat = tonumber(redis.call('GET', KEYS[i])) or now
+  if tat < now then tat = now end
+  levels[#levels + 1] = math.floor((period - (tat - now)) * limit / period)
+  levels[#levels + 1] = math.ceil(tat - now)
+  local cost = least
+  if ARGV[3*i+3] == '1' then cost = 1 end
+  local new = tat + cost * period / limit
+  if status == 0 then
+    if cost > limit then status, which = 3, i
+    elseif new - period > now then status, which, retry = 1, i, new - period - now end
+  end
+end
+local base = 3 * nb + 3
+for j = 1, #KEYS - nb do
+  local budget = tonumber(ARGV[base + 2*j - 1])
+  local used = tonumber(redis.call('HGET', KEYS[nb + j], 'tokens')) or 0
+  if status == 0 and budget >= 0 and used + least > budget then status, which = 2, j end
+  levels[#levels + 1] = used
+end
+if status ~= 0 then
+  for j = 1, #KEYS - nb do
+    redis.call('HINCRBY', KEYS[nb + j], 'refusals', 1)
+    redis.call('EXPIRE', KEYS[nb + j], tonumber(ARGV[base + 2*j]))
+  end
+end
+local out = {status, which, math.ceil(retry), least}
+for k = 1, #levels do out[#out + 1] = levels[k] end
 return out
 """
 
@@ -234,6 +274,7 @@ class RedisLimiter:
     def __init__(self, redis: aioredis.Redis, pipeline: RedisPipeline) -> None:
         self._admit = redis.register_script(_ADMIT)
         self._charge = redis.register_script(_CHARGE)
+        self._check = redis.register_script(_CHECK)
         self._pipeline = pipeline  # concurrent requests' admissions and charges share one round trip
 
     async def admit(self, plan: Plan, tokens: int, least: int | None = None) -> Decision:
@@ -241,24 +282,37 @@ class RedisLimiter:
         request bucket), all or nothing. With ``least`` below ``tokens``, reserve as many as all of them
         have left but at least ``least`` (``Decision.granted`` says how many)."""
         call = _plan_call(plan, self._admit, _admit_call)
-        raw = [int(v) for v in await self._pipeline.run_script(call, (tokens, tokens if least is None else least))]
-        status, which, retry = raw[0], raw[1], raw[2]
-        decision = Decision(status, retry_after_ms=retry, granted=raw[3])
-        at = 4
-        for bucket in plan.buckets:
-            decision.remaining[bucket] = (raw[at], raw[at + 1])
-            at += 2
-        for budget in plan.budgets:
-            decision.used[budget] = raw[at]
-            at += 1
-        if status in (1, 3):
-            decision.bucket = plan.buckets[which - 1]
-        elif status == 2:
-            decision.budget = plan.budgets[which - 1]
-        return decision
+        raw = await self._pipeline.run_script(call, (tokens, tokens if least is None else least))
+        return _decision(plan, raw)
+
+    async def check(self, plan: Plan, tokens: int) -> Decision:
+        """What ``admit(plan, tokens)`` would decide now, reserving nothing (a refusal is counted in the
+        usage history, as ``admit`` counts one): for a request whose own admission comes later, when
+        refusing it early saves work."""
+        call = _plan_call(plan, self._check, _admit_call)  # the admission script's keys and arguments
+        return _decision(plan, await self._pipeline.run_script(call, (tokens, tokens)))
 
     async def charge(self, plan: Plan, delta: int, prompt: int, completion: int) -> None:
         await self._pipeline.run_script(_plan_call(plan, self._charge, _charge_call), (delta, prompt, completion))
+
+
+def _decision(plan: Plan, answer: list[Any]) -> Decision:
+    """The admission (or check) script's answer for ``plan``, read."""
+    raw = [int(v) for v in answer]
+    status, which, retry = raw[0], raw[1], raw[2]
+    decision = Decision(status, retry_after_ms=retry, granted=raw[3])
+    at = 4
+    for bucket in plan.buckets:
+        decision.remaining[bucket] = (raw[at], raw[at + 1])
+        at += 2
+    for budget in plan.budgets:
+        decision.used[budget] = raw[at]
+        at += 1
+    if status in (1, 3):
+        decision.bucket = plan.buckets[which - 1]
+    elif status == 2:
+        decision.budget = plan.budgets[which - 1]
+    return decision
 
 
 class LocalLimiter:

@@ -243,16 +243,38 @@ class TenancyPlugin(Plugin):
     async def on_side_request(self, call: SideCall) -> None:
         """A request to a route without inference (models, tokenize, detokenize, stored Responses, the
         Files and Batch APIs) counts against the key's and the tenant's request limits like any other (a
-        429 past them); it is charged no tokens and touches no token bucket or budget."""
+        429 past them); it is charged no tokens and touches no token bucket or budget. ``responses.create``
+        (a Responses turn about to load the conversation it continues) is checked, not counted: its
+        ``on_request`` counts it."""
         info = await self._authenticate(call.headers) if self.config.auth else None
         tenant = info.tenant if info is not None else self.config.anonymous_tenant
         plan = self.plans.of(info, tenant)
+        if call.route == "responses.create":
+            await self._check(plan, tenant)
+            return
         requests = Plan([b for b in plan.buckets if b.kind == "requests"], [])
         if not requests.buckets:
             return
         decision, _ = await self._admit(requests, 0, 0, tenant)
         if not decision.admitted:
             raise self._refusal(decision, 0, tenant)
+
+    async def _check(self, plan: Plan, tenant: str) -> None:
+        """Refuse (429) a request that ``on_request`` would refuse whatever its size: one past a request
+        limit, or with no token left in a token bucket or budget. Reserves nothing; a request that passes
+        is admitted (or refused for its size) by ``on_request``, as any other."""
+        if not plan.buckets and all(budget.limit is None for budget in plan.budgets):
+            return  # nothing limited: no Redis call
+        try:
+            decision = await self.limiter.check(plan, 1)
+        except REDIS_ERRORS as exc:
+            self._redis_failed("check", exc)
+            if self.config.redis_down == "fail_closed":
+                self.metrics.refusals.labels(tenant, "redis_unavailable").inc()
+                raise unavailable() from None
+            return  # fail_open: on_request applies this replica's own limits
+        if not decision.admitted:
+            raise self._refusal(decision, 1, tenant)
 
     async def _authenticate(self, headers: dict[str, str]) -> KeyInfo:
         scheme, _, token = headers.get("authorization", "").partition(" ")

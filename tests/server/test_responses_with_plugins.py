@@ -16,6 +16,7 @@ import openai
 import pytest
 import redis
 
+from gateway.server.responses_store import ResponseStore
 from plugins.tenancy.keys import hash_key
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
@@ -235,3 +236,92 @@ def test_prefix_affinity_routes_on_the_translated_conversation(
                     homes.setdefault(seen.body["messages"][0]["content"], set()).add(fake.name)
         assert len(homes) == 12 and all(len(workers) == 1 for workers in homes.values()), homes
         assert len({w for ws in homes.values() for w in ws}) >= 2
+
+
+def test_a_refused_caller_loads_no_conversation_and_costs_no_token_counts(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    names: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A continuation (``previous_response_id``, ``truncation: "auto"``) from a caller the gateway refuses
+    (no valid key, a key past its request limit, a model the key may not use) is refused before its
+    conversation is read from the store or a worker is asked to count it: the refusal costs neither."""
+    limited = "sk-acme-limited-" + uuid.uuid4().hex
+    other_model = "sk-acme-m2-" + uuid.uuid4().hex
+    plugin = tenancy(names["tenancy"])
+    plugin["config"]["keys"] += [
+        {"id": "acme-limited", "tenant": "acme", "hash": hash_key(limited, PEPPER.encode()),
+         "limits": {"requests_per_minute": 1}},
+        {"id": "acme-m2", "tenant": "acme", "hash": hash_key(other_model, PEPPER.encode()), "models": ["m2"]},
+    ]  # fmt: skip
+    config = base_config(
+        [upstream_url], plugins=[plugin, {"name": "routing"}], responses={"redis_prefix": names["responses"]}
+    )
+    reads: list[str] = []  # what the Responses store read, by method
+    for method in ("load", "chain"):
+        original = getattr(ResponseStore, method)
+
+        def counted(self: ResponseStore, *args: Any, _original: Any = original, _name: str = method, **kw: Any) -> Any:
+            reads.append(_name)
+            return _original(self, *args, **kw)
+
+        monkeypatch.setattr(ResponseStore, method, counted)
+    with gateway_factory(config) as (_, server):
+        acme = sdk(server, key("acme-1"))
+        previous = None
+        for turn in range(4):
+            previous = acme.responses.create(
+                model="m1", input=f"turn {turn}", previous_response_id=previous.id if previous else None
+            )
+        assert previous is not None
+        sdk(server, limited).responses.create(model="m1", input="my one request this minute")
+        upstream.behavior.tokenize = "chars"
+        body = {"model": "m1", "input": "go on", "previous_response_id": previous.id, "truncation": "auto"}
+        counted_before, chats_before, reads_before = len(upstream.tokenized), len(chats(upstream)), len(reads)
+        for bearer, status, code in (
+            ("sk-wrong", 401, "invalid_api_key"),
+            (limited, 429, "rate_limit_exceeded"),
+            (other_model, 404, "model_not_found"),
+        ):
+            for _ in range(3):
+                reply = httpx.post(
+                    server.url + "/v1/responses", json=body, headers={"authorization": f"Bearer {bearer}"}
+                )
+                assert (reply.status_code, reply.json()["error"]["code"]) == (status, code), reply.text
+        assert len(upstream.tokenized) == counted_before  # no worker was asked to count the conversation
+        assert reads[reads_before:] == []  # nor was it read from the store
+        assert len(chats(upstream)) == chats_before
+        # a caller within its limits continues it as before (counted and truncated as it asks)
+        fitted = acme.responses.create(model="m1", input="go on", previous_response_id=previous.id, truncation="auto")
+        assert fitted.previous_response_id == previous.id and len(upstream.tokenized) > counted_before
+        assert reads[reads_before:] == ["load", "chain"]
+
+
+def test_a_continuation_counts_once_against_the_request_limit(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, names: dict[str, str]
+) -> None:
+    """The check before a continuation's conversation is loaded counts nothing: the turn is counted once,
+    by its own admission."""
+    two = "sk-acme-two-" + uuid.uuid4().hex
+    plugin = tenancy(names["tenancy"])
+    plugin["config"]["keys"].append(
+        {
+            "id": "acme-two",
+            "tenant": "acme",
+            "hash": hash_key(two, PEPPER.encode()),
+            "limits": {"requests_per_minute": 2},
+        }
+    )
+    config = base_config(
+        [upstream_url], plugins=[plugin, {"name": "routing"}], responses={"redis_prefix": names["responses"]}
+    )
+    with gateway_factory(config) as (_, server):
+        client = sdk(server, two)
+        first = client.responses.create(model="m1", input="one")
+        second = client.responses.create(model="m1", input="two", previous_response_id=first.id, truncation="auto")
+        assert second.previous_response_id == first.id
+        with pytest.raises(openai.RateLimitError):
+            client.responses.create(model="m1", input="three", previous_response_id=second.id)
+        assert len(chats(upstream)) == 2

@@ -33,6 +33,7 @@ from gateway.server.admin_auth import require_admin
 from gateway.server.cycle import Receive, RequestCycle, Scope, Send
 from gateway.server.responses_store import Chain, ResponseStore, not_found
 from gateway.server.routes import JSON
+from gateway.server.routes.models import model_card
 from gateway.server.routes.openai import _WATCH_AFTER_S, InferenceEndpoints
 from gateway.server.state import AppState
 from gateway.wire.allowlist import ParamAllowList
@@ -87,13 +88,15 @@ class ResponsesService:
         """One ``POST /v1/responses`` body: a whole JSON reply (or error), or the translated stream."""
         config = self.config()
         req = parse_request(parse_body(body))
-        scope = await self.store.scope_of(headers)
-        chain = await self._conversation(config, scope, req)
-        history = chain.items
         pin = contextlib.ExitStack()
         try:
             snapshot: RuntimeSnapshot = pin.enter_context(self.state.holder.pin())
             model = snapshot.models.resolve(req.model)
+            if req.previous_response_id is not None:
+                await self._admit_continuation(snapshot, headers, req.model, model)
+            scope = await self.store.scope_of(headers)
+            chain = await self._conversation(config, scope, req)
+            history = chain.items
             if model is None:
                 raise model_not_found(req.model)
             dropped = 0
@@ -126,6 +129,24 @@ class ResponsesService:
             return await turn.reply(pin)
         finally:
             pin.close()
+
+    @staticmethod
+    async def _admit_continuation(
+        snapshot: RuntimeSnapshot, headers: dict[str, str], requested: str, model: ModelConfig | None
+    ) -> None:
+        """Refuse a caller the turn's ``on_request`` would refuse anyway before its conversation is read
+        and (``truncation: "auto"``) counted by a worker: that work scales with the stored chain, and a
+        refused request must not buy it. The caller goes through ``on_models`` for the model, as on
+        ``/tokenize`` (tenancy: 401 without a valid key, the model hidden from a key that may not use
+        it), then ``on_side_request`` as ``responses.create``, a check that counts nothing (tenancy: 429
+        for a key or tenant already past a limit). The turn's own admission still counts and reserves
+        it, on the conversation as the worker will read it."""
+        cards = [] if model is None else [model_card(requested, model, int(snapshot.loaded_at))]
+        visible = await snapshot.pipeline.run_models(headers, cards)  # the caller first (401 without a key)
+        seen = model.name if model is not None and visible else None
+        await snapshot.pipeline.run_side(SideCall("responses.create", headers, seen))
+        if model is None or not visible:
+            raise model_not_found(requested)  # unknown, or this caller may not use it: the same answer
 
     async def _conversation(self, config: ResponsesConfig, scope: str, req: ResponsesRequest) -> Chain:
         """The stored conversation this turn continues (empty without previous_response_id), after
