@@ -78,8 +78,10 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   ``responses.create``, a ``POST /v1/responses`` that continues a stored conversation, before the gateway
   reads that conversation and has a worker count it for truncation: a check only, since the turn then
   runs the pipeline, whose ``on_request`` counts and reserves it (tenancy: a 429 for a key or tenant
-  already past a limit, nothing counted; ``call.model`` is the model as for tokenize, after ``on_models``
-  saw the caller). ``call``
+  without room for even the least the turn can cost, nothing counted); ``call.model`` is the model as for
+  tokenize, after ``on_models`` saw the caller, and ``call.body`` the turn's chat request without the
+  conversation (empty when the model is unknown or hidden: the turn is then refused with a 404 after the
+  hook). ``call``
   (``SideCall``) names the route, the request's lower-cased headers and, for tokenize and detokenize,
   the parsed body and the model (its config name, or None when the model does not exist or this
   caller may not see it: both look the same). Runs in list order, once per request; return None to

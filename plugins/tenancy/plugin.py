@@ -244,13 +244,14 @@ class TenancyPlugin(Plugin):
         """A request to a route without inference (models, tokenize, detokenize, stored Responses, the
         Files and Batch APIs) counts against the key's and the tenant's request limits like any other (a
         429 past them); it is charged no tokens and touches no token bucket or budget. ``responses.create``
-        (a Responses turn about to load the conversation it continues) is checked, not counted: its
+        (a Responses turn about to load the conversation it continues) is checked, by the least the turn
+        can cost, not counted: its
         ``on_request`` counts it."""
         info = await self._authenticate(call.headers) if self.config.auth else None
         tenant = info.tenant if info is not None else self.config.anonymous_tenant
         plan = self.plans.of(info, tenant)
         if call.route == "responses.create":
-            await self._check(plan, tenant)
+            await self._check(plan, self._least(call.body), tenant)
             return
         requests = Plan([b for b in plan.buckets if b.kind == "requests"], [])
         if not requests.buckets:
@@ -259,14 +260,27 @@ class TenancyPlugin(Plugin):
         if not decision.admitted:
             raise self._refusal(decision, 0, tenant)
 
-    async def _check(self, plan: Plan, tenant: str) -> None:
-        """Refuse (429) a request that ``on_request`` would refuse whatever its size: one past a request
-        limit, or with no token left in a token bucket or budget. Reserves nothing; a request that passes
-        is admitted (or refused for its size) by ``on_request``, as any other."""
+    def _least(self, chat: dict[str, Any]) -> int:
+        """The fewest tokens ``on_request`` can reserve for a chat request that holds at least ``chat``
+        (a Responses turn, before the conversation it continues is added): a longer prompt only adds,
+        and the completion is at least its ``max_tokens``, else one token per choice (what clamping
+        grants at least; reserving without max_tokens takes more)."""
+        if not chat:
+            return 1
+        prompt = estimate.prompt_tokens("chat/completions", chat)
+        if not self.config.reserve_max_tokens:
+            return prompt
+        return min(prompt + (estimate.reserved_completion(chat) or requested_choices(chat)), MAX_RESERVATION)
+
+    async def _check(self, plan: Plan, least: int, tenant: str) -> None:
+        """Refuse (429) a request that ``on_request`` would refuse, judged by ``least`` tokens, the fewest
+        it can reserve: one past a request limit, or without that many tokens left in a token bucket or
+        budget. Reserves nothing; a request that passes is admitted (or refused for its full size) by
+        ``on_request``, as any other."""
         if not plan.buckets and all(budget.limit is None for budget in plan.budgets):
             return  # nothing limited: no Redis call
         try:
-            decision = await self.limiter.check(plan, 1)
+            decision = await self.limiter.check(plan, least)
         except REDIS_ERRORS as exc:
             self._redis_failed("check", exc)
             if self.config.redis_down == "fail_closed":
@@ -274,7 +288,7 @@ class TenancyPlugin(Plugin):
                 raise unavailable() from None
             return  # fail_open: on_request applies this replica's own limits
         if not decision.admitted:
-            raise self._refusal(decision, 1, tenant)
+            raise self._refusal(decision, least, tenant)
 
     async def _authenticate(self, headers: dict[str, str]) -> KeyInfo:
         scheme, _, token = headers.get("authorization", "").partition(" ")

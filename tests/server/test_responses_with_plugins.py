@@ -325,3 +325,53 @@ def test_a_continuation_counts_once_against_the_request_limit(
         with pytest.raises(openai.RateLimitError):
             client.responses.create(model="m1", input="three", previous_response_id=second.id)
         assert len(chats(upstream)) == 2
+
+
+def test_a_continuation_larger_than_what_the_key_has_left_loads_no_conversation(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    names: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key with tokens left, but fewer than the new turn alone needs (its own input and answer, before any
+    earlier turn is added), is refused before the conversation is read and counted, as a key with none."""
+    small = "sk-acme-small-" + uuid.uuid4().hex
+    plugin = tenancy(names["tenancy"])
+    plugin["config"]["keys"].append(
+        {
+            "id": "acme-small",
+            "tenant": "acme",
+            "hash": hash_key(small, PEPPER.encode()),
+            "limits": {"tokens_per_minute": 500},
+        }
+    )
+    config = base_config(
+        [upstream_url], plugins=[plugin, {"name": "routing"}], responses={"redis_prefix": names["responses"]}
+    )
+    reads: list[str] = []
+    original = ResponseStore.chain
+
+    def counted(self: ResponseStore, *args: Any, **kw: Any) -> Any:
+        reads.append("chain")
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(ResponseStore, "chain", counted)
+    with gateway_factory(config) as (_, server):
+        acme = sdk(server, key("acme-1"))
+        previous = acme.responses.create(model="m1", input="turn 0")
+        previous = acme.responses.create(model="m1", input="turn 1", previous_response_id=previous.id)
+        upstream.behavior.tokenize = "chars"
+        counted_before, reads_before = len(upstream.tokenized), len(reads)
+        client = sdk(server, small)
+        for body in (
+            {"input": "x" * 2400, "max_output_tokens": 16},  # ~600 tokens of input alone
+            {"input": "short", "max_output_tokens": 600},  # an answer larger than what is left
+        ):
+            with pytest.raises(openai.RateLimitError):
+                client.responses.create(model="m1", previous_response_id=previous.id, truncation="auto", **body)  # type: ignore[call-overload]
+        assert len(upstream.tokenized) == counted_before and reads[reads_before:] == []
+        fitted = client.responses.create(
+            model="m1", input="short", previous_response_id=previous.id, truncation="auto", max_output_tokens=16
+        )
+        assert fitted.previous_response_id == previous.id and reads[reads_before:] == ["chain"]

@@ -93,7 +93,7 @@ class ResponsesService:
             snapshot: RuntimeSnapshot = pin.enter_context(self.state.holder.pin())
             model = snapshot.models.resolve(req.model)
             if req.previous_response_id is not None:
-                await self._admit_continuation(snapshot, headers, req.model, model)
+                await self._admit_continuation(snapshot, headers, req, model)
             scope = await self.store.scope_of(headers)
             chain = await self._conversation(config, scope, req)
             history = chain.items
@@ -132,21 +132,23 @@ class ResponsesService:
 
     @staticmethod
     async def _admit_continuation(
-        snapshot: RuntimeSnapshot, headers: dict[str, str], requested: str, model: ModelConfig | None
+        snapshot: RuntimeSnapshot, headers: dict[str, str], req: ResponsesRequest, model: ModelConfig | None
     ) -> None:
         """Refuse a caller the turn's ``on_request`` would refuse anyway before its conversation is read
         and (``truncation: "auto"``) counted by a worker: that work scales with the stored chain, and a
         refused request must not buy it. The caller goes through ``on_models`` for the model, as on
         ``/tokenize`` (tenancy: 401 without a valid key, the model hidden from a key that may not use
-        it), then ``on_side_request`` as ``responses.create``, a check that counts nothing (tenancy: 429
-        for a key or tenant already past a limit). The turn's own admission still counts and reserves
-        it, on the conversation as the worker will read it."""
-        cards = [] if model is None else [model_card(requested, model, int(snapshot.loaded_at))]
+        it), then ``on_side_request`` as ``responses.create`` with the turn's chat request without the
+        conversation, the least the turn can cost: a check that counts nothing (tenancy: 429 for a key
+        or tenant without room even for that). The turn's own admission still counts and reserves it,
+        on the conversation as the worker will read it."""
+        cards = [] if model is None else [model_card(req.model, model, int(snapshot.loaded_at))]
         visible = await snapshot.pipeline.run_models(headers, cards)  # the caller first (401 without a key)
-        seen = model.name if model is not None and visible else None
-        await snapshot.pipeline.run_side(SideCall("responses.create", headers, seen))
         if model is None or not visible:
-            raise model_not_found(requested)  # unknown, or this caller may not use it: the same answer
+            await snapshot.pipeline.run_side(SideCall("responses.create", headers))
+            raise model_not_found(req.model)  # unknown, or this caller may not use it: the same answer
+        own = chat_request(req, model.upstream_name, [])
+        await snapshot.pipeline.run_side(SideCall("responses.create", headers, model.name, own))
 
     async def _conversation(self, config: ResponsesConfig, scope: str, req: ResponsesRequest) -> Chain:
         """The stored conversation this turn continues (empty without previous_response_id), after
