@@ -9,6 +9,7 @@ never be admitted past a limit. The time is Redis's own (``TIME``), so replica c
 
 Admission reserves a request's worst case (``admit``); asked to clamp, the same script reserves as
 many tokens as every bucket and budget has left, but no fewer than the request's least, in one step.
+Asked not to reserve, it is a dry run (``check``): the same decision, with nothing but a refusal counted.
 The charge is settled later by a second script (``charge``): it moves the token buckets by the
 difference between what was reserved and what was delivered (a refund when negative) and adds the
 usage to the budget counters (an hourly counter among them, for the usage history; a refusal is
@@ -37,25 +38,27 @@ PERIOD_MS = 60_000
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
--- ARGV: what changes per request first (want, least), then the plan's: nb, per bucket (limit, period,
--- counts requests?), per budget (limit or -1, ttl)
-local want, least, nb = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+-- ARGV: what changes per request first (want, least, reserve), then the plan's: nb, per bucket (limit,
+-- period, counts requests?), per budget (limit or -1, ttl). With reserve '0' (a dry run) the decision is
+-- the same, but an admitted request is not counted: only a refusal is written.
+local want, least, nb = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
+local reserve = ARGV[3] == '1'
 local status, which, retry = 0, 0, 0
 local tats = {}
 -- the tokens to reserve: want, or (clamping) as many as every token bucket and budget has left,
 -- but never fewer than least (a request that cannot get least is refused below)
 local grant = want
 for i = 1, nb do
-  local limit, period = tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
+  local limit, period = tonumber(ARGV[3*i+2]), tonumber(ARGV[3*i+3])
   local tat = tonumber(redis.call('GET', KEYS[i])) or now
   if tat < now then tat = now end
   tats[i] = tat
-  if ARGV[3*i+3] == '0' then
+  if ARGV[3*i+4] == '0' then
     local room = math.floor((now + period - tat) * limit / period)
     if room < grant then grant = room end
   end
 end
-local base = 3 * nb + 3
+local base = 3 * nb + 4
 local used = {}
 for j = 1, #KEYS - nb do
   local budget = tonumber(ARGV[base + 2*j - 1])
@@ -65,9 +68,9 @@ end
 if grant < least then grant = least end
 local news = {}
 for i = 1, nb do
-  local limit, period = tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
+  local limit, period = tonumber(ARGV[3*i+2]), tonumber(ARGV[3*i+3])
   local cost = grant
-  if ARGV[3*i+3] == '1' then cost = 1 end
+  if ARGV[3*i+4] == '1' then cost = 1 end
   local new = tats[i] + cost * period / limit
   news[i] = new
   if status == 0 then
@@ -79,11 +82,13 @@ for j = 1, #KEYS - nb do
   local budget = tonumber(ARGV[base + 2*j - 1])
   if status == 0 and budget >= 0 and used[j] + grant > budget then status, which = 2, j end
 end
+-- what is left is reported as it is after this call: after the reservation, or as it was without one
+local counted = status == 0 and reserve
 local out = {status, which, math.ceil(retry), grant}
 for i = 1, nb do
-  local limit, period = tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
+  local limit, period = tonumber(ARGV[3*i+2]), tonumber(ARGV[3*i+3])
   local level = tats[i]
-  if status == 0 then
+  if counted then
     level = news[i]
     redis.call('SET', KEYS[i], tostring(level), 'PX', math.ceil(level - now) + 1000)
   end
@@ -91,7 +96,7 @@ for i = 1, nb do
   out[#out + 1] = math.ceil(level - now)
 end
 for j = 1, #KEYS - nb do
-  if status == 0 then
+  if counted then
     local ttl = tonumber(ARGV[base + 2*j])
     redis.call('HINCRBY', KEYS[nb + j], 'tokens', grant)
     redis.call('HINCRBY', KEYS[nb + j], 'requests', 1)
@@ -100,53 +105,14 @@ for j = 1, #KEYS - nb do
   end
   out[#out + 1] = used[j]
 end
--- a refusal is counted in every usage hash of the request (key and tenant; hour, day, month)
+-- a refusal is counted in every usage hash of the request (key and tenant; hour, day, month), dry run
+-- or not
 if status ~= 0 then
   for j = 1, #KEYS - nb do
     redis.call('HINCRBY', KEYS[nb + j], 'refusals', 1)
     redis.call('EXPIRE', KEYS[nb + j], tonumber(ARGV[base + 2*j]))
   end
 end
-return out
-"""
-
-_CHECK = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
--- What _ADMIT answers for one request of ARGV[2] tokens (same KEYS and ARGV), reserving nothing:
--- only a refusal is written, counted in the usage hashes as _ADMIT counts one.
-local least, nb = tonumber(ARGV[2]), tonumber(ARGV[3])
-local status, which, retry = 0, 0, 0
-local levels = {}
-for i = 1, nb do
-  local limit, period = tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
-  local tat = tonumber(redis.call('GET', KEYS[i])) or now
-  if tat < now then tat = now end
-  levels[#levels + 1] = math.floor((period - (tat - now)) * limit / period)
-  levels[#levels + 1] = math.ceil(tat - now)
-  local cost = least
-  if ARGV[3*i+3] == '1' then cost = 1 end
-  local new = tat + cost * period / limit
-  if status == 0 then
-    if cost > limit then status, which = 3, i
-    elseif new - period > now then status, which, retry = 1, i, new - period - now end
-  end
-end
-local base = 3 * nb + 3
-for j = 1, #KEYS - nb do
-  local budget = tonumber(ARGV[base + 2*j - 1])
-  local used = tonumber(redis.call('HGET', KEYS[nb + j], 'tokens')) or 0
-  if status == 0 and budget >= 0 and used + least > budget then status, which = 2, j end
-  levels[#levels + 1] = used
-end
-if status ~= 0 then
-  for j = 1, #KEYS - nb do
-    redis.call('HINCRBY', KEYS[nb + j], 'refusals', 1)
-    redis.call('EXPIRE', KEYS[nb + j], tonumber(ARGV[base + 2*j]))
-  end
-end
-local out = {status, which, math.ceil(retry), least}
-for k = 1, #levels do out[#out + 1] = levels[k] end
 return out
 """
 
@@ -238,7 +204,7 @@ class Decision:
 
 def _admit_call(script: AsyncScript, plan: Plan) -> ScriptCall:
     """The admission script for ``plan``: every bucket and budget, each with its limits (ARGV after the
-    request's own ``want`` and ``least``)."""
+    request's own ``want``, ``least`` and ``reserve``)."""
     keys = [b.redis_key for b in plan.buckets] + [g.redis_key for g in plan.budgets]
     fixed: list[int] = [len(plan.buckets)]
     for b in plan.buckets:
@@ -274,7 +240,6 @@ class RedisLimiter:
     def __init__(self, redis: aioredis.Redis, pipeline: RedisPipeline) -> None:
         self._admit = redis.register_script(_ADMIT)
         self._charge = redis.register_script(_CHARGE)
-        self._check = redis.register_script(_CHECK)
         self._pipeline = pipeline  # concurrent requests' admissions and charges share one round trip
 
     async def admit(self, plan: Plan, tokens: int, least: int | None = None) -> Decision:
@@ -282,22 +247,23 @@ class RedisLimiter:
         request bucket), all or nothing. With ``least`` below ``tokens``, reserve as many as all of them
         have left but at least ``least`` (``Decision.granted`` says how many)."""
         call = _plan_call(plan, self._admit, _admit_call)
-        raw = await self._pipeline.run_script(call, (tokens, tokens if least is None else least))
+        raw = await self._pipeline.run_script(call, (tokens, tokens if least is None else least, 1))
         return _decision(plan, raw)
 
     async def check(self, plan: Plan, tokens: int) -> Decision:
         """What ``admit(plan, tokens)`` would decide now, reserving nothing (a refusal is counted in the
         usage history, as ``admit`` counts one): for a request whose own admission comes later, when
-        refusing it early saves work."""
-        call = _plan_call(plan, self._check, _admit_call)  # the admission script's keys and arguments
-        return _decision(plan, await self._pipeline.run_script(call, (tokens, tokens)))
+        refusing it early saves work. The admission script itself decides, as a dry run (``reserve`` 0),
+        so the two cannot disagree."""
+        call = _plan_call(plan, self._admit, _admit_call)
+        return _decision(plan, await self._pipeline.run_script(call, (tokens, tokens, 0)))
 
     async def charge(self, plan: Plan, delta: int, prompt: int, completion: int) -> None:
         await self._pipeline.run_script(_plan_call(plan, self._charge, _charge_call), (delta, prompt, completion))
 
 
 def _decision(plan: Plan, answer: list[Any]) -> Decision:
-    """The admission (or check) script's answer for ``plan``, read."""
+    """The admission script's answer for ``plan`` (a dry run's too), read."""
     raw = [int(v) for v in answer]
     status, which, retry = raw[0], raw[1], raw[2]
     decision = Decision(status, retry_after_ms=retry, granted=raw[3])

@@ -63,3 +63,28 @@ async def test_check_decides_as_an_admission_would_and_reserves_nothing(prefix: 
         assert over.status == 2 and over.budget is spent.budgets[0]
     finally:
         await client.aclose()
+
+
+async def test_check_refuses_exactly_what_the_admission_refuses(prefix: str) -> None:
+    """The check is the admission script run without reserving: at the edge of a budget (exact, unlike a
+    bucket that refills as time passes) and of a limit, the same amounts pass and fail."""
+    client = aioredis.Redis()
+    limiter = RedisLimiter(client, RedisPyPipeline(client))
+    try:
+        budget = plan(prefix, requests=10, tokens=10_000, day_budget=50)
+        assert (await limiter.admit(budget, 30)).admitted  # 20 left in the day's budget
+        fits, over = await limiter.check(budget, 20), await limiter.check(budget, 21)
+        assert (fits.status, fits.granted, fits.used[budget.budgets[0]]) == (0, 20, 30)
+        assert (over.status, over.budget, over.granted) == (2, budget.budgets[0], 21)
+        assert (await limiter.admit(budget, 21)).status == 2
+        assert (await limiter.admit(budget, 20)).admitted
+        # one script decides both: the check runs the plan's admission call, its limits packed once
+        assert len(budget.calls) == 1
+
+        small = plan(prefix + ":s", requests=10, tokens=100, day_budget=None)
+        larger = await limiter.check(small, 101)  # more than the bucket holds: never admitted
+        assert (larger.status, larger.bucket) == (3, small.buckets[1])
+        assert (await limiter.admit(small, 101)).status == 3
+        assert state(prefix + ":s") == {"rpm": None, "tpm": None, "day": {b"refusals": b"2"}}
+    finally:
+        await client.aclose()
