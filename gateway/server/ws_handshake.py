@@ -10,6 +10,8 @@ accepts goes to uvicorn unchanged, and the app answers it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from gateway.server.head_answers import error_response
 
 try:
@@ -20,7 +22,7 @@ except ImportError:  # pragma: no cover - without websockets uvicorn serves no W
     ServerProtocol = None  # type: ignore[assignment, misc]
 
 
-def handshake_refusal(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+def handshake_refusal(method: bytes, target: bytes, headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     """The complete answer to a WebSocket handshake the server would reject, or None when it would
     accept it (or cannot tell: ``websockets`` is not installed)."""
     if ServerProtocol is None:

@@ -267,10 +267,11 @@ class TenancyPlugin(Plugin):
         grants at least; reserving without max_tokens takes more)."""
         if not chat:
             return 1
-        prompt = estimate.prompt_tokens("chat/completions", chat)
+        prompt = estimate.prompt_tokens("chat/completions", chat, self.config.media_tokens)
         if not self.config.reserve_max_tokens:
             return prompt
-        return min(prompt + (estimate.reserved_completion(chat) or requested_choices(chat)), MAX_RESERVATION)
+        completion = estimate.reserved_completion("chat/completions", chat) or requested_choices(chat)
+        return min(prompt + completion, MAX_RESERVATION)
 
     async def _check(self, plan: Plan, least: int, tenant: str) -> None:
         """Refuse (429) a request that ``on_request`` would refuse, judged by ``least`` tokens, the fewest
