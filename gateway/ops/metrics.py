@@ -46,6 +46,28 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 TOKEN_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 
 
+class _StatusLabels(dict[int, str]):
+    """``gateway_requests_total``'s ``status`` label for an answered HTTP status: ``STATUS_LABELS[status]``.
+
+    A worker's own status below 500 reaches the client as it is, so naming every status would let one
+    buggy or hostile worker add a series per code it invents (hundreds per model and route, held for the
+    process's life). The statuses the gateway answers itself and those OpenAI's API documents are named;
+    any other is counted under its class (``"4xx"``). A subscript, not a call: the request path pays one
+    dict lookup, no more than ``str(status)`` did."""
+
+    __slots__ = ()
+
+    def __missing__(self, status: int) -> str:
+        return f"{status // 100}xx"  # not stored: the mapping stays the fixed set below
+
+
+#: 0 is a request that ended with no answer sent at all.
+STATUS_LABELS = _StatusLabels(
+    (status, str(status))
+    for status in (0, 200, 400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 429, 499, 500, 502, 503, 504)
+)
+
+
 class Metrics:
     """Every metric the core exports. Plugins add their own through ``registry``."""
 

@@ -152,7 +152,7 @@ def _tally(old: Sample, new: Sample) -> tuple[dict[str, dict[str, Any]], float]:
         if name == "gateway_requests":
             entry = row(labels[0])
             entry["requests"] += delta(key)
-            if labels[-1].isdigit() and int(labels[-1]) >= 400:
+            if labels[-1][:1] in ("4", "5"):  # "404", or a class such as "4xx" (``STATUS_LABELS``)
                 entry["errors"] += delta(key)
                 entry["refusals"] += delta(key) if labels[-1] == "429" else 0.0
         elif name == "gateway_tokens":

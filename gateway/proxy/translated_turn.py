@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.ops.metrics import Metrics
+from gateway.ops.metrics import STATUS_LABELS, Metrics
 from gateway.pipeline.config import ModelConfig
 from gateway.pipeline.context import PinnedSnapshot, RequestContext
 from gateway.proxy.answer import cut_short
@@ -243,7 +243,7 @@ class TranslatedTurn(abc.ABC):
         ctx = self.ctx
         ctx.finalize()
         elapsed = time.perf_counter() - ctx.started
-        self.metrics.requests.labels(ctx.model.name, self.route, str(status)).inc()
+        self.metrics.requests.labels(ctx.model.name, self.route, STATUS_LABELS[status]).inc()
         self.metrics.latency.labels(ctx.model.name, self.route).observe(elapsed)
         if log.isEnabledFor(logging.INFO):
             fields: dict[str, Any] = {

@@ -65,3 +65,16 @@ def test_cache_hits_and_safety_refusals_are_read_from_plugin_metrics() -> None:
     report = stats.sample()
     assert report["models"]["m1"]["cache_hit_rate"] == pytest.approx(0.75)
     assert report["safety_refusals_per_s"] == pytest.approx(2.0)
+
+
+def test_statuses_counted_by_class_are_errors_too() -> None:
+    now = [0.0]
+    metrics = Metrics()
+    stats = LiveStats(metrics, clock=lambda: now[0])
+    metrics.requests.labels("m1", "chat/completions", "200").inc(6)
+    metrics.requests.labels("m1", "chat/completions", "4xx").inc(2)  # a worker's 418 (``STATUS_LABELS``)
+    metrics.requests.labels("m1", "chat/completions", "404").inc(2)
+    now[0] = 2.0
+    m1 = stats.sample()["models"]["m1"]
+    assert m1["requests_per_s"] == pytest.approx(5.0)
+    assert m1["errors_per_s"] == pytest.approx(2.0)

@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from gateway.ops.metrics import STATUS_LABELS
 from gateway.pipeline.plugin import SideCall
 from gateway.pipeline.runtime import RuntimeSnapshot
 from gateway.proxy.forward import JSONReply, Reply
@@ -101,7 +102,7 @@ class MessagesEndpoint(InferenceEndpoints):
         finally:
             self._stop_watching(cycle)
             if not cycle.self_recorded:  # refused before it became a turn, or count_tokens
-                self.metrics.requests.labels(cycle.model, "messages", str(cycle.status)).inc()
+                self.metrics.requests.labels(cycle.model, "messages", STATUS_LABELS[cycle.status]).inc()
 
     def _snapshot(self, pin: contextlib.ExitStack) -> RuntimeSnapshot:
         if not self.holder.loaded:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gateway.infra.chunked_writer import ChunkedWriter
+from gateway.ops.metrics import STATUS_LABELS
 from gateway.pipeline.config import LimitsConfig
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.runtime import RuntimeHolder
@@ -245,7 +246,7 @@ class InferenceEndpoints:
 
     def _record(self, endpoint: Endpoint, cycle: RequestCycle) -> None:
         elapsed = time.perf_counter() - cycle.started
-        self.metrics.requests.labels(cycle.model, endpoint.name, str(cycle.status)).inc()
+        self.metrics.requests.labels(cycle.model, endpoint.name, STATUS_LABELS[cycle.status]).inc()
         self.metrics.latency.labels(cycle.model, endpoint.name).observe(elapsed)
         if not log.isEnabledFor(logging.INFO):
             return

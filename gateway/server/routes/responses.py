@@ -22,6 +22,7 @@ import orjson
 from fastapi import APIRouter, Depends, Path, Request, WebSocket
 from fastapi.responses import Response
 
+from gateway.ops.metrics import STATUS_LABELS
 from gateway.pipeline.config import LimitsConfig, ModelConfig, ResponsesConfig
 from gateway.pipeline.plugin import SideCall, SideRoute
 from gateway.pipeline.runtime import RuntimeSnapshot
@@ -250,7 +251,7 @@ class ResponsesEndpoint(InferenceEndpoints):
         finally:
             self._stop_watching(cycle)
             if not cycle.self_recorded:  # refused before it became a turn (bad body, unknown id or model, 401)
-                self.metrics.requests.labels("-", "responses", str(cycle.status)).inc()
+                self.metrics.requests.labels("-", "responses", STATUS_LABELS[cycle.status]).inc()
 
 
 @router.post("/v1/responses/compact", include_in_schema=False)  # always refused: not an API to fuzz
