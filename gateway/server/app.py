@@ -31,6 +31,7 @@ from gateway.server.paths import path_problem
 from gateway.server.routes import audio, batches, files, health, messages, models, responses, utility
 from gateway.server.routes.openai import InferenceEndpoints
 from gateway.server.state import AppState
+from gateway.server.websocket_paths import WebSocketPaths
 from gateway.upstream.client import UpstreamClient, UpstreamConfig, make_http_client
 from gateway.upstream.workers import WorkerTable
 from gateway.wire.openapi import ERROR_RESPONSES, placeholder_for
@@ -49,6 +50,7 @@ class GatewayApp:
         self.state = state
         self._tagged_api = RequestIdTagger(api)
         self.cors = Cors(state.holder, send_path_error)
+        self.websockets = WebSocketPaths(api.router, self._own.keys(), messages.PATHS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         cors = self.cors.policy(scope) if scope["type"] == "http" else None  # None unless on and with an Origin
@@ -77,6 +79,9 @@ class GatewayApp:
             if own is not None:
                 await own(scope, receive, send)
                 return
+        elif scope["type"] == "websocket" and not self.websockets.routed(scope):
+            await self.websockets.refuse(scope, send)  # Starlette's answer would be uvicorn's bare 403
+            return
         await self._tagged_api(scope, receive, send)
 
 
