@@ -122,12 +122,13 @@ def test_a_tenants_markup_stays_text_in_every_view_and_the_token_stays_in_the_pa
     page.click("#tabs button[data-view='playground']")
     page.wait_for_selector("#chat-model option[value='m1']", state="attached", timeout=WAIT_MS)
     page.fill("#chat-key", TENANT_KEY)
+    # Chosen and sent in one task: the view's periodic refresh replaces the options, which would drop
+    # an option added before a separate click (the request then names no model: a 400, not the 404).
     page.evaluate(
         "(name) => { const s = document.getElementById('chat-model');"
-        " s.append(new Option(name, name)); s.value = name; }",
+        " s.append(new Option(name, name)); s.value = name; document.getElementById('chat-send').click(); }",
         HOSTILE,
     )
-    page.click("#chat-send")
     page.wait_for_selector("#chat-status:has-text('HTTP 404')", timeout=WAIT_MS)
     assert HOSTILE in page.inner_text("#chat-answer")
 
