@@ -69,7 +69,7 @@ class AdapterAdmin:
             state.pinned.discard(name)
         else:
             loader = self._loader()
-            async with loader.lock(worker.url):
+            async with loader.holding(worker.url):
                 # Counted once the lock is held: a request may have begun while a load held it.
                 busy = state.active.get(name, 0)
                 if busy:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import orjson
 
-from gateway.ops.metrics import Metrics
+from gateway.ops.metrics import Metrics, remove_series
 from gateway.pipeline.adapters import AdapterConfig, LoraSettings
 from gateway.upstream.client import UpstreamClient, UpstreamFailure
 from gateway.upstream.workers import Worker
@@ -51,6 +52,8 @@ class AdapterLoader:
         self._clock = clock
         self._flights: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._users: dict[str, int] = {}  # url -> loads and unloads holding or awaiting its lock
+        self._gone: set[str] = set()  # removed from the worker table while a load or unload was at it
 
     async def ensure(self, worker: Worker, adapter: AdapterConfig, settings: LoraSettings) -> None:
         """Return once ``worker`` holds ``adapter`` (loading it, and evicting to make room, if needed).
@@ -65,6 +68,7 @@ class AdapterLoader:
         while not state.holds_from(name, adapter.path):
             flight = self._flights.get(key)
             if flight is None:
+                self._gone.discard(worker.url)  # back in the table (the same address): its series stay
                 state.loading.add(name)
                 flight = asyncio.create_task(self._load(worker, adapter, settings), name=f"lora-load {name}")
                 self._flights[key] = flight
@@ -84,11 +88,41 @@ class AdapterLoader:
             lock = self._locks[url] = asyncio.Lock()
         return lock
 
+    @asynccontextmanager
+    async def holding(self, url: str) -> AsyncIterator[None]:
+        """Hold the worker's lock (its loads and unloads run one at a time), counted so that a worker
+        removed meanwhile is forgotten once the last holder is done."""
+        self._users[url] = self._users.get(url, 0) + 1
+        try:
+            async with self.lock(url):
+                yield
+        finally:
+            left = self._users.pop(url) - 1
+            if left:
+                self._users[url] = left
+            elif url in self._gone:
+                self._gone.discard(url)
+                self._forget(url)
+
+    def forget(self, url: str) -> None:
+        """The worker table's ``on_removed``: ``url`` left it for good. Its lock goes (one per address
+        ever seen would pile up as pods come and go); a load or unload still at it drops the lock, and
+        the adapter series it recorded for the gone worker, when it ends."""
+        if url in self._users:
+            self._gone.add(url)
+        else:
+            self._locks.pop(url, None)  # its series went with the table's other on_removed callbacks
+
+    def _forget(self, url: str) -> None:
+        self._locks.pop(url, None)
+        for metric in (self.metrics.adapter_loads, self.metrics.adapter_evictions, self.metrics.adapter_load_seconds):
+            remove_series(metric, "worker", url)
+
     async def _load(self, worker: Worker, adapter: AdapterConfig, settings: LoraSettings) -> None:
         state = worker.adapters
         name = adapter.upstream_name
         try:
-            async with self.lock(worker.url):
+            async with self.holding(worker.url):
                 while state.occupied() > settings.max_loras:  # this load is counted among the occupied
                     victim = state.lru_victim()
                     if victim is None:  # all pinned or busy: vLLM keeps extra adapters in its CPU cache
@@ -112,7 +146,7 @@ class AdapterLoader:
             state.loading.discard(name)
 
     async def unload(self, worker: Worker, name: str, reason: str) -> None:
-        """Unload ``name`` from ``worker`` (call with ``lock(worker.url)`` held); an adapter the worker
+        """Unload ``name`` from ``worker`` (call with ``holding(worker.url)``); an adapter the worker
         does not know is gone already."""
         state = worker.adapters
         last_use, path = state.held.get(name), state.paths.get(name)

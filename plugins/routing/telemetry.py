@@ -170,6 +170,7 @@ class RoutingShared:
         """The process's adapter loader (its single flights span config reloads)."""
         if self._loader is None:
             self._loader = AdapterLoader(self._services.upstream, self._services.metrics)
+            self._services.workers.on_removed.append(self._loader.forget)
         self._loader.timeout_s = timeout_s
         return self._loader
 

@@ -5,18 +5,21 @@ keeps them; one that comes back starts new ones."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
 
 from gateway.ops.metrics import Metrics
 from gateway.ops.settings import Settings
+from gateway.pipeline.adapters import AdapterConfig, LoraSettings
 from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.registry import PluginRegistry
 from gateway.pipeline.runtime import RuntimeHolder
 from gateway.pipeline.services import Services
 from gateway.upstream.client import UpstreamClient, UpstreamConfig
 from gateway.upstream.workers import WorkerTable
+from plugins.routing.adapter_loader import AdapterLoader
 from plugins.routing.discovery import DnsDiscovery
 from plugins.routing.telemetry import RoutingShared
 from tests.support.gateways import base_config
@@ -117,3 +120,81 @@ async def test_a_worker_removed_by_a_config_reload_takes_its_series(services: Se
     serve(services)
     assert set(series_by_worker(services.metrics)) == {"http://a:8000"}
     await holder.aclose()
+
+
+ADAPTER = AdapterConfig(name="sql-lora", path="/adapters/sql")
+
+
+class _Loaded:
+    status = 200
+
+    async def read(self) -> bytes:
+        return b"Success"
+
+
+class LoraWorkers:
+    """Workers' ``/v1/load_lora_adapter`` as the loader calls it: each load succeeds, once ``hold`` is set."""
+
+    def __init__(self) -> None:
+        self.hold = asyncio.Event()
+        self.hold.set()
+        self.reached = asyncio.Event()  # a load is at the worker
+
+    async def open(self, url: str, path: str, body: bytes) -> _Loaded:
+        self.reached.set()
+        await self.hold.wait()
+        return _Loaded()
+
+
+def adapter_loader(services: Services, workers: LoraWorkers) -> AdapterLoader:
+    loader = RoutingShared.of(services).loader(60.0)
+    loader.upstream = workers  # type: ignore[assignment]
+    return loader
+
+
+async def test_replaced_pods_leave_no_adapter_lock_behind(services: Services) -> None:
+    pods = ["10.4.0.1", "10.4.0.2"]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return list(pods)
+
+    loader = adapter_loader(services, LoraWorkers())
+    discovery = DnsDiscovery(services.workers, [REF], interval_s=60, timeout_s=1, resolver=resolver)
+    for i in range(50):  # a rolling update; every live pod loads the adapter
+        pods[i % 2] = f"10.5.0.{i + 1}"
+        await discovery.refresh()
+        for worker in services.workers.all():
+            await loader.ensure(worker, ADAPTER, LoraSettings())
+    live = {w.url for w in services.workers.all()}
+    assert live == {"http://10.5.0.49:8000", "http://10.5.0.50:8000"}
+    assert set(loader._locks) == live
+
+
+async def test_a_load_that_lands_after_its_worker_left_leaves_no_series(services: Services) -> None:
+    pods = ["10.6.0.1", "10.6.0.2"]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return list(pods)
+
+    workers = LoraWorkers()
+    loader = adapter_loader(services, workers)
+    discovery = DnsDiscovery(services.workers, [REF], interval_s=60, timeout_s=1, resolver=resolver)
+    await discovery.refresh()
+    leaving = services.workers.get("http://10.6.0.1:8000")
+    workers.hold.clear()
+    load = asyncio.create_task(loader.ensure(leaving, ADAPTER, LoraSettings()))
+    await workers.reached.wait()
+    pods[:] = ["10.6.0.2"]  # the pod goes while its load is in progress (no request in flight on it)
+    await discovery.refresh()
+    assert "http://10.6.0.1:8000" not in {w.url for w in services.workers.all()}
+    workers.hold.set()
+    await load
+    await loader.ensure(services.workers.get("http://10.6.0.2:8000"), ADAPTER, LoraSettings())
+    assert set(series_by_worker(services.metrics)) == {"http://10.6.0.2:8000"}
+    assert set(loader._locks) == {"http://10.6.0.2:8000"}
+
+    # The same address back in the table: its loads count again.
+    pods[:] = ["10.6.0.1", "10.6.0.2"]
+    await discovery.refresh()
+    await loader.ensure(services.workers.get("http://10.6.0.1:8000"), ADAPTER, LoraSettings())
+    assert "http://10.6.0.1:8000" in series_by_worker(services.metrics)
