@@ -33,7 +33,8 @@ class ScriptedWorker:
             if not message.get("more_body"):
                 break
         request = orjson.loads(raw) if raw else {}
-        self.requests.append(request)
+        if scope["path"].endswith("/chat/completions"):  # not the gateway's health probes, which come any time
+            self.requests.append(request)
         streamed = request.get("stream") is True
         kind = b"text/event-stream" if streamed else b"application/json"
         body = b"".join(b"data: " + e + b"\n\n" for e in self.events) if streamed else self.body
