@@ -12,6 +12,9 @@ reaches the model the same through the gateway as on a worker's ``/v1/messages``
   dropped (the served models do not read them); ``image`` blocks become ``image_url`` parts;
 - ``tools`` become functions (``input_schema`` as ``parameters``); ``tool_choice`` auto / any / tool / none
   becomes auto / required / a named function / none, ``disable_parallel_tool_use`` ``parallel_tool_calls``;
+- ``thinking`` ``enabled`` becomes ``thinking_token_budget``, ``disabled`` ``reasoning_effort: "none"``
+  (vLLM's entrypoint probes the chat template for a model that cannot stop thinking; the gateway cannot),
+  ``adaptive`` nothing; ``output_config.effort`` becomes ``reasoning_effort``;
 - ``stop_sequences`` becomes ``stop``, ``metadata.user_id`` the chat ``user``; a stream asks for usage;
 - a final assistant turn (Anthropic's prefill) is continued: ``continue_final_message`` without a
   generation prompt. vLLM's own entrypoint starts a new turn after it instead.
@@ -50,6 +53,9 @@ _COUNT_FIELDS = frozenset(
     {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control", "output_config"}
 )
 _ROLES = ("user", "assistant")
+#: ``output_config.effort`` values: Anthropic's, each also a chat ``reasoning_effort`` of vLLM's.
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
+_DISPLAYS = ("summarized", "omitted", "updates")
 
 
 def bad(message: str, param: str, code: str | None = None) -> InvalidRequest:
@@ -85,8 +91,8 @@ def parse_request(body: dict[str, Any], *, count_tokens: bool = False) -> Messag
         stream = body.get("stream") is True
         if body.get("stream") not in (None, True, False):
             raise bad("stream: Input should be a valid boolean", "stream")
-    _check_thinking(body.get("thinking"))
     options.update(_output_config(body.get("output_config")))
+    options.update(_thinking(body.get("thinking"), options.get("max_tokens")))  # after: disabled wins over effort
     tools = _tools(body.get("tools"))
     if tools:
         options["tools"] = tools
@@ -173,39 +179,75 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
 
 def _output_config(config: object) -> dict[str, Any]:
     """``output_config.format`` (a JSON schema) becomes the chat ``response_format``, which the guided JSON
-    plugin and the worker enforce; ``effort`` is refused like ``thinking``."""
+    plugin and the worker enforce; ``effort`` the chat ``reasoning_effort``, which vLLM hands to the chat
+    template (with ``enable_thinking`` true) as its own Anthropic entrypoint does."""
     if config is None:
         return {}
     if not isinstance(config, dict) or set(config) - {"effort", "format"}:
         raise bad("output_config: Input should be an object with 'format' and/or 'effort'", "output_config")
-    if config.get("effort") is not None:
-        raise bad(
-            "output_config.effort: this gateway does not pass a reasoning effort on to its models; omit 'effort'.",
-            "output_config.effort",
-            "unsupported_parameter",
-        )
+    out: dict[str, Any] = {}
+    effort = config.get("effort")
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise bad(f"output_config.effort: Input should be one of {', '.join(_EFFORTS)}", "output_config.effort")
+        out["reasoning_effort"] = effort
     fmt = config.get("format")
     if fmt is None:
-        return {}
+        return out
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise bad(
             "output_config.format: Input should be {'type': 'json_schema', 'schema': {...}}", "output_config.format"
         )
-    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}}
+    out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    return out
 
 
-def _check_thinking(thinking: object) -> None:
-    """Extended thinking is refused unless disabled: no thinking budget is passed on to the workers (a
-    reasoning model thinks as its chat template has it, and its thinking is returned as ``thinking``
-    blocks all the same), and an option that silently does nothing would mislead the client."""
-    if thinking is None or (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
-        return
-    raise bad(
-        "thinking: this gateway does not pass a thinking configuration on to its models; omit 'thinking' "
-        "or send {'type': 'disabled'}.",
-        "thinking",
-        "unsupported_parameter",
-    )
+def _thinking(thinking: object, max_tokens: int | None) -> dict[str, Any]:
+    """The chat fields for ``thinking``, as vLLM's own Anthropic entrypoint sets them.
+
+    ``enabled`` becomes ``thinking_token_budget`` (the worker ends the thinking after that many tokens);
+    Anthropic's bounds are kept: at least 1024 and, on a Messages request, below ``max_tokens``.
+    ``disabled`` becomes ``reasoning_effort: "none"``, which vLLM renders with ``enable_thinking`` false, and
+    overrides ``output_config.effort``. ``adaptive`` pins nothing: the model thinks as its template has it.
+    ``display`` is accepted and ignored: thinking is always returned as ``thinking`` blocks."""
+    if thinking is None:
+        return {}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad("thinking.type: Input should be 'enabled', 'disabled' or 'adaptive'", "thinking.type")
+    assert isinstance(thinking, dict)
+    allowed = {"type"} if kind == "disabled" else {"type", "display", "budget_tokens"}
+    if kind == "adaptive":
+        allowed.discard("budget_tokens")
+    extra = sorted(set(thinking) - allowed)
+    if extra:
+        raise bad(f"thinking.{kind}.{extra[0]}: Extra inputs are not permitted", f"thinking.{extra[0]}")
+    if thinking.get("display") not in (None, *_DISPLAYS):
+        raise bad(f"thinking.display: Input should be one of {', '.join(_DISPLAYS)}", "thinking.display")
+    if kind == "disabled":
+        return {"reasoning_effort": "none"}
+    if kind == "adaptive":
+        return {}
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise bad("thinking.enabled.budget_tokens: Field required (an integer)", "thinking.budget_tokens")
+    if budget < 1024:
+        raise bad(
+            "thinking.enabled.budget_tokens: Input should be greater than or equal to 1024", "thinking.budget_tokens"
+        )
+    if max_tokens is not None and budget >= max_tokens:
+        raise bad("`max_tokens` must be greater than `thinking.budget_tokens`.", "thinking.budget_tokens")
+    return {"thinking_token_budget": budget}
+
+
+def template_kwargs(chat: dict[str, Any]) -> dict[str, Any]:
+    """The chat template arguments vLLM renders a chat body's ``reasoning_effort`` with (``reasoning_effort``
+    and ``enable_thinking``), for a ``/tokenize`` body, which has no ``reasoning_effort`` of its own: so a
+    count renders the prompt the generation will."""
+    effort = chat.get("reasoning_effort")
+    if effort is None:
+        return {}
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
 
 
 # -- tools ---------------------------------------------------------------------------------------------

@@ -219,6 +219,24 @@ def test_count_tokens_asks_a_worker_to_tokenize_the_conversation(gateway: Server
     assert caught.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
 
 
+def test_count_tokens_renders_thinking_as_the_answer_will(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    """A worker renders a chat body's ``reasoning_effort`` into the chat template (with ``enable_thinking``);
+    ``/tokenize`` has no such field, so the count passes the same template arguments. A thinking budget
+    changes no prompt, and counting without thinking passes none."""
+    client = sdk(gateway)
+    hi: Any = [{"role": "user", "content": "Hi"}]
+    client.messages.count_tokens(model="m1", messages=hi, thinking={"type": "disabled"})
+    assert upstream.tokenized[-1]["chat_template_kwargs"] == {"reasoning_effort": "none", "enable_thinking": False}
+    client.messages.create(model="m1", max_tokens=8, messages=hi, thinking={"type": "disabled"})
+    assert chats(upstream)[-1]["reasoning_effort"] == "none"
+    client.messages.count_tokens(model="m1", messages=hi, output_config={"effort": "high"})
+    assert upstream.tokenized[-1]["chat_template_kwargs"] == {"reasoning_effort": "high", "enable_thinking": True}
+    for thinking in ({"type": "enabled", "budget_tokens": 5000}, {"type": "adaptive"}, None):
+        options: Any = {"thinking": thinking} if thinking else {}
+        client.messages.count_tokens(model="m1", messages=hi, **options)
+        assert "chat_template_kwargs" not in upstream.tokenized[-1]
+
+
 def test_a_final_assistant_turn_is_continued(gateway: ServerThread, upstream: FakeUpstream) -> None:
     """Anthropic's prefill: a final assistant turn is the start of the answer, so the worker is asked to
     continue it (``continue_final_message``, no generation prompt), and count_tokens counts it that way.

@@ -310,3 +310,65 @@ def test_reasoning_that_is_not_a_string_is_the_workers_failure(scripted: tuple[S
         error = reply.json()["error"]
     assert reply.status_code == 502
     assert "model worker" in error["message"] and "reasoning" in error["message"]
+
+
+# -- Messages API: thinking and effort ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "sent"),
+    [
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, {"thinking_token_budget": 1024}),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2000, "display": "omitted"}},
+         {"thinking_token_budget": 2000}),
+        ({"thinking": {"type": "disabled"}}, {"reasoning_effort": "none"}),
+        ({"thinking": {"type": "adaptive"}}, {}),
+        ({"thinking": {"type": "adaptive"}, "output_config": {"effort": "low"}}, {"reasoning_effort": "low"}),
+        ({"output_config": {"effort": "max"}}, {"reasoning_effort": "max"}),
+        # disabled wins over an effort, as on vLLM's own entrypoint
+        ({"thinking": {"type": "disabled"}, "output_config": {"effort": "high"}}, {"reasoning_effort": "none"}),
+    ],
+)  # fmt: skip
+def test_thinking_and_effort_reach_the_worker_as_vllm_takes_them(
+    scripted: tuple[ScriptedWorker, str], options: dict[str, Any], sent: dict[str, Any]
+) -> None:
+    """vLLM's own Anthropic entrypoint: ``enabled`` is a ``thinking_token_budget``, ``disabled`` a
+    ``reasoning_effort`` of ``none`` (the chat template's ``enable_thinking`` false), ``adaptive`` nothing,
+    ``output_config.effort`` the ``reasoning_effort``."""
+    worker, url = scripted
+    worker.body = answer("reasoning", content="42")
+    message = anthropic_sdk(url).messages.create(
+        model="m1", max_tokens=4096, messages=[{"role": "user", "content": "Hi"}], **options
+    )
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    chat = worker.requests[-1]
+    assert {k: chat[k] for k in ("thinking_token_budget", "reasoning_effort") if k in chat} == sent
+    assert "thinking" not in chat and "output_config" not in chat
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"thinking": {"type": "enabled", "budget_tokens": 1023}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 4096}}, "thinking.budget_tokens"),  # = max_tokens
+        ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": "2000"}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+        ({"thinking": {"type": "adaptive", "budget_tokens": 2000}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "disabled", "display": "omitted"}}, "thinking.display"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2000, "display": "full"}}, "thinking.display"),
+        ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ],
+)  # fmt: skip
+def test_thinking_the_worker_cannot_honour_is_a_400(
+    scripted: tuple[ScriptedWorker, str], options: dict[str, Any], param: str
+) -> None:
+    worker, url = scripted
+    before = len(worker.requests)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        anthropic_sdk(url).messages.create(
+            model="m1", max_tokens=4096, messages=[{"role": "user", "content": "Hi"}], **options
+        )
+    assert caught.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert param.split(".")[0] in caught.value.body["error"]["message"]  # type: ignore[index]
+    assert len(worker.requests) == before

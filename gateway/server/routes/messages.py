@@ -34,7 +34,7 @@ from gateway.server.routes.models import model_card
 from gateway.server.routes.openai import _WATCH_AFTER_S, InferenceEndpoints
 from gateway.server.routes.utility import call_worker
 from gateway.server.state import AppState
-from gateway.wire.anthropic_request import chat_request, parse_request
+from gateway.wire.anthropic_request import chat_request, parse_request, template_kwargs
 from gateway.wire.errors import (
     GatewayError,
     InvalidRequest,
@@ -159,6 +159,8 @@ class MessagesEndpoint(InferenceEndpoints):
                 tokenize.update(continue_final_message=True, add_generation_prompt=False)
             if "tools" in chat:
                 tokenize["tools"] = chat["tools"]
+            if kwargs := template_kwargs(chat):  # thinking disabled, or an effort: rendered as the answer will be
+                tokenize["chat_template_kwargs"] = kwargs
             self._allow_list(snapshot.config.limits).check("tokenize", tokenize)
             check_media_urls(chat["messages"])
             # A count is a /tokenize on a worker: metered and bounded as one (request limits, sizes)
