@@ -184,6 +184,7 @@ def test_an_adapter_held_from_another_path_is_loaded_again_from_the_configured_o
     worker loads it again in place (vLLM's ``load_inplace``), and ``sql`` then answers as ``legal`` does.
     vLLM's prefix-cache keys carry the adapter's path, so no block of the old weights is reused."""
     legal = ask(fleet.gateway, "legal")
+    ask(fleet.gateway, "sql")  # held by some worker, whatever the tests before this one left loaded
     worker = next(url for url in fleet.workers if "sql" in held(url))
     config = base_config([worker], plugins=[{"name": "routing", "config": {"adapters": {"sync_interval_s": 1}}}])
     config["models"][0] |= {
