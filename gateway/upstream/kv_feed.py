@@ -17,10 +17,6 @@ replay what the worker still buffers, then apply each batch. What real streams d
 - A message that is not a well-formed batch is skipped (the gap it leaves is a gap like any other); a
   subscriber that fails anyway is logged and started again, the worker untrusted and its entries
   dropped meanwhile.
-- A message larger than ``max_message_bytes`` never reaches the decoder (it would hold the event loop
-  for seconds): libzmq refuses it as a protocol error and drops the connection for good, without
-  reconnecting. The subscriber watches its socket for that disconnect (and any other) and starts again
-  as a failed one does: the worker untrusted, its entries dropped, then followed anew.
 
 State lives in the worker table (``WorkerTable.kv``) so it survives config reloads; routing's
 ``follow`` says which workers to follow and how.
@@ -52,10 +48,6 @@ _DUPLICATE_WINDOW_S = 5.0  # batches re-read from the live socket right after a 
 _HIT_ALPHA = 0.1  # the hit rate's moving average weighs about the last 20 responses
 
 
-class Disconnected(Exception):
-    """The subscriber lost its publisher: events may have been missed, the worker is followed anew."""
-
-
 @dataclass(frozen=True, slots=True)
 class KvSource:
     """Where a worker publishes: its PUB endpoint (the gateway connects), replay endpoint and topic."""
@@ -71,11 +63,6 @@ class FeedSettings:
     expire_s: float = 60.0
     replay_timeout_s: float = 2.0
     discover_interval_s: float = 5.0
-    #: The largest message frame taken from a publisher. One engine step's batch stores the blocks of at
-    #: most the tokens it scheduled, and evicts as many: about 5 bytes per token id, 9 per block hash and
-    #: ~55 per one-hash ``BlockRemoved``, so ~9.5 bytes a token with 16-token blocks. 16 MiB holds a whole
-    #: 1M-token prompt stored and evicted in one step; a larger frame is not a batch a worker sends.
-    max_message_bytes: int = 16 << 20
 
 
 def source_from_discovery(worker_url: str, body: object) -> KvSource | None:
@@ -225,8 +212,6 @@ class KvFeed:
         while True:
             try:
                 await self._subscribe(url, given)
-            except Disconnected as exc:
-                log.warning("KV events of %s: %s; following it again", url, exc)
             except Exception:
                 stop_if_cancelled()
                 log.exception("following the KV events of %s failed; following it again", url)
@@ -242,23 +227,12 @@ class KvFeed:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
-        sub.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
         try:
             sub.connect(source.endpoint)
             sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
             log.info("following KV events of %s at %s", url, source.endpoint)
             await self._catch_up(url, 0, None)  # what the worker still buffers from before we came
             while True:
-                ready = dict(await poller.poll())
-                if monitor in ready:
-                    raise Disconnected(
-                        f"the connection to {source.endpoint} dropped (a message over "
-                        f"{self.settings.max_message_bytes} bytes, or the worker went away)"
-                    )
                 frames = await sub.recv_multipart()
                 try:
                     batch = decode_message(frames)
@@ -267,8 +241,6 @@ class KvFeed:
                     continue
                 await self.receive(url, batch)
         finally:
-            sub.disable_monitor()
-            monitor.close(linger=0)
             sub.close(linger=0)
 
     async def _discover(self, url: str) -> KvSource:
@@ -340,7 +312,6 @@ class KvFeed:
             return None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)  # too large: no answer, a timeout
         out: list[Batch] = []
         try:
             dealer.connect(source.replay_endpoint)
