@@ -275,24 +275,7 @@ class EventStream:
 
     def _close_reasoning(self) -> list[bytes]:
         item, self._reasoning = self._reasoning, None
-        if item is None:
-            return []
-        index = self.response["output"].index(item)
-        part = item["content"][0]
-        item["status"] = self._item_status
-        return [
-            self._event(
-                "response.reasoning_text.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                text=part["text"],
-            ),
-            self._event(
-                "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
-            ),
-            self._event("response.output_item.done", output_index=index, item=item),
-        ]
+        return [] if item is None else self._close_part(item, "response.reasoning_text.done")
 
     def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
         out: list[bytes] = []
@@ -362,18 +345,16 @@ class EventStream:
         item, self._message = self._message, None
         if item is None:
             return []
+        return self._close_part(item, "response.output_text.done", logprobs=item["content"][0]["logprobs"])
+
+    def _close_part(self, item: dict[str, Any], done: str, **fields: Any) -> list[bytes]:
+        """The events that end an output item of one content part (reasoning text, a message's text): the
+        part's ``done`` event with its whole text (and ``fields``), the part's, then the item's."""
         index = self.response["output"].index(item)
         part = item["content"][0]
         item["status"] = self._item_status
         return [
-            self._event(
-                "response.output_text.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                text=part["text"],
-                logprobs=part["logprobs"],
-            ),
+            self._event(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"], **fields),
             self._event(
                 "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
             ),
