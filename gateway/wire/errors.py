@@ -174,6 +174,21 @@ def endpoint_not_served(status: int, body: bytes, model: str, endpoint: str) -> 
     )
 
 
+def model_not_on_worker(status: int, body: bytes, model: str) -> bool:
+    """Whether a worker's answer is vLLM's 404 for a request naming ``model``, a model (or LoRA adapter) it
+    does not serve now: ``The model `<model>` does not exist.`` (followed by ``Valid aliases: ...`` when the
+    request is checked before it is scheduled), under ``error`` or at the top level (older vLLM)."""
+    if status != 404:
+        return False
+    try:
+        payload = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        return False
+    err = payload.get("error", payload) if isinstance(payload, dict) else None
+    message = err.get("message") if isinstance(err, dict) else None
+    return isinstance(message, str) and message.startswith(f"The model `{model}` does not exist.")
+
+
 def _param_name(raw: object) -> str | None:
     """vLLM sends ``param`` like ``body.messages``; OpenAI names the field (``messages``)."""
     if not isinstance(raw, str) or not raw:

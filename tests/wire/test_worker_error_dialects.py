@@ -20,6 +20,7 @@ from gateway.wire.errors import (
     ServiceUnavailable,
     error_for_status,
     from_upstream,
+    model_not_on_worker,
 )
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.wire.test_error_shape import assert_error_shape
@@ -198,3 +199,32 @@ def test_from_upstream_without_a_body_names_the_status() -> None:
     error = from_upstream(403, b"")
     assert error.status_code == 403 and error.type == "permission_error"
     assert error.message == "The model worker answered HTTP 403."
+
+
+def _vllm_404(message: str, param: str | None) -> bytes:
+    """vLLM's ErrorResponse (vllm/entrypoints/serve/engine/protocol.py) for a model it does not serve."""
+    return orjson.dumps({"error": {"message": message, "type": "NotFoundError", "param": param, "code": 404}})
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected"),
+    [
+        # OpenAIServing._check_model, before the request is scheduled (vllm/entrypoints/serve/engine/serving.py)
+        (404, _vllm_404("The model `sql` does not exist. Valid aliases: smollm2.", "model"), True),
+        # OpenAIServing._maybe_get_adapters, and OpenAIServingModels.check_model
+        (404, _vllm_404("The model `sql` does not exist.", None), True),
+        # older vLLM: the error's fields at the top level
+        (404, orjson.dumps({"object": "error", "message": "The model `sql` does not exist.", "code": 404}), True),
+        (404, _vllm_404("The model `sql-v2` does not exist.", "model"), False),  # another model
+        (404, _vllm_404("The model `sq` does not exist.", "model"), False),
+        (400, _vllm_404("The model `sql` does not exist.", "model"), False),
+        (404, _vllm_404("LoRA adapter sql does not exist", None), False),  # the unload route's answer
+        (404, orjson.dumps({"detail": "Not Found"}), False),  # no such route
+        (404, b"The model `sql` does not exist.", False),
+        (404, b"", False),
+    ],
+)
+def test_a_workers_404_for_a_model_it_does_not_serve_is_told_from_any_other(
+    status: int, body: bytes, expected: bool
+) -> None:
+    assert model_not_on_worker(status, body, "sql") is expected
