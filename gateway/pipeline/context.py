@@ -169,7 +169,14 @@ class RoutePlan(Protocol):
     per attempt with the outcome, so load counters and outlier detection stay exact. A plan may also have
     ``async prepare(worker)``, which the core awaits before each attempt on ``worker`` (the first, a retry,
     a stream's continuation): e.g. loading the request's LoRA adapter there; what it raises fails the
-    attempt and reaches the client.
+    attempt and reaches the client. And it may have ``model_missing(worker) -> bool``, which the core calls
+    when ``worker`` answered an attempt with vLLM's 404 for the request's model (``The model `X` does not
+    exist.``, ``gateway.wire.errors.model_not_on_worker``): a plan that sent the request there believing
+    the worker held that model (a LoRA adapter that another gateway replica has since unloaded there)
+    forgets that belief and returns True; the core then calls ``finished`` for the attempt (``ok=True``: not
+    the worker's failure) and makes one more attempt on the same worker, ``prepare`` first, as if chosen by
+    ``next_worker`` (a plan that holds an admission slot per attempt takes it again here). At most once per
+    request, and never for a stream's continuation; False, or no such method, and the 404 reaches the client.
     """
 
     def next_worker(self, failed: Worker | None, error: GatewayError | None) -> Worker | None: ...

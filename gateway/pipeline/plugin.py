@@ -60,6 +60,12 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   because another run of the line wrote one first). That is the hook to bill by (tenancy). ``ctx.reached_worker`` says
   whether the request was sent to a worker, and ``ctx.client_gone`` whether the client went away before
   its answer was complete: a client that hangs up while the worker generates is not a failure.
+- ``ctx.plan``: the terminal plugin's ``on_request`` (routing) sets a ``RoutePlan``
+  (``gateway.pipeline.context``): which worker the core tries first, and next after a failure that is safe
+  to retry. Two optional steps: ``async prepare(worker)``, awaited before each attempt (routing loads the
+  request's LoRA adapter there), and ``model_missing(worker)``, called when the worker answered vLLM's 404
+  for the request's model: True when the plan believed the worker held it and has forgotten that (an
+  adapter another gateway replica unloaded), and the core then tries that worker once more.
 - ``ctx.model_allowed`` (set by an access-control plugin) and ``ctx.allows_model(name)``: a plugin that
   moves the request to another model (canary, fallback) asks first. ``ctx.priority`` (set from tenant
   config) orders admission queues.

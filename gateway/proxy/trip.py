@@ -3,14 +3,18 @@
 The route plan (``ctx.plan``, from the routing plugin) names the workers; a trip takes a ``WorkerLease``
 for each attempt, retries on another worker while nothing was sent (a refused connection, a timeout before
 the headers, a 502/503), and, after a stream broke midway, opens its continuation on another worker
-(``reopen``, called by ``gateway.proxy.resume.Resumer``). The lease of the attempt that answered is
-``trip.lease`` until the answer ends (``end``) or the request is over (``abandon``, a finalizer).
+(``reopen``, called by ``gateway.proxy.resume.Resumer``). A worker that answers that it does not serve
+the request's model (vLLM's 404) is asked once more when the plan held a stale belief that it did
+(``RoutePlan.model_missing``: a LoRA adapter another gateway replica unloaded there). The lease of the
+attempt that answered is ``trip.lease`` until the answer ends (``end``) or the request is over (``abandon``,
+a finalizer).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Literal
 
 from gateway.pipeline.context import RequestContext, RoutePlan
 from gateway.pipeline.services import Services
@@ -18,13 +22,22 @@ from gateway.proxy.lease import WorkerLease
 from gateway.proxy.resume import Resumer, resumable
 from gateway.upstream.client import UpstreamFailure, UpstreamResponse
 from gateway.upstream.workers import Worker
-from gateway.wire.errors import GatewayError, ServiceUnavailable, endpoint_not_served, from_upstream
+from gateway.wire.errors import (
+    GatewayError,
+    ServiceUnavailable,
+    endpoint_not_served,
+    from_upstream,
+    model_not_on_worker,
+)
 
 log = logging.getLogger("gateway.proxy")
 _RETRYABLE_STATUS = frozenset({502, 503})
 
-#: An attempt that got no answer to relay: the error the client would see, and whether to try elsewhere.
-Refusal = tuple[GatewayError, bool]
+#: An attempt that got no answer to relay: the error the client would see, and what to do next: nothing
+#: (``"none"``), try another worker (``"elsewhere"``), or this worker once more (``"again"``: it did not
+#: hold the request's model, and the plan forgot that it did).
+Retry = Literal["none", "elsewhere", "again"]
+Refusal = tuple[GatewayError, Retry]
 
 
 class Trip:
@@ -53,14 +66,19 @@ class Trip:
                 code="no_healthy_worker",
                 headers={"retry-after": "1"},
             )
+        # Once per request, never for a continuation (its body carries what the client was already sent).
+        again = continuation is None
         while True:
             # Per attempt: a retry may go to a fallback model, which changes the body's "model".
             body = ctx.upstream_body() if continuation is None else continuation
-            answer = await self._attempt(plan, worker, body)
+            answer = await self._attempt(plan, worker, body, again)
             if isinstance(answer, UpstreamResponse):
                 return answer
-            error, retryable = answer
-            if not retryable or (continuation is not None and not plan.has_alternative()):
+            error, retry = answer
+            if retry == "again":
+                again = False
+                continue
+            if retry == "none" or (continuation is not None and not plan.has_alternative()):
                 raise error  # a continuation stays on the request's model
             nxt = plan.next_worker(worker, error)
             if nxt is None:
@@ -69,8 +87,9 @@ class Trip:
             log.info("request %s: retrying on %s after %s", ctx.request_id, nxt.url, error.message)
             worker = nxt
 
-    async def _attempt(self, plan: RoutePlan, worker: Worker, body: bytes) -> UpstreamResponse | Refusal:
-        """One attempt on ``worker``: its 200 response (the lease kept as ``self.lease``), or why not."""
+    async def _attempt(self, plan: RoutePlan, worker: Worker, body: bytes, again: bool) -> UpstreamResponse | Refusal:
+        """One attempt on ``worker``: its 200 response (the lease kept as ``self.lease``), or why not
+        (``again``: a 404 for a model the worker was believed to hold may be tried there once more)."""
         ctx = self._ctx
         lease = WorkerLease(worker, plan, self._services.workers, ctx.tenant)
         prepare = getattr(plan, "prepare", None)  # RoutePlan's optional step before each attempt
@@ -84,12 +103,12 @@ class Trip:
             self._blame(worker, failure.kind)
             self._services.metrics.upstream_errors.labels(worker.url, failure.kind).inc()
             lease.failed(failure.error)
-            return failure.error, failure.retryable
+            return failure.error, "elsewhere" if failure.retryable else "none"
         except BaseException:  # cancelled (the client went away), or the plan's step refused
             lease.failed()
             raise
         if upstream.status != 200:
-            return await self._refused(lease, upstream)
+            return await self._refused(lease, upstream, again)
         lease.response = upstream
         self.lease = lease
         ctx.worker = worker
@@ -97,9 +116,10 @@ class Trip:
             self._first_byte(lease, time.perf_counter() - sent_at)
         return upstream
 
-    async def _refused(self, lease: WorkerLease, upstream: UpstreamResponse) -> Refusal:
+    async def _refused(self, lease: WorkerLease, upstream: UpstreamResponse, again: bool) -> Refusal:
         """A worker's error answer: its 5xx is the worker's failure (502/503 retried elsewhere); anything
-        else is the client's own problem, raised as it is and held against nobody."""
+        else is the client's own problem, raised as it is and held against nobody, except a 404 for a model
+        the plan believed the worker held (``again``: tried there once more)."""
         ctx = self._ctx
         with lease:
             try:
@@ -108,13 +128,27 @@ class Trip:
                 raise failure.error from None
             unsupported = endpoint_not_served(upstream.status, raw, ctx.requested_model, ctx.endpoint)
             error = unsupported or from_upstream(upstream.status, raw)
+            if again and self._stale(lease.worker, upstream.status, raw):
+                lease.declined()
+                return error, "again"
             if unsupported is not None or upstream.status < 500:
                 lease.declined()
                 raise error
             self._blame(lease.worker, f"http {upstream.status}")
             self._services.metrics.upstream_errors.labels(lease.worker.url, "status").inc()
             lease.failed(error)
-            return error, upstream.status in _RETRYABLE_STATUS
+            return error, "elsewhere" if upstream.status in _RETRYABLE_STATUS else "none"
+
+    def _stale(self, worker: Worker, status: int, raw: bytes) -> bool:
+        """The worker says it does not serve the request's model, and the plan, which believed it did, has
+        forgotten that (``RoutePlan.model_missing``)."""
+        ctx = self._ctx
+        model = ctx.model.upstream_name
+        missing = getattr(ctx.plan, "model_missing", None)  # RoutePlan's optional step
+        if missing is None or not model_not_on_worker(status, raw, model) or not missing(worker):
+            return False
+        log.info("request %s: %s did not hold %s; trying it there once more", ctx.request_id, worker.url, model)
+        return True
 
     async def _connect(self, worker: Worker, body: bytes) -> UpstreamResponse:
         """One POST; with tracing on, also a span (to response headers) and a ``traceparent``."""

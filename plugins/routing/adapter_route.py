@@ -6,11 +6,14 @@ step, ``prepare(worker)``, which the core awaits before each attempt (the first 
 continuation of a stream cut midway): it makes sure the chosen worker holds the request's adapter, loading
 it there if needed, so a request, its retries and its failover all reach a worker that has, or loads, the
 adapter. It also counts the requests using each adapter on each worker, so an adapter in use is never
-the one evicted.
+the one evicted. When the worker answers that it does not know the adapter after all (another gateway
+replica unloaded it since this one last read the worker's list), ``model_missing`` forgets that the worker
+holds it, and the core tries the request there once more: ``prepare`` then loads it again.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 from gateway.pipeline.adapters import LoraSettings
@@ -22,6 +25,8 @@ from plugins.routing.config import ModelRouting
 from plugins.routing.placement import Scene, Scorer, WorkerView, load_cap, rank
 from plugins.routing.plan import Plan
 from plugins.routing.policies import LoadBias, WorkerPool
+
+log = logging.getLogger("gateway.routing.adapters")
 
 #: ``lora_of(worker, base)``: the LoRA settings a worker runs with (its ``max_loras`` slots are shared by every
 #: model whose adapters it serves), ``base`` the adapter's base model.
@@ -94,7 +99,7 @@ class AdapterPlan(Plan):
         """Called once, right after construction: the loader and the LoRA settings of each worker."""
         self._loader = loader
         self._settings_of = settings_of
-        self._using: dict[Worker, str] = {}
+        self._using: dict[Worker, tuple[str, float | None]] = {}  # worker -> (adapter, when learnt held)
         return self
 
     async def prepare(self, worker: Worker) -> None:
@@ -112,10 +117,27 @@ class AdapterPlan(Plan):
         except BaseException:
             worker.adapters.release(name)
             raise
-        self._using[worker] = name
+        self._using[worker] = (name, worker.adapters.learnt.get(name))
+
+    def model_missing(self, worker: Worker) -> bool:
+        """The core's optional step after ``worker`` answered that it does not know the request's model:
+        the adapter this plan's ``prepare`` found there was unloaded behind this gateway (another replica
+        made room). Forgotten, unless the worker's state changed since (a load or read that already put it
+        right), and the attempt is made there once more: ``prepare`` loads it again."""
+        using = self._using.get(worker)
+        if using is None:  # no adapter prepared there: the 404 stands
+            return False
+        name, learnt = using
+        state = worker.adapters
+        if state.learnt.get(name) == learnt:
+            state.removed(name)
+            log.warning("worker %s no longer holds adapter %s (unloaded by another gateway?)", worker.url, name)
+        if self._gate is not None:
+            self._gate.reacquire()  # the failed attempt's finished() releases the slot it held
+        return True
 
     def finished(self, worker: Worker, *, ok: bool, error: GatewayError | None = None) -> None:
-        name = self._using.pop(worker, None)
-        if name is not None:
-            worker.adapters.release(name)
+        using = self._using.pop(worker, None)
+        if using is not None:
+            worker.adapters.release(using[0])
         super().finished(worker, ok=ok, error=error)

@@ -505,3 +505,127 @@ def test_a_managed_workers_own_lora_settings_bound_its_adapters(gateway_factory:
                 ("load", {"lora_name": "legal", "lora_path": "/adapters/legal"}),
             ]
             assert fake.adapters == {"legal": "/adapters/legal"}
+
+
+# -- an adapter evicted behind this gateway's back (another replica, an operator at the worker) ----------
+
+#: Reads of the workers' adapter lists far apart: what a gateway believes stays stale for the whole test.
+STALE = {"adapters": {"sync_interval_s": 60}}
+
+
+def evict_at_the_worker(server: ServerThread, name: str) -> None:
+    """What another gateway replica does to make room: unload ``name`` on the worker itself."""
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+
+
+def test_an_adapter_another_gateway_evicted_is_loaded_again_instead_of_a_404(gateway_factory: GatewayFactory) -> None:
+    """Two replicas share one worker (one adapter slot). A evicts sql to load support; B still believes
+    the worker holds sql: its request gets the worker's 404, and B must load sql again and retry there
+    instead of passing the 404 on."""
+    with fleet(1) as workers:
+        fake, server = workers[0]
+        config = lora_config(workers, max_loras=1, **STALE)
+        with gateway_factory(config) as (_, gw_a), gateway_factory(config) as (app_b, gw_b):
+            ask(gw_a, "sql")
+            ask(gw_b, "sql")  # B's load finds sql there: held
+            ask(gw_a, "support")  # A's only slot: sql evicted
+            assert fake.lora_calls[-2:] == [
+                ("unload", {"lora_name": "sql"}),
+                ("load", {"lora_name": "support", "lora_path": "/adapters/support"}),
+            ]
+            assert "sql" in worker(app_b, server).adapters.held  # B has not read the worker's list since
+            assert ask(gw_b, "sql") == "Hello from the fake worker."
+            assert loads(fake) == ["sql", "sql", "support", "sql"]
+            # the request that found sql gone, then the same request once sql was back
+            assert [r.body["model"] for r in fake.requests] == ["sql", "sql", "support", "sql", "sql"]
+            assert "sql" in fake.adapters
+            ask(gw_b, "sql")  # held again: no further load
+            assert loads(fake) == ["sql", "sql", "support", "sql"]
+
+
+#: sql admits one request at a time: a request tried twice on its worker must still hold exactly one slot.
+ONE_AT_A_TIME = {"models": {"sql": {"admission": {"max_in_flight": 1}}}}
+
+
+def in_flight(app: GatewayApp, model: str) -> int:
+    return RoutingShared.of(app.state.services).gates[model].in_flight
+
+
+def test_a_stream_for_an_adapter_evicted_behind_the_gateway_is_served_after_a_load(
+    gateway_factory: GatewayFactory,
+) -> None:
+    with fleet(1) as workers, gateway_factory(lora_config(workers, **STALE, **ONE_AT_A_TIME)) as (app, gw):
+        fake, server = workers[0]
+        ask(gw, "sql")
+        evict_at_the_worker(server, "sql")
+        stream = sdk(gw).chat.completions.create(model="sql", messages=CHAT, max_tokens=16, stream=True)  # type: ignore[arg-type]
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text == "Hello from the fake worker."
+        assert loads(fake) == ["sql", "sql"]
+        assert [(r.body["model"], bool(r.body.get("stream"))) for r in fake.requests] == [
+            ("sql", False), ("sql", True), ("sql", True)
+        ]  # fmt: skip
+        wait_for(lambda: in_flight(app, "sql") == 0, 5, "the stream's admission slot to be released")
+        assert ask(gw, "sql")  # and the next request is admitted
+
+
+def test_an_evicted_adapter_the_worker_refuses_to_load_again_is_the_loaders_error(
+    gateway_factory: GatewayFactory,
+) -> None:
+    with fleet(1) as workers, gateway_factory(lora_config(workers, **STALE, **ONE_AT_A_TIME)) as (app, gw):
+        fake, server = workers[0]
+        ask(gw, "sql")
+        evict_at_the_worker(server, "sql")
+        fake.lora_missing.add("/adapters/sql")  # and its files are gone from the worker's disk
+        with pytest.raises(openai.APIStatusError) as caught:
+            ask(gw, "sql")
+        assert caught.value.status_code == 502
+        error = caught.value.body
+        assert isinstance(error, dict) and error["code"] == "adapter_load_failed"
+        assert "check the adapter's path" in error["message"]
+        assert loads(fake) == ["sql", "sql"]  # one load again, one retry at most
+        assert len(fake.requests) == 2
+        assert in_flight(app, "sql") == 0
+
+
+class LoadsButForgets(FakeUpstream):
+    """A worker whose loads succeed but that still knows no adapter: a gateway must not retry forever."""
+
+    async def _lora_route(self, path: str, body: dict[str, Any], send: Any) -> None:
+        await super()._lora_route(path, body, send)
+        self.adapters.clear()
+
+
+def test_a_worker_that_still_lacks_the_adapter_after_a_load_again_gets_one_retry_only(
+    gateway_factory: GatewayFactory,
+) -> None:
+    fake = LoadsButForgets(name="w0", lora=True)
+    with ServerThread(fake) as server, gateway_factory(lora_config([(fake, server)], **STALE)) as (_, gw):
+        reply = httpx.post(gw.url + "/v1/chat/completions", json={"model": "sql", "messages": CHAT})
+        assert reply.status_code == 404
+        assert reply.json()["error"]["message"] == "The model `sql` does not exist."
+        # the first load, the request, the load again, the request again: then the worker's answer
+        assert loads(fake) == ["sql", "sql"]
+        assert [r.body["model"] for r in fake.requests] == ["sql", "sql"]
+
+
+def test_a_404_that_is_not_a_missing_adapter_reaches_the_client_unchanged(gateway_factory: GatewayFactory) -> None:
+    """Only the worker's own "model does not exist" for an adapter it was believed to hold is stale state:
+    a base model the worker does not serve, another 404 for an adapter, and a model the gateway does not
+    know are answered as before, with no load and no retry."""
+    with fleet(1) as workers, gateway_factory(lora_config(workers, **STALE)) as (_, gw):
+        fake, _ = workers[0]
+        fake.base_model = "other"  # a worker serving another base model than the config says
+        reply = httpx.post(gw.url + "/v1/chat/completions", json={"model": "m1", "messages": CHAT})
+        assert reply.status_code == 404
+        assert reply.json()["error"]["message"] == "The model `m1` does not exist."
+        assert len(fake.requests) == 1 and fake.lora_calls == []
+        fake.base_model = "m1"
+        ask(gw, "sql")
+        fake.behavior.status = 404  # the worker's 404 for something else than the model
+        reply = httpx.post(gw.url + "/v1/chat/completions", json={"model": "sql", "messages": CHAT})
+        assert reply.status_code == 404 and reply.json()["error"]["message"] == "fake failure 404"
+        assert len(fake.requests) == 3 and loads(fake) == ["sql"]
+        unknown = httpx.post(gw.url + "/v1/chat/completions", json={"model": "nope", "messages": CHAT})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        assert len(fake.requests) == 3 and loads(fake) == ["sql"]
