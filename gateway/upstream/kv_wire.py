@@ -12,6 +12,10 @@ Replay: a DEALER sends ``["", start_seq]`` to the worker's ROUTER replay socket;
 Block hashes arrive as unsigned 64-bit ints (vLLM's default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``:
 the last 8 bytes of the digest) or, with that turned off, as the digest's bytes; ``block_key`` gives
 both the same int form, the one the index keys on.
+
+A payload whose fields have other types (a hash that is a string, a negative block size, a deeply
+nested value) raises ``WireError`` for the whole batch, never another exception: the subscriber skips
+it, and the sequence gap it leaves is handled as any gap (replayed, else the worker resynchronised).
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ END_SEQ = -1
 _OWN_MEDIA = (None, "GPU")
 
 
-def block_key(value: int | bytes) -> int:
+def block_key(value: object) -> int:
     """A block hash from an event as the index keys it: an unsigned 64-bit int."""
     if isinstance(value, bytes):
         return int.from_bytes(value[-8:], "big")
-    return value & 0xFFFF_FFFF_FFFF_FFFF
+    if isinstance(value, int):
+        return value & 0xFFFF_FFFF_FFFF_FFFF
+    raise WireError(f"a block hash is an int or bytes, not {type(value).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +86,7 @@ def decode_payload(seq: int, payload: bytes) -> Batch:
     """One batch's payload; events of other media or unknown types are left out."""
     try:
         raw = _decoder.decode(payload)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested deeper than Python allows
         raise WireError(f"the payload is not msgpack ({exc})") from None
     if not isinstance(raw, list | tuple) or len(raw) < 2 or not isinstance(raw[1], list):
         raise WireError("the payload is not [ts, events, rank]")
@@ -101,20 +107,39 @@ def _event(item: object) -> Event | None:
         return Cleared()
     if item.get("medium") not in _OWN_MEDIA or item.get("group_idx", 0) not in (0, None):
         return None
-    hashes = [block_key(h) for h in item.get("block_hashes") or ()]
+    if kind not in ("BlockRemoved", "BlockStored"):
+        return None  # a newer event type: not ours to guess at
+    hashes = [block_key(h) for h in _list(item, "block_hashes")]
     if kind == "BlockRemoved":
         return Removed(hashes)
-    if kind == "BlockStored":
-        parent = item.get("parent_block_hash")
-        return Stored(
-            hashes=hashes,
-            parent=block_key(parent) if parent is not None else None,
-            token_ids=list(item.get("token_ids") or ()),
-            block_size=int(item.get("block_size") or 0),
-            lora_name=item.get("lora_name"),
-            extra_keys=item.get("extra_keys"),
-        )
-    return None  # a newer event type: not ours to guess at
+    parent = item.get("parent_block_hash")
+    block_size = item.get("block_size") or 0
+    lora_name = item.get("lora_name")
+    try:
+        token_ids = msgspec.convert(_list(item, "token_ids"), list[int])  # in C: a batch may carry thousands
+    except msgspec.ValidationError:
+        raise WireError("token_ids are not all ints") from None
+    if type(block_size) is not int or block_size < 0:
+        raise WireError(f"block_size {block_size!r} is not a whole number of tokens")
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise WireError(f"lora_name is a string, not {type(lora_name).__name__}")
+    return Stored(
+        hashes=hashes,
+        parent=block_key(parent) if parent is not None else None,
+        token_ids=token_ids,
+        block_size=block_size,
+        lora_name=lora_name,
+        extra_keys=item.get("extra_keys"),
+    )
+
+
+def _list(item: dict[Any, Any], name: str) -> list[Any]:
+    value = item.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise WireError(f"{name} is a list, not {type(value).__name__}")
+    return value
 
 
 def decode_message(frames: list[bytes]) -> Batch:

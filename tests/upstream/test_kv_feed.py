@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from gateway.upstream.kv_feed import FeedSettings, KvFeed, KvSource, source_from_discovery
-from gateway.upstream.kv_wire import Cleared, Removed, Stored, decode_payload
+from gateway.upstream.kv_wire import Cleared, Removed, Stored, WireError, decode_payload, encode_batch
 from gateway.upstream.workers import WorkerTable
 from tests.support.cancellation import CutAwait, stopped_when_cancelled
 from tests.support.kv_publisher import CLEARED, FakePublisher, removed, stored
@@ -169,6 +169,56 @@ async def test_a_failed_health_check_drops_the_worker_entries(publisher: FakePub
         assert table.kv.workers[URL].restarts == 0
     finally:
         await table.aclose()
+
+
+async def test_a_malformed_batch_is_skipped_and_the_subscriber_goes_on(publisher: FakePublisher) -> None:
+    feed = await followed(publisher)
+    try:
+        await publisher.publish([stored([90])])
+        await until(lambda: feed.index.copies(URL, 90) == 1, "stored")
+        await publisher.publish([removed([90]), {"type": "BlockStored", "block_hashes": ["not a hash"]}])
+        await publisher.publish([stored([91])])
+        await until(lambda: feed.index.copies(URL, 91) == 1, "the batch after the malformed one applied")
+        state = feed.workers[URL]
+        # the skipped batch is a gap no replay can fill (it is malformed there too): resynchronised
+        assert state.resyncs == 1 and feed.index.copies(URL, 90) == 0
+        assert feed.trusted(URL)
+    finally:
+        await feed.aclose()
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"type": "BlockStored", "block_hashes": ["x"], "block_size": 4},
+        {"type": "BlockStored", "block_hashes": [1.5], "block_size": 4},
+        {"type": "BlockRemoved", "block_hashes": 5},
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": "p", "block_size": 4},
+        {"type": "BlockStored", "block_hashes": [1], "block_size": "4"},
+        {"type": "BlockStored", "block_hashes": [1], "block_size": -4},
+        {"type": "BlockStored", "block_hashes": [1], "block_size": float("inf")},
+        {"type": "BlockStored", "block_hashes": [1], "block_size": 4, "token_ids": 7},
+        {"type": "BlockStored", "block_hashes": [1], "block_size": 4, "token_ids": ["a"] * 4},
+        {"type": "BlockStored", "block_hashes": [1], "block_size": 4, "lora_name": [1]},
+    ],
+)
+def test_a_malformed_event_is_a_wire_error(event: dict) -> None:
+    with pytest.raises(WireError):
+        decode_payload(0, encode_batch([event]))
+
+
+def test_events_of_other_media_or_kinds_are_left_out_whatever_their_fields() -> None:
+    events = [
+        {"type": "BlockStored", "block_hashes": ["x"], "medium": ["GPU"]},
+        {"type": "BlockRemoved", "block_hashes": 5, "medium": {"a": 1}},
+        {"type": "SomethingNew", "block_hashes": "x"},
+    ]
+    assert decode_payload(0, encode_batch(events)).events == []
+
+
+def test_a_payload_nested_deeper_than_python_allows_is_a_wire_error() -> None:
+    with pytest.raises(WireError):
+        decode_payload(0, b"\x92\x00\x91" + b"\x91" * 100_000 + b"\xc0")
 
 
 async def test_discovery_finds_a_worker_publisher_from_its_own_route() -> None:
