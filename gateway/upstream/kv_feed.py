@@ -14,6 +14,9 @@ replay what the worker still buffers, then apply each batch. What real streams d
 - A worker that stops publishing: routing says when it sent a worker a request that must store new
   blocks (``expect``); when no event follows within ``expire_s`` the worker's entries expire and
   ``trusted`` says no until events come again (routing then falls back to approximate affinity).
+- A message that is not a well-formed batch is skipped (the gap it leaves is a gap like any other); a
+  subscriber that fails anyway is logged and started again, the worker untrusted and its entries
+  dropped meanwhile.
 
 State lives in the worker table (``WorkerTable.kv``) so it survives config reloads; routing's
 ``follow`` says which workers to follow and how.
@@ -202,6 +205,21 @@ class KvFeed:
             self._ctx = None
 
     async def _run(self, url: str, given: KvSource | None) -> None:
+        """Follow ``url`` for as long as it is wanted. A subscriber that fails (a bug, a message no one
+        foresaw) is logged and started again, from discovery and the replay buffer; until then its
+        entries are dropped and ``trusted`` says no, so routing falls back instead of going by an index
+        that no longer follows the worker."""
+        while True:
+            try:
+                await self._subscribe(url, given)
+            except Exception:
+                stop_if_cancelled()
+                log.exception("following the KV events of %s failed; following it again", url)
+            self.workers[url].source = None
+            self.drop(url, "its KV event subscriber failed")
+            await asyncio.sleep(self.settings.discover_interval_s)
+
+    async def _subscribe(self, url: str, given: KvSource | None) -> None:
         source = given or await self._discover(url)
         self.workers[url].source = source
         if self._ctx is None:

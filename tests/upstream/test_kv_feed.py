@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from gateway.upstream.kv_feed import FeedSettings, KvFeed, KvSource, source_from_discovery
-from gateway.upstream.kv_wire import Cleared, Removed, Stored, WireError, decode_payload, encode_batch
+from gateway.upstream.kv_wire import Batch, Cleared, Removed, Stored, WireError, decode_payload, encode_batch
 from gateway.upstream.workers import WorkerTable
 from tests.support.cancellation import CutAwait, stopped_when_cancelled
 from tests.support.kv_publisher import CLEARED, FakePublisher, removed, stored
@@ -183,6 +183,49 @@ async def test_a_malformed_batch_is_skipped_and_the_subscriber_goes_on(publisher
         # the skipped batch is a gap no replay can fill (it is malformed there too): resynchronised
         assert state.resyncs == 1 and feed.index.copies(URL, 90) == 0
         assert feed.trusted(URL)
+    finally:
+        await feed.aclose()
+
+
+def _failing_once(feed: KvFeed) -> None:
+    """The feed's next applied batch raises an error no one foresaw (then it applies as before)."""
+    apply = feed.apply
+
+    def failing(url: str, batch: Batch) -> None:
+        feed.apply = apply  # type: ignore[method-assign]
+        raise RuntimeError("a bug")
+
+    feed.apply = failing  # type: ignore[method-assign]
+
+
+async def test_a_failed_subscriber_drops_the_worker_entries_and_is_not_trusted(
+    publisher: FakePublisher, caplog: pytest.LogCaptureFixture
+) -> None:
+    feed = await followed(publisher, discover_interval_s=3600)  # not followed again within the test
+    try:
+        await publisher.publish([stored([100])])
+        await until(lambda: feed.index.copies(URL, 100) == 1, "stored")
+        _failing_once(feed)
+        await publisher.publish([stored([101])])
+        await until(lambda: not feed.trusted(URL), "the worker untrusted")
+        assert feed.index.blocks(URL) == 0
+        assert "following the KV events of http://127.0.0.1:9 failed" in caplog.text
+    finally:
+        await feed.aclose()
+
+
+async def test_a_failed_subscriber_is_started_again(publisher: FakePublisher) -> None:
+    feed = await followed(publisher, discover_interval_s=0.01)
+    try:
+        await publisher.publish([stored([110])])
+        await until(lambda: feed.index.copies(URL, 110) == 1, "stored")
+        _failing_once(feed)
+        await publisher.publish([stored([111])])
+        # followed again: the worker's buffer is replayed, then live batches apply
+        await until(lambda: feed.index.copies(URL, 111) == 1, "the batch that failed, replayed")
+        await publisher.publish([stored([112])])
+        await until(lambda: feed.index.copies(URL, 112) == 1, "live batches after the restart")
+        assert feed.index.copies(URL, 110) == 1 and feed.trusted(URL)
     finally:
         await feed.aclose()
 
