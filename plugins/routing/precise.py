@@ -1,9 +1,10 @@
 """precise_prefix: place a request where its prompt's KV blocks are, checked against what the worker says.
 
 Per request (``predict``, in ``on_request``): the prompt is tokenized as the worker will (in a thread
-when long) and its full blocks hashed as vLLM hashes them. Per pick (``PreciseRequest.choose``, on the
-core's synchronous path): each available worker's longest held prefix (the KV index the worker table
-keeps from its events) and its load go through the weighted scorers (``scorers.rank``). Per response
+when long) and its full blocks hashed as vLLM hashes them, unless it is longer than any worker takes
+(``token_limit``). Per pick (``PreciseRequest.choose``, on the core's synchronous path): each available
+worker's longest held prefix (the KV index the worker table keeps from its events) and its load go
+through the weighted scorers (``scorers.rank``). Per response
 (``check``): the worker's ``cached_tokens`` against the prediction for that worker.
 
 Each placement also records the prompt's blocks as recent demand on the chosen worker (``demand``: a
@@ -166,10 +167,13 @@ class PrecisePlacement:
         salt = ctx.body.get("cache_salt")
         salt = salt if isinstance(salt, str) and salt else None
         hasher = self.hasher(block_size)
+        limit = self.token_limit(ctx.model.max_model_len, pool)
 
         def work(wait: bool) -> tuple[int, list[int]] | None:
             tokens = self.tokenizer.tokens(ctx.endpoint, ctx.body, wait=wait)
-            return None if tokens is None else (len(tokens), hasher.hashes(tokens, salt))
+            if tokens is None or (limit is not None and len(tokens) > limit):
+                return None  # longer than any worker takes: it will refuse it, nothing to place by
+            return len(tokens), hasher.hashes(tokens, salt)
 
         try:
             if len(ctx.raw_body) > self.config.thread_above_chars:
@@ -185,6 +189,26 @@ class PrecisePlacement:
         if result is None:
             return None
         return PreciseRequest(self, result[0], result[1], block_size, lineage(ctx.tenant, ctx.body))
+
+    def token_limit(self, max_model_len: int | None, pool: WorkerPool) -> int | None:
+        """The longest prompt a worker of the pool can take: the model's configured context, and the
+        largest KV cache among the workers when each one's is known from its metrics (vLLM does not start
+        with a context its cache cannot hold). None when neither is known.
+
+        Why: a prompt's blocks are looked up and stored on the event loop at each placement, so their
+        number must not be the client's to choose. A 4 MiB completions body of token ids is about two
+        million tokens, 131,072 blocks of 16: 0.4 s of the loop for one request's placement."""
+        limits = [max_model_len] if max_model_len else []
+        caches = []
+        for worker in pool.workers:
+            sample = self.workers.load.sample(worker.url)
+            if sample is None or not sample.cache_blocks or not sample.block_size:
+                break
+            caches.append(sample.cache_blocks * sample.block_size)
+        else:
+            if caches:
+                limits.append(max(caches))
+        return min(limits) if limits else None
 
     def choose(self, request: PreciseRequest, pool: WorkerPool, tried: list[Worker], now: float) -> Worker | None:
         counter = self.shared.placements

@@ -1,0 +1,74 @@
+"""precise_prefix's per-request work is bounded by what a worker can take, not by what a client sends: a
+prompt longer than the model's context, or than every worker's KV cache, is neither hashed nor placed by
+its blocks (the worker refuses it; approximate affinity places it)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from gateway.upstream.worker_load import LoadSample
+from plugins.routing.config import ModelRouting
+from plugins.routing.policies import WorkerPool
+from plugins.routing.precise import PrecisePlacement
+from plugins.routing.telemetry import RoutingShared
+from tests.support.safety import services
+
+BLOCK = 4
+URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+
+
+class Tokens:
+    """A tokenizer that gives ``n`` tokens for any prompt."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def tokens(self, endpoint: str, body: dict[str, Any], *, wait: bool = True) -> list[int]:
+        return list(range(self.n))
+
+
+def setup() -> tuple[PrecisePlacement, WorkerPool, Tokens, Any]:
+    svc = services()
+    pool = WorkerPool([svc.workers.get(url) for url in URLS])
+    routing = ModelRouting.model_validate({"policy": "precise_prefix", "precise": {"block_size": BLOCK}})
+    tokens = Tokens()
+    placement = PrecisePlacement("m", routing, tokens, svc.workers, RoutingShared(svc))  # type: ignore[arg-type]
+    return placement, pool, tokens, svc.workers
+
+
+def ctx(max_model_len: int | None = None) -> Any:
+    body = {"model": "m", "prompt": "x"}
+    return SimpleNamespace(
+        model=SimpleNamespace(name="m", max_model_len=max_model_len), body=body, raw_body=b"{}",
+        endpoint="completions", request_id="r", tenant=None,
+    )  # fmt: skip
+
+
+async def test_a_prompt_longer_than_the_model_context_is_not_hashed() -> None:
+    placement, pool, tokens, _ = setup()
+    tokens.n = 64
+    request = await placement.predict(ctx(max_model_len=64), pool)
+    assert request is not None and len(request.hashes) == 16
+    tokens.n = 65
+    assert await placement.predict(ctx(max_model_len=64), pool) is None
+
+
+async def test_a_prompt_longer_than_every_worker_kv_cache_is_not_hashed() -> None:
+    placement, pool, tokens, workers = setup()
+    now = time.monotonic()
+    workers.load.record(URLS[0], LoadSample(0, 0, 0.0, now, cache_blocks=10, block_size=BLOCK))
+    workers.load.record(URLS[1], LoadSample(0, 0, 0.0, now, cache_blocks=20, block_size=BLOCK))
+    tokens.n = 80  # the larger cache holds 80 tokens
+    assert await placement.predict(ctx(), pool) is not None
+    tokens.n = 81
+    assert await placement.predict(ctx(), pool) is None
+
+
+async def test_without_a_known_context_or_cache_size_the_prompt_is_hashed() -> None:
+    placement, pool, tokens, workers = setup()
+    workers.load.record(URLS[0], LoadSample(0, 0, 0.0, time.monotonic(), cache_blocks=10, block_size=BLOCK))
+    tokens.n = 400  # the other worker's cache size is not known: it may be larger
+    request = await placement.predict(ctx(), pool)
+    assert request is not None and len(request.hashes) == 100
