@@ -24,7 +24,6 @@ recovers by itself. Models served by a single worker are never tokenized.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -177,12 +176,12 @@ class PrecisePlacement:
 
         try:
             if len(ctx.raw_body) > self.config.thread_above_chars:
-                result = await asyncio.to_thread(work, True)
+                result = await self.tokenizer.in_thread(lambda: work(True))
             else:
                 try:
                     result = work(False)
                 except TokenizerBusy:  # a long prompt holds it in a thread: wait there, not on the loop
-                    result = await asyncio.to_thread(work, True)
+                    result = await self.tokenizer.in_thread(lambda: work(True))
         except Exception as exc:  # a template that refuses the request: the worker will say why
             log.debug("request %s: no prediction (%s)", ctx.request_id, exc)
             return None

@@ -20,9 +20,12 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 _MESSAGE_FIELDS = ("role", "content", "name")
 _ROLES = ("system", "user", "assistant")
 
@@ -39,6 +42,8 @@ class PromptTokenizer:
         self._tok = tokenizer  # encode(text, add_special_tokens) -> ids, apply_chat_template(...) -> ids
         self._template = chat_template
         self._lock = threading.Lock()
+        # one thread, as the tokenizer serves one prompt at a time: those waiting for it queue here
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-tokens")
 
     @classmethod
     async def load(cls, path: str, chat_template: str | None = None) -> PromptTokenizer:
@@ -49,6 +54,13 @@ class PromptTokenizer:
             return cls(_ModelTokenizer(Path(path)), template)
 
         return await asyncio.to_thread(build)
+
+    async def in_thread(self, work: Callable[[], T]) -> T:
+        """Run ``work`` (which calls ``tokens``) in this tokenizer's own thread. Long prompts wait for the
+        tokenizer there, in turn, instead of each holding a thread of the loop's default pool while it
+        waits: that pool also serves the gateway's file I/O, config reads and other plugins' work, and a
+        client sending many long prompts at once would otherwise stall it."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, work)
 
     def tokens(self, endpoint: str, body: dict[str, Any], *, wait: bool = True) -> list[int] | None:
         """The prompt's token ids, or None when they cannot be known exactly. With ``wait=False`` (on the

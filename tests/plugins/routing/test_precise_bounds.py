@@ -1,9 +1,12 @@
 """precise_prefix's per-request work is bounded by what a worker can take, not by what a client sends: a
 prompt longer than the model's context, or than every worker's KV cache, is neither hashed nor placed by
-its blocks (the worker refuses it; approximate affinity places it)."""
+its blocks (the worker refuses it; approximate affinity places it); long prompts waiting for the tokenizer
+wait in its own thread, not in the loop's default thread pool."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -12,6 +15,7 @@ from gateway.upstream.worker_load import LoadSample
 from plugins.routing.config import ModelRouting
 from plugins.routing.policies import WorkerPool
 from plugins.routing.precise import PrecisePlacement
+from plugins.routing.prompt_tokens import PromptTokenizer
 from plugins.routing.telemetry import RoutingShared
 from tests.support.safety import services
 
@@ -72,3 +76,35 @@ async def test_without_a_known_context_or_cache_size_the_prompt_is_hashed() -> N
     tokens.n = 400  # the other worker's cache size is not known: it may be larger
     request = await placement.predict(ctx(), pool)
     assert request is not None and len(request.hashes) == 100
+
+
+class HeldTokenizer:
+    """A Hugging Face-like tokenizer whose every encode waits until released (a long prompt)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.entered.set()
+        self.release.wait(30)
+        return [1] * 8
+
+
+async def test_long_prompts_waiting_for_the_tokenizer_leave_the_default_thread_pool_free() -> None:
+    """The tokenizer takes one prompt at a time. Long prompts waiting for it must not each hold a thread of
+    the loop's default pool, which the gateway's file I/O, config reads and safety's token counts share."""
+    placement, pool, _, _ = setup()
+    held = HeldTokenizer()
+    placement.tokenizer = PromptTokenizer(held, None)
+    long_body = ctx()
+    long_body.raw_body = b"x" * (placement.config.thread_above_chars + 1)  # tokenized in a thread
+    waiting = [asyncio.create_task(placement.predict(long_body, pool)) for _ in range(40)]
+    try:
+        assert await asyncio.to_thread(held.entered.wait, 10)
+        # bounded, never a timing check: without the fix this never runs until the tokenizer is released
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "ran"), 10) == "ran"
+    finally:
+        held.release.set()
+        results = await asyncio.gather(*waiting)
+    assert all(r is not None and r.prompt_tokens == 8 for r in results)
