@@ -67,6 +67,12 @@ class PreciseConfig(_Strict):
     thread_above_chars: int = Field(
         4096, ge=0, description="prompts longer than this are tokenized in a thread, off the event loop"
     )
+    tokenizer_wait_s: float = Field(
+        0.05,
+        ge=0,
+        description="a request that finds the model's tokenizer busy with other prompts for longer than this is"
+        " placed by approximate affinity, not tokenized: one client's long prompt does not hold the others",
+    )
     accuracy_threshold: float = Field(
         0.8, ge=0, le=1, description="below this share of predictions within one block, fall back to prefix_affinity"
     )

@@ -174,14 +174,13 @@ class PrecisePlacement:
                 return None  # longer than any worker takes: it will refuse it, nothing to place by
             return len(tokens), hasher.hashes(tokens, salt)
 
+        long = len(ctx.raw_body) > self.config.thread_above_chars
         try:
-            if len(ctx.raw_body) > self.config.thread_above_chars:
-                result = await self.tokenizer.in_thread(lambda: work(True))
-            else:
-                try:
-                    result = work(False)
-                except TokenizerBusy:  # a long prompt holds it in a thread: wait there, not on the loop
-                    result = await self.tokenizer.in_thread(lambda: work(True))
+            # on the loop, work(False) never waits for the tokenizer's lock: run's turn has it free already
+            result = await self.tokenizer.run(lambda: work(long), in_thread=long, wait_s=self.config.tokenizer_wait_s)
+        except TokenizerBusy:  # another prompt holds the tokenizer: placed without waiting for it
+            log.debug("request %s: no prediction (tokenizer busy)", ctx.request_id)
+            return None
         except Exception as exc:  # a template that refuses the request: the worker will say why
             log.debug("request %s: no prediction (%s)", ctx.request_id, exc)
             return None

@@ -42,7 +42,9 @@ class PromptTokenizer:
         self._tok = tokenizer  # encode(text, add_special_tokens) -> ids, apply_chat_template(...) -> ids
         self._template = chat_template
         self._lock = threading.Lock()
-        # one thread, as the tokenizer serves one prompt at a time: those waiting for it queue here
+        self._turn = asyncio.Lock()  # held while a prompt of ``run`` uses the tokenizer; the others wait
+        self._waiting = 0  # requests of ``run`` waiting for their turn
+        # one thread, as the tokenizer serves one prompt at a time
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-tokens")
 
     @classmethod
@@ -55,12 +57,35 @@ class PromptTokenizer:
 
         return await asyncio.to_thread(build)
 
-    async def in_thread(self, work: Callable[[], T]) -> T:
-        """Run ``work`` (which calls ``tokens``) in this tokenizer's own thread. Long prompts wait for the
-        tokenizer there, in turn, instead of each holding a thread of the loop's default pool while it
-        waits: that pool also serves the gateway's file I/O, config reads and other plugins' work, and a
-        client sending many long prompts at once would otherwise stall it."""
-        return await asyncio.get_running_loop().run_in_executor(self._thread, work)
+    async def run(self, work: Callable[[], T], *, in_thread: bool, wait_s: float) -> T:
+        """Run ``work`` (which calls ``tokens``) when the tokenizer is free: on the loop, or in this
+        tokenizer's own thread (``in_thread``, for long prompts). Raises ``TokenizerBusy``, without starting
+        ``work``, when another prompt keeps the tokenizer for longer than ``wait_s``.
+
+        Why the bound: the tokenizer serves one prompt at a time, and a long one holds it for seconds (a
+        4 MiB chat body: about 7 s). Waiting for it would put every other request of the model behind one
+        client's prompt; a request that is not predicted is placed by approximate affinity instead. Why the
+        own thread: work waiting or running there does not hold a thread of the loop's default pool, which
+        also serves the gateway's file I/O, config reads and other plugins' work."""
+        if self._turn.locked() or self._waiting:  # (a turn just released may be promised to a waiter)
+            self._waiting += 1
+            try:
+                await asyncio.wait_for(self._turn.acquire(), wait_s)
+            except TimeoutError:
+                raise TokenizerBusy from None
+            finally:
+                self._waiting -= 1
+        else:
+            await self._turn.acquire()  # free and nobody waiting: taken at once, the loop does not switch
+        if not in_thread:
+            try:
+                return work()
+            finally:
+                self._turn.release()
+        done = asyncio.get_running_loop().run_in_executor(self._thread, work)
+        # the turn ends when the thread is done, even if the request that started it went away first
+        done.add_done_callback(lambda _: self._turn.release())
+        return await asyncio.shield(done)
 
     def tokens(self, endpoint: str, body: dict[str, Any], *, wait: bool = True) -> list[int] | None:
         """The prompt's token ids, or None when they cannot be known exactly. With ``wait=False`` (on the
@@ -145,7 +170,9 @@ class _ModelTokenizer:
         self.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch, not encode: only the batch call lets go of the GIL while the Rust side tokenizes, and
+        # a long prompt (seconds) in the tokenizer's thread must not stop the event loop for all that time
+        return list(self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def apply_chat_template(
         self, conversation: list[dict[str, Any]], *, tools: list[Any] | None, chat_template: str | None, **kwargs: Any

@@ -23,22 +23,23 @@ BLOCK = 4
 URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
 
-class Tokens:
+class Tokens(PromptTokenizer):
     """A tokenizer that gives ``n`` tokens for any prompt."""
 
     def __init__(self) -> None:
+        super().__init__(None, None)
         self.n = 0
 
     def tokens(self, endpoint: str, body: dict[str, Any], *, wait: bool = True) -> list[int]:
         return list(range(self.n))
 
 
-def setup() -> tuple[PrecisePlacement, WorkerPool, Tokens, Any]:
+def setup(**precise: Any) -> tuple[PrecisePlacement, WorkerPool, Tokens, Any]:
     svc = services()
     pool = WorkerPool([svc.workers.get(url) for url in URLS])
-    routing = ModelRouting.model_validate({"policy": "precise_prefix", "precise": {"block_size": BLOCK}})
+    routing = ModelRouting.model_validate({"policy": "precise_prefix", "precise": {"block_size": BLOCK, **precise}})
     tokens = Tokens()
-    placement = PrecisePlacement("m", routing, tokens, svc.workers, RoutingShared(svc))  # type: ignore[arg-type]
+    placement = PrecisePlacement("m", routing, tokens, svc.workers, RoutingShared(svc))
     return placement, pool, tokens, svc.workers
 
 
@@ -84,8 +85,10 @@ class HeldTokenizer:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.entered = threading.Event()
+        self.calls = 0
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls += 1
         self.entered.set()
         self.release.wait(30)
         return [1] * 8
@@ -94,7 +97,7 @@ class HeldTokenizer:
 async def test_long_prompts_waiting_for_the_tokenizer_leave_the_default_thread_pool_free() -> None:
     """The tokenizer takes one prompt at a time. Long prompts waiting for it must not each hold a thread of
     the loop's default pool, which the gateway's file I/O, config reads and safety's token counts share."""
-    placement, pool, _, _ = setup()
+    placement, pool, _, _ = setup(tokenizer_wait_s=60)  # here they do wait, each for its turn
     held = HeldTokenizer()
     placement.tokenizer = PromptTokenizer(held, None)
     long_body = ctx()
@@ -108,3 +111,24 @@ async def test_long_prompts_waiting_for_the_tokenizer_leave_the_default_thread_p
         held.release.set()
         results = await asyncio.gather(*waiting)
     assert all(r is not None and r.prompt_tokens == 8 for r in results)
+
+
+async def test_a_request_that_finds_the_tokenizer_busy_is_not_predicted_and_not_tokenized_later() -> None:
+    """A long prompt holds the tokenizer: a short request gives up on it after ``tokenizer_wait_s`` (placed
+    by approximate affinity) instead of waiting its turn, and its tokenization is never started."""
+    placement, pool, _, _ = setup(tokenizer_wait_s=0)
+    held = HeldTokenizer()
+    placement.tokenizer = PromptTokenizer(held, None)
+    long_body = ctx()
+    long_body.raw_body = b"x" * (placement.config.thread_above_chars + 1)
+    long = asyncio.create_task(placement.predict(long_body, pool))
+    try:
+        assert await asyncio.to_thread(held.entered.wait, 10)
+        assert await asyncio.wait_for(placement.predict(ctx(), pool), 10) is None
+        assert not long.done()
+    finally:
+        held.release.set()
+    request = await long
+    assert request is not None and request.prompt_tokens == 8
+    assert held.calls == 1  # the short request's prompt was not tokenized after the long one either
+    assert await placement.predict(ctx(), pool) is not None  # a free tokenizer: predicted again

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -290,3 +292,35 @@ def test_workers_found_later_by_dns_are_followed_too(gateway_factory: GatewayFac
                      5, "the second address resolved")  # fmt: skip
             post(gw, chat("Hello?"))  # the model's pool is rebuilt with the new worker
             wait_for(lambda: len(feed.workers) == 2, 5, "the new worker followed")
+
+
+def test_a_short_prompt_is_placed_while_another_clients_long_prompt_is_still_being_tokenized(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """The model's tokenizer serves one prompt at a time and a long one holds it for seconds: a request that
+    finds it busy is placed without a prediction (approximate affinity) rather than wait its turn, and the
+    long tokenization lets the event loop run meanwhile."""
+    with fleet(gateway_factory) as (fakes, _, app, gw):
+        tokenizer = next(iter(app.state.services.shared["routing"].tokenizers.values()))
+        model_tokenizer, encode = tokenizer._tok, tokenizer._tok.encode
+        started, finished = threading.Event(), threading.Event()
+
+        def observed(text: str, add_special_tokens: bool) -> list[int]:
+            long = len(text) > 1_000_000
+            if long:
+                started.set()
+            try:
+                return encode(text, add_special_tokens)
+            finally:
+                if long:
+                    finished.set()
+
+        model_tokenizer.encode = observed  # the real tokenizer, with a hook on the long prompt
+        long_body = chat("Where is my parcel? I ordered it last week. " * 40_000)  # 1.8 MB: seconds to tokenize
+        with ThreadPoolExecutor(1) as client:
+            long = client.submit(httpx.post, gw.url + "/v1/chat/completions", json=long_body, timeout=300)
+            assert started.wait(60)
+            post(gw, chat("Where is my parcel?"))  # routed to a worker of the fleet
+            assert not finished.is_set()  # it did not wait for the long prompt's tokenization
+            assert long.result().status_code == 200
+        assert finished.is_set() and sum(chats(f) for f in fakes) == 2
