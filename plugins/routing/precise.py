@@ -169,7 +169,7 @@ class PrecisePlacement:
         limit = self.token_limit(ctx.model.max_model_len, pool)
 
         def work(wait: bool) -> tuple[int, list[int]] | None:
-            tokens = self.tokenizer.tokens(ctx.endpoint, ctx.body, wait=wait)
+            tokens = self.tokenizer.tokens(ctx.endpoint, ctx.body, wait=wait, at_most=limit)
             if tokens is None or (limit is not None and len(tokens) > limit):
                 return None  # longer than any worker takes: it will refuse it, nothing to place by
             return len(tokens), hasher.hashes(tokens, salt)

@@ -87,28 +87,34 @@ class PromptTokenizer:
         done.add_done_callback(lambda _: self._turn.release())
         return await asyncio.shield(done)
 
-    def tokens(self, endpoint: str, body: dict[str, Any], *, wait: bool = True) -> list[int] | None:
+    def tokens(
+        self, endpoint: str, body: dict[str, Any], *, wait: bool = True, at_most: int | None = None
+    ) -> list[int] | None:
         """The prompt's token ids, or None when they cannot be known exactly. With ``wait=False`` (on the
-        event loop) it raises ``TokenizerBusy`` instead of waiting for a thread using the tokenizer."""
+        event loop) it raises ``TokenizerBusy`` instead of waiting for a thread using the tokenizer. With
+        ``at_most``, a prompt whose length in characters alone proves more tokens than that may also give
+        None, without being tokenized."""
         if not self._lock.acquire(blocking=wait):
             raise TokenizerBusy
         try:
-            return self._tokens(endpoint, body)
+            return self._tokens(endpoint, body, {} if at_most is None else {"at_most": at_most})
         finally:
             self._lock.release()
 
-    def _tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+    def _tokens(self, endpoint: str, body: dict[str, Any], bound: dict[str, int]) -> list[int] | None:
         if endpoint == "chat/completions":
-            return self._chat(body)
+            return self._chat(body, bound)
         if endpoint == "completions":
             prompt = body.get("prompt")
             if isinstance(prompt, str):
-                return self._tok.encode(prompt, add_special_tokens=body.get("add_special_tokens", True) is True)
+                add = body.get("add_special_tokens", True) is True
+                ids: list[int] | None = self._tok.encode(prompt, add_special_tokens=add, **bound)
+                return ids
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
                 return list(prompt)
         return None
 
-    def _chat(self, body: dict[str, Any]) -> list[int] | None:
+    def _chat(self, body: dict[str, Any], bound: dict[str, int]) -> list[int] | None:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return None
@@ -125,7 +131,8 @@ class PromptTokenizer:
         tools = body.get("tools") if isinstance(body.get("tools"), list) else None
         if body.get("add_special_tokens") is True:
             return None  # vLLM then adds them on top of the template's: not reproduced here
-        return list(self._tok.apply_chat_template(conversation, tools=tools, chat_template=self._template, **extra))
+        ids = self._tok.apply_chat_template(conversation, tools=tools, chat_template=self._template, **bound, **extra)
+        return None if ids is None else list(ids)
 
 
 def _plain_message(message: object) -> dict[str, Any] | None:
@@ -168,20 +175,58 @@ class _ModelTokenizer:
         self.special_tokens = {name: _token_text(config[name]) for name in _SPECIAL_TOKENS if config.get(name)}
         template_file = path / "chat_template.jinja"
         self.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        self.chars_per_token = _most_chars_per_token(json.loads(self._tokenizer.to_str()))
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, at_most: int | None = None) -> list[int] | None:
+        """The text's token ids, or None when ``at_most`` is given and the text is longer in characters than
+        ``at_most`` tokens can be: not tokenized at all (a 4 MiB prompt takes seconds)."""
+        if at_most is not None and self.chars_per_token is not None and len(text) > at_most * self.chars_per_token:
+            return None
         # encode_batch, not encode: only the batch call lets go of the GIL while the Rust side tokenizes, and
         # a long prompt (seconds) in the tokenizer's thread must not stop the event loop for all that time
         return list(self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def apply_chat_template(
-        self, conversation: list[dict[str, Any]], *, tools: list[Any] | None, chat_template: str | None, **kwargs: Any
-    ) -> list[int]:
+        self,
+        conversation: list[dict[str, Any]],
+        *,
+        tools: list[Any] | None,
+        chat_template: str | None,
+        at_most: int | None = None,
+        **kwargs: Any,
+    ) -> list[int] | None:
         template = _pick_template(chat_template or self.chat_template, tools)
         rendered: Any = self._render(
             conversations=[conversation], tools=tools, chat_template=template, **{**self.special_tokens, **kwargs}
         )
-        return self.encode(rendered[0][0], add_special_tokens=False)  # (texts, generation indices)
+        return self.encode(rendered[0][0], add_special_tokens=False, at_most=at_most)  # (texts, generation indices)
+
+
+def _most_chars_per_token(spec: dict[str, Any]) -> int | None:
+    """The most characters of text one token can stand for, or None when the tokenizer gives no such bound.
+
+    A byte-level BPE tokenizer without a normalizer (GPT-2's, Llama 3's, SmolLM2's) turns text into bytes
+    (at least one per character) and each token into at most its vocabulary entry's length in bytes (an
+    entry's characters are bytes there), or an added token's content: so a text has at least
+    ``len(text) / this`` tokens. A normalizer may shorten the text, a pre-tokenizer may drop some of it,
+    and an unknown-token model may fold a whole word into one token: no bound then."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    keeps_text = all(
+        s.get("type") in ("ByteLevel", "Digits") or (s.get("type") == "Split" and s.get("behavior") != "Removed")
+        for s in steps
+    )
+    model = spec.get("model") or {}
+    if (
+        spec.get("normalizer") is not None
+        or not keeps_text
+        or not any(step.get("type") == "ByteLevel" for step in steps)
+        or model.get("type") != "BPE"
+        or not isinstance(model.get("vocab"), dict)
+    ):
+        return None
+    added = [len(str(token.get("content", ""))) for token in spec.get("added_tokens") or []]
+    return max([len(entry) for entry in model["vocab"]] + added) or None
 
 
 def _token_text(value: Any) -> str:

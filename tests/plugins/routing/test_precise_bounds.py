@@ -11,12 +11,15 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from gateway.upstream.worker_load import LoadSample
 from plugins.routing.config import ModelRouting
 from plugins.routing.policies import WorkerPool
 from plugins.routing.precise import PrecisePlacement
 from plugins.routing.prompt_tokens import PromptTokenizer
 from plugins.routing.telemetry import RoutingShared
+from tests.support.gateways import REPO
 from tests.support.safety import services
 
 BLOCK = 4
@@ -30,8 +33,14 @@ class Tokens(PromptTokenizer):
         super().__init__(None, None)
         self.n = 0
 
-    def tokens(self, endpoint: str, body: dict[str, Any], *, wait: bool = True) -> list[int]:
+    def tokens(
+        self, endpoint: str, body: dict[str, Any], *, wait: bool = True, at_most: int | None = None
+    ) -> list[int]:
         return list(range(self.n))
+
+
+def chat_body(text: str) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": text}]}
 
 
 def setup(**precise: Any) -> tuple[PrecisePlacement, WorkerPool, Tokens, Any]:
@@ -43,11 +52,12 @@ def setup(**precise: Any) -> tuple[PrecisePlacement, WorkerPool, Tokens, Any]:
     return placement, pool, tokens, svc.workers
 
 
-def ctx(max_model_len: int | None = None) -> Any:
-    body = {"model": "m", "prompt": "x"}
+def ctx(max_model_len: int | None = None, body: dict[str, Any] | None = None) -> Any:
+    endpoint = "completions" if body is None else "chat/completions"
+    body = body or {"model": "m", "prompt": "x"}
     return SimpleNamespace(
         model=SimpleNamespace(name="m", max_model_len=max_model_len), body=body, raw_body=b"{}",
-        endpoint="completions", request_id="r", tenant=None,
+        endpoint=endpoint, request_id="r", tenant=None,
     )  # fmt: skip
 
 
@@ -132,3 +142,37 @@ async def test_a_request_that_finds_the_tokenizer_busy_is_not_predicted_and_not_
     assert request is not None and request.prompt_tokens == 8
     assert held.calls == 1  # the short request's prompt was not tokenized after the long one either
     assert await placement.predict(ctx(), pool) is not None  # a free tokenizer: predicted again
+
+
+MODEL_DIR = REPO / "models" / "smollm2"
+
+
+class CountedEncodes:
+    """The real Rust tokenizer, counting the prompts it tokenizes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def encode_batch(self, texts: list[str], **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner.encode_batch(texts, **kwargs)
+
+
+@pytest.mark.skipif(not MODEL_DIR.is_dir(), reason="the default model is not prepared (models/smollm2)")
+async def test_a_prompt_whose_characters_prove_it_too_long_is_never_tokenized() -> None:
+    """Each token of the model's byte-level tokenizer stands for at most its longest vocabulary entry's
+    characters, so a chat whose text is longer than that times the model's context is refused a prediction
+    without tokenizing it (seconds for a 4 MiB body); a text just as dense within the limit is tokenized."""
+    placement, pool, _, _ = setup()
+    placement.tokenizer = tokenizer = await PromptTokenizer.load(str(MODEL_DIR))
+    model = tokenizer._tok
+    model._tokenizer = counted = CountedEncodes(model._tokenizer)
+    densest = "\n" + " " * (model.chars_per_token - 1)  # the vocabulary's longest entry
+    tokens = tokenizer.tokens("chat/completions", chat_body(densest * 20))
+    assert tokens is not None and counted.calls == 1
+    limit = len(tokens)  # the context this very prompt just fits in: it must still be predicted
+    request = await placement.predict(ctx(max_model_len=limit, body=chat_body(densest * 20)), pool)
+    assert request is not None and request.prompt_tokens == limit and counted.calls == 2
+    too_long = chat_body("word " * (limit * model.chars_per_token))  # 5 characters a token, far over the limit
+    assert await placement.predict(ctx(max_model_len=limit, body=too_long), pool) is None
+    assert counted.calls == 2

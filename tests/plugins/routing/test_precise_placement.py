@@ -305,12 +305,12 @@ def test_a_short_prompt_is_placed_while_another_clients_long_prompt_is_still_bei
         model_tokenizer, encode = tokenizer._tok, tokenizer._tok.encode
         started, finished = threading.Event(), threading.Event()
 
-        def observed(text: str, add_special_tokens: bool) -> list[int]:
+        def observed(text: str, add_special_tokens: bool, at_most: int | None = None) -> list[int] | None:
             long = len(text) > 1_000_000
             if long:
                 started.set()
             try:
-                return encode(text, add_special_tokens)
+                return encode(text, add_special_tokens, at_most)
             finally:
                 if long:
                     finished.set()
