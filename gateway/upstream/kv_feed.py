@@ -17,6 +17,10 @@ replay what the worker still buffers, then apply each batch. What real streams d
 - A message that is not a well-formed batch is skipped (the gap it leaves is a gap like any other); a
   subscriber that fails anyway is logged and started again, the worker untrusted and its entries
   dropped meanwhile.
+- A batch whose payload is larger than ``max_message_bytes`` is never decoded (that would hold the
+  event loop for seconds): it is taken as a clear of the worker's entries in its place in the sequence
+  (what it stored or evicted is unknown), and the worker is followed on from the next batch, on the same
+  connection.
 
 State lives in the worker table (``WorkerTable.kv``) so it survives config reloads; routing's
 ``follow`` says which workers to follow and how.
@@ -37,7 +41,16 @@ import zmq.asyncio
 
 from gateway.ops.tasks import cancel_and_wait, stop_if_cancelled
 from gateway.upstream.kv_index import BlockIndex
-from gateway.upstream.kv_wire import Batch, Cleared, Removed, Stored, WireError, decode_message, decode_replay
+from gateway.upstream.kv_wire import (
+    Batch,
+    Cleared,
+    Removed,
+    Stored,
+    WireError,
+    decode_message,
+    decode_replay,
+    decode_seq,
+)
 from gateway.upstream.kv_wire import replay_request as encode_replay_request
 
 log = logging.getLogger("gateway.kv_events")
@@ -63,6 +76,11 @@ class FeedSettings:
     expire_s: float = 60.0
     replay_timeout_s: float = 2.0
     discover_interval_s: float = 5.0
+    #: The largest batch payload decoded. One engine step's batch stores the blocks of at most the tokens
+    #: it scheduled, and evicts as many: about 5 bytes per token id, 9 per block hash and ~55 per one-hash
+    #: ``BlockRemoved``, so ~9.5 bytes a token with 16-token blocks. 16 MiB holds a whole 1M-token prompt
+    #: stored and evicted in one step; a larger payload is not decoded (25 MB took 2.3 s to decode).
+    max_message_bytes: int = 16 << 20
 
 
 def source_from_discovery(worker_url: str, body: object) -> KvSource | None:
@@ -111,6 +129,7 @@ class WorkerKv:
     batches: int = 0  # applied, live or replayed
     removals: int = 0  # blocks the worker evicted
     received: int = 0  # read from the live socket
+    unread: int = 0  # batches over max_message_bytes, taken as clears without being decoded
     first_stored: Stored | None = None  # for routing's check of its own hashes against the worker's
     hit_rate: float | None = None  # recent share of prompt tokens the worker reported cached (moving average)
     _dup_window: tuple[int, int, float] | None = field(default=None, repr=False)
@@ -233,9 +252,9 @@ class KvFeed:
             log.info("following KV events of %s at %s", url, source.endpoint)
             await self._catch_up(url, 0, None)  # what the worker still buffers from before we came
             while True:
-                frames = await sub.recv_multipart()
+                frames = await sub.recv_multipart(copy=False)
                 try:
-                    batch = decode_message(frames)
+                    batch = self._unread(url, frames) or decode_message([frame.bytes for frame in frames])
                 except WireError as exc:
                     log.warning("worker %s sent a KV event message that is not one (%s)", url, exc)
                     continue
@@ -258,6 +277,19 @@ class KvFeed:
                 log.debug("kv_event_sources of %s: %s", url, exc)
                 stop_if_cancelled()  # a fetch cancelled mid-request may raise its own error instead
             await asyncio.sleep(self.settings.discover_interval_s)
+
+    def _unread(self, url: str, frames: list[zmq.Frame]) -> Batch | None:
+        """A live message (``[topic, seq, payload]``) or replay answer (``["", topic, seq, payload]``)
+        whose payload is over ``max_message_bytes``, as a batch that clears the worker's entries (what it
+        stored or evicted is unknown), without copying or decoding the payload; None for any other."""
+        if len(frames) < 3 or len(frames[-1]) <= self.settings.max_message_bytes:
+            return None
+        seq = decode_seq(frames[-2].bytes)
+        self.workers[url].unread += 1
+        log.warning("worker %s sent a KV event batch of %d bytes (over %d), not decoded: its entries are "
+                    "dropped and rebuilt from the batches after it",
+                    url, len(frames[-1]), self.settings.max_message_bytes)  # fmt: skip
+        return Batch(seq, 0.0, [Cleared()])
 
     # -- applying ---------------------------------------------------------------------------------
 
@@ -318,7 +350,8 @@ class KvFeed:
             await dealer.send_multipart(encode_replay_request(start))
             async with asyncio.timeout(self.settings.replay_timeout_s):
                 while True:
-                    batch = decode_replay(await dealer.recv_multipart())
+                    frames = await dealer.recv_multipart(copy=False)
+                    batch = self._unread(state.url, frames) or decode_replay([frame.bytes for frame in frames])
                     if batch is None:
                         return out
                     out.append(batch)

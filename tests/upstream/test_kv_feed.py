@@ -11,8 +11,19 @@ from collections.abc import AsyncIterator, Callable
 import msgspec
 import pytest
 
+from gateway.upstream import kv_feed
 from gateway.upstream.kv_feed import FeedSettings, KvFeed, KvSource, source_from_discovery
-from gateway.upstream.kv_wire import Batch, Cleared, Removed, Stored, WireError, decode_payload, encode_batch
+from gateway.upstream.kv_wire import (
+    Batch,
+    Cleared,
+    Removed,
+    Stored,
+    WireError,
+    decode_message,
+    decode_payload,
+    decode_replay,
+    encode_batch,
+)
 from gateway.upstream.workers import WorkerTable
 from tests.support.cancellation import CutAwait, stopped_when_cancelled
 from tests.support.kv_publisher import CLEARED, FakePublisher, removed, stored
@@ -226,6 +237,70 @@ async def test_a_failed_subscriber_is_started_again(publisher: FakePublisher) ->
         await publisher.publish([stored([112])])
         await until(lambda: feed.index.copies(URL, 112) == 1, "live batches after the restart")
         assert feed.index.copies(URL, 110) == 1 and feed.trusted(URL)
+    finally:
+        await feed.aclose()
+
+
+def _payloads_decoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The payload sizes the feed hands its decoders (live and replay), from now on."""
+    sizes: list[int] = []
+
+    def live(frames: list[bytes]) -> Batch:
+        sizes.append(len(frames[-1]))
+        return decode_message(frames)
+
+    def replayed(frames: list[bytes]) -> Batch | None:
+        sizes.append(len(frames[-1]))
+        return decode_replay(frames)
+
+    monkeypatch.setattr(kv_feed, "decode_message", live)
+    monkeypatch.setattr(kv_feed, "decode_replay", replayed)
+    return sizes
+
+
+BIG = [stored(list(range(1 << 40, (1 << 40) + 1000)))]  # ~9 kB of hashes
+
+
+async def test_an_oversized_batch_is_not_decoded_and_clears_the_worker_entries_in_its_place(
+    publisher: FakePublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit = len(encode_batch(BIG, ts=1.0))  # the publisher's encoding: a payload of exactly the limit
+    feed = await followed(publisher, max_message_bytes=limit)
+    try:
+        decoded = _payloads_decoded(monkeypatch)
+        await publisher.publish(BIG)  # at the limit: decoded and applied
+        await until(lambda: feed.index.copies(URL, 1 << 40) == 1, "the batch at the limit applied")
+        await publisher.publish([stored([120])])
+        await publisher.publish([stored([1, *BIG[0]["block_hashes"]])])  # one hash over the limit
+        await publisher.publish([stored([121])])
+        await until(lambda: feed.index.copies(URL, 121) == 1, "the batch after it applied")
+        state = feed.workers[URL]
+        assert max(decoded) == limit and len(decoded) == 3
+        assert feed.index.copies(URL, 120) == 0 and feed.index.copies(URL, 1 << 40) == 0  # cleared in its place
+        assert (state.unread, state.gaps, state.resyncs, state.last_seq) == (1, 0, 0, publisher.seq - 1)
+        assert feed.trusted(URL)  # the same connection goes on
+        await publisher.publish([stored([122])])
+        await until(lambda: feed.index.copies(URL, 122) == 1, "later batches applied")
+    finally:
+        await feed.aclose()
+
+
+async def test_an_oversized_batch_in_the_replay_is_not_decoded_and_clears_in_its_place(
+    publisher: FakePublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    feed = await followed(publisher, max_message_bytes=4096)
+    try:
+        await publisher.publish([stored([140])])
+        await until(lambda: feed.index.copies(URL, 140) == 1, "stored")
+        decoded = _payloads_decoded(monkeypatch)
+        await publisher.publish(BIG, drop=True)  # a gap: it comes only from the replay
+        await publisher.publish([stored([141])])
+        await until(lambda: feed.index.copies(URL, 141) == 1, "the batch after the gap applied")
+        state = feed.workers[URL]
+        assert all(size <= 4096 for size in decoded)
+        assert publisher.replays >= 2 and state.gaps == 1 and state.unread == 1
+        assert feed.index.copies(URL, 140) == 0  # the unread batch cleared the entries before it
+        assert feed.trusted(URL)
     finally:
         await feed.aclose()
 
