@@ -9,6 +9,7 @@ read again. Nothing here logs a key or a digest.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 import time
@@ -26,7 +27,30 @@ KEY_PREFIX = "sk-gw-"
 
 def hash_key(key: str, pepper: bytes) -> str:
     """The digest a key is stored and looked up by."""
-    return hmac.digest(pepper, key.encode("utf-8", "surrogatepass"), "sha256").hex()  # one C call
+    return hmac.digest(pepper, key.encode("utf-8", "surrogatepass"), "sha256").hex()
+
+
+class KeyHasher:
+    """``hash_key`` for one pepper, for every request: HMAC-SHA256 (RFC 2104) from the inner and outer
+    hash states keyed once. ``hmac.digest`` sets up the key's pads and looks the digest up by name on
+    each call, which costs about twice the two hashes of a 49-character key themselves."""
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, pepper: bytes) -> None:
+        block = hashlib.sha256().block_size
+        if len(pepper) > block:
+            pepper = hashlib.sha256(pepper).digest()
+        pepper = pepper.ljust(block, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in pepper))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in pepper))
+
+    def __call__(self, key: str) -> str:
+        inner = self._inner.copy()
+        inner.update(key.encode("utf-8", "surrogatepass"))
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.hexdigest()
 
 
 def new_key() -> str:
@@ -95,7 +119,7 @@ class KeyStore:
     ) -> None:
         self._redis = redis
         self._prefix = prefix
-        self._pepper = pepper
+        self._hash = KeyHasher(pepper)
         self._ttl_s = ttl_s
         self._max_entries = max_entries
         self._config = {k.hash: KeyInfo(k.id, k.tenant, tuple(k.models), k.limits, "config") for k in config_keys}
@@ -103,7 +127,7 @@ class KeyStore:
         self._cache: dict[str, tuple[KeyInfo | None, float]] = {}
 
     def digest(self, key: str) -> str:
-        return hash_key(key, self._pepper)
+        return self._hash(key)
 
     def _record_key(self, digest: str) -> str:
         return f"{self._prefix}:key:{digest}"
