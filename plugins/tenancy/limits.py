@@ -186,20 +186,28 @@ class Decision:
 
     def headers(self) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers, for the tightest bucket of each kind."""
-        tightest: dict[str, Bucket] = {}  # kind -> the bucket with least left (the later reset on a tie)
+        # kind -> (bucket, remaining, reset ms) of the bucket with least left (the later reset on a tie)
+        tightest: dict[str, tuple[Bucket, int, int]] = {}
         for bucket, (remaining, reset_ms) in self.remaining.items():
             known = tightest.get(bucket.kind)
-            if known is None or (remaining, -reset_ms) < (self.remaining[known][0], -self.remaining[known][1]):
-                tightest[bucket.kind] = bucket
+            if known is None or remaining < known[1] or (remaining == known[1] and reset_ms > known[2]):
+                tightest[bucket.kind] = (bucket, remaining, reset_ms)
         out: dict[str, str] = {}
-        for kind in ("requests", "tokens"):
-            if kind in tightest:
-                bucket = tightest[kind]
-                remaining, reset_ms = self.remaining[bucket]
-                out[f"x-ratelimit-limit-{kind}"] = str(bucket.limit)
-                out[f"x-ratelimit-remaining-{kind}"] = str(max(0, min(bucket.limit, remaining)))
-                out[f"x-ratelimit-reset-{kind}"] = format_duration(reset_ms)
+        for kind, (limit_name, remaining_name, reset_name) in _HEADER_NAMES.items():
+            found = tightest.get(kind)
+            if found is not None:
+                bucket, remaining, reset_ms = found
+                out[limit_name] = str(bucket.limit)
+                out[remaining_name] = str(max(0, min(bucket.limit, remaining)))
+                out[reset_name] = format_duration(reset_ms)
         return out
+
+
+#: The headers of each kind of bucket, in the order they are sent (built once, not per request).
+_HEADER_NAMES = {
+    kind: (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}")
+    for kind in ("requests", "tokens")
+}
 
 
 def _admit_call(script: AsyncScript, plan: Plan) -> ScriptCall:
