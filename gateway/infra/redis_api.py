@@ -20,7 +20,9 @@ The contract:
 - ``evalsha(script, keys, args)`` runs a registered ``redis.commands.core.AsyncScript`` by its SHA and,
   when Redis does not know it (``NOSCRIPT``: restarted, flushed), loads it and runs it once more.
   ``run_script(call, varying)`` is the same for a ``gateway.infra.redis_script.ScriptCall``: its keys,
-  ``varying``, then its fixed arguments, the fixed part packed once.
+  ``varying``, then its fixed arguments, the fixed part packed once. ``submit_script(call, varying)``
+  queues the same command for a caller that does not wait for it: its future fails with
+  ``NoScriptError`` when Redis does not know the script, and the caller runs it again with ``run_script``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class RedisPipeline(Protocol):
 
     async def run_script(self, call: ScriptCall, varying: Sequence[Any]) -> Any:
         """``evalsha(call.script, call.keys, [*varying, *call.fixed])``."""
+        ...
+
+    def submit_script(self, call: ScriptCall, varying: Sequence[Any]) -> asyncio.Future[Any]:
+        """``run_script`` queued in this turn's batch like ``submit``: the future gets the script's reply or
+        error, ``NoScriptError`` included (nothing is loaded: the caller loads and runs it with
+        ``run_script``)."""
         ...
 
     async def aclose(self) -> None:

@@ -108,6 +108,10 @@ class AutoPipeline:
         except NoScriptError:
             return await call.script(keys=call.keys, args=call.args(varying))
 
+    def submit_script(self, call: ScriptCall, varying: Sequence[Any]) -> asyncio.Future[Any]:
+        """``run_script`` queued for this turn's batch, for a caller that does not wait (``RedisPipeline``)."""
+        return self._enqueue(call.command(varying))
+
     def _flush(self) -> None:
         self._flush_scheduled = False
         if not self._queue:

@@ -69,6 +69,9 @@ class RedisPyPipeline:
     async def run_script(self, call: ScriptCall, varying: Sequence[Any]) -> Any:
         return await self.evalsha(call.script, call.keys, call.args(varying))
 
+    def submit_script(self, call: ScriptCall, varying: Sequence[Any]) -> asyncio.Future[Any]:
+        return self.submit("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args(varying))
+
     async def _run(self) -> None:
         """Send the queue as pipelines, one at a time, until it is empty."""
         try:

@@ -19,6 +19,7 @@ reservation and its true cost, which only a prompt longer than its estimate can 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -268,6 +269,11 @@ class RedisLimiter:
 
     async def charge(self, plan: Plan, delta: int, prompt: int, completion: int) -> None:
         await self._pipeline.run_script(_plan_call(plan, self._charge, _charge_call), (delta, prompt, completion))
+
+    def charge_soon(self, plan: Plan, delta: int, prompt: int, completion: int) -> asyncio.Future[Any]:
+        """``charge`` queued in this loop turn's batch for a caller that does not wait for it: the future
+        gets the reply or the error (``NoScriptError`` too: then ``charge`` loads the script)."""
+        return self._pipeline.submit_script(_plan_call(plan, self._charge, _charge_call), (delta, prompt, completion))
 
 
 def _decision(plan: Plan, answer: list[Any]) -> Decision:

@@ -15,9 +15,11 @@ key and tenant have left (and the request's ``max_tokens`` is set to it). What i
 answer's usage; a stream's usage when it carried one to its end, else the prompt estimate and the
 tokens it sent, however it ended (``ctx.delivered``, kept by the core); the prompt estimate for a
 client that hung up after its request reached a worker, before anything came back; nothing for a
-refusal or a failure. Answers and completed streams are charged before the client has them (``on_response``); the
-rest when the request is over (a finalizer). The key's allow-list goes with the request
-(``ctx.model_allowed``: routing checks canaries and fallbacks), and the tenant's configured priority
+refusal or a failure. Answers and completed streams are charged as they go out (``on_response``: the
+charge is queued in Redis's batch before the answer is sent, ahead of every command this gateway sends for
+a later request, and the answer does not wait for Redis's reply); the rest when the request is over (a
+finalizer). The key's allow-list goes with the request (``ctx.model_allowed``: routing checks canaries
+and fallbacks), and the tenant's configured priority
 (``ctx.priority``) orders the routing queue.
 """
 
@@ -28,9 +30,10 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, ClassVar
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from gateway.pipeline.batch_config import CALLER_OF, BatchLine, Caller
 from gateway.pipeline.config import GatewayConfig
@@ -100,7 +103,7 @@ class TenancyPlugin(Plugin):
         self._own_context: dict[str, int] = {}  # model name -> its own context tokens
         self._context: dict[str, int] = {}  # model name -> the longest context a request for it may reach
         self._names: dict[str, tuple[str, ...]] = {}  # model name -> it and its aliases
-        self._settling: set[asyncio.Task[None]] = set()
+        self._settling: set[asyncio.Future[Any]] = set()  # charges sent and not answered yet
         self.plans = Plans(config, lambda: type(self).clock())
 
     def prepare(self, config: GatewayConfig) -> None:
@@ -332,9 +335,9 @@ class TenancyPlugin(Plugin):
     # -- the way back -----------------------------------------------------------------------------
 
     async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
-        """Charges the answer (or the completed stream) before the client has it, so its next request
-        sees the usage; ``_finish`` corrects the charge when the request ends otherwise (a later hook
-        refused the answer, the stream was cut, the client went away)."""
+        """Charges the answer (or the completed stream) as it goes out, so the client's next request sees
+        the usage (``_charge``); ``_finish`` corrects the charge when the request ends otherwise (a later
+        hook refused the answer, the stream was cut, the client went away)."""
         admitted: Admitted | None = ctx.state.get(self.name)
         if admitted is None or response.status != 200:
             return None
@@ -353,7 +356,7 @@ class TenancyPlugin(Plugin):
         prompt, completion = priced_pair(self.delivered(ctx, admitted, answered=True), admitted.factor)
         change = admitted.settle_to(prompt, completion)
         if change is not None:
-            await self._charge(ctx.tenant or "-", admitted, *change)
+            self._charge(ctx.tenant or "-", admitted, *change)
         return None
 
     def _finish(self, ctx: RequestContext, admitted: Admitted) -> None:
@@ -363,11 +366,8 @@ class TenancyPlugin(Plugin):
         admitted.finished = True
         prompt, completion = priced_pair(self.delivered(ctx, admitted), admitted.factor)
         change = admitted.settle_to(prompt, completion)
-        if change is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._charge(ctx.tenant or "-", admitted, *change))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        if change is not None:
+            self._charge(ctx.tenant or "-", admitted, *change)
 
     @staticmethod
     def delivered(ctx: RequestContext, admitted: Admitted, *, answered: bool = False) -> tuple[int, int]:
@@ -395,7 +395,11 @@ class TenancyPlugin(Plugin):
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         return (prompt if isinstance(prompt, int) else admitted.prompt_estimate), sent.stream_tokens
 
-    async def _charge(self, tenant: str, admitted: Admitted, delta: int, prompt: int, completion: int) -> None:
+    def _charge(self, tenant: str, admitted: Admitted, delta: int, prompt: int, completion: int) -> None:
+        """Apply a settlement's change to the counters. In Redis the charge is queued in this loop turn's
+        batch of commands (one connection, run in order), ahead of the admission of any later request
+        this gateway makes, so the client's next request sees it; the answer does not wait for Redis's
+        reply (a Redis round trip less per request). ``settled()`` waits for the replies still due."""
         if prompt > 0:  # a counter: a later refund (an answer refused after it was charged) is not shown
             self.metrics.tokens.labels(tenant, "prompt").inc(prompt)
         if completion > 0:
@@ -403,7 +407,33 @@ class TenancyPlugin(Plugin):
         if not admitted.via_redis:
             self.local.charge(admitted.plan, delta)
             return
+        charge = (admitted.plan, delta, prompt, completion)
         try:
-            await self.limiter.charge(admitted.plan, delta, prompt, completion)
-        except REDIS_ERRORS as exc:  # the answer is already on its way: count the miss
+            sent = self.limiter.charge_soon(*charge)
+        except REDIS_ERRORS as exc:
+            self._redis_failed("charge", exc)
+            return
+        self._settling.add(sent)
+        sent.add_done_callback(partial(self._charged, charge))
+
+    def _charged(self, charge: tuple[Plan, int, int, int], sent: asyncio.Future[Any]) -> None:
+        """Redis's reply to a charge (a done callback): an error is counted (the answer already went out);
+        a script Redis no longer knows (restarted, flushed) is loaded and the charge run again."""
+        self._settling.discard(sent)
+        error = sent.exception() if not sent.cancelled() else None
+        if error is None:
+            return
+        if isinstance(error, NoScriptError):
+            retry = asyncio.get_running_loop().create_task(self._charge_again(charge))
+            self._settling.add(retry)
+            retry.add_done_callback(self._settling.discard)
+        elif isinstance(error, REDIS_ERRORS):
+            self._redis_failed("charge", error)
+        else:
+            log.error("tenancy: a charge failed", exc_info=error)
+
+    async def _charge_again(self, charge: tuple[Plan, int, int, int]) -> None:
+        try:
+            await self.limiter.charge(*charge)
+        except REDIS_ERRORS as exc:
             self._redis_failed("charge", exc)

@@ -174,6 +174,22 @@ async def test_a_prepacked_script_call_runs_like_evalsha_and_loads_an_unknown_sc
     assert await control.lrange(second, 0, -1) == [b"1", b"2", *fixed, b"v", *fixed, *fixed]
 
 
+async def test_a_submitted_script_call_hands_its_reply_or_noscript_to_a_future(
+    kind: str, prefix: str, control: aioredis.Redis
+) -> None:
+    body = f"-- {uuid.uuid4().hex}\nreturn redis.call('INCRBY', KEYS[1], ARGV[1] + ARGV[2])"
+    script = control.register_script(body)  # unique text: Redis has never seen it
+    call = ScriptCall(script, [f"{prefix}:n"], [100])
+    async with pipeline(kind) as pipe:
+        unknown = pipe.submit_script(call, (1,))
+        with pytest.raises(NoScriptError):
+            await unknown  # nothing is loaded for a caller that does not wait: it runs run_script
+        assert await pipe.run_script(call, (2,)) == 102
+        futures = [pipe.submit_script(call, (i,)) for i in (3, 4)]
+        assert [await f for f in futures] == [205, 309]
+    assert await control.get(f"{prefix}:n") == b"309"
+
+
 async def test_large_values_go_whole_among_small_commands(kind: str, prefix: str) -> None:
     big = bytes(range(256)) * (64 * 1024) + b"tail"  # 16 MiB + 4
     async with pipeline(kind, timeout_s=10) as pipe:

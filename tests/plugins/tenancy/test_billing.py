@@ -9,18 +9,21 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import orjson
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.pipeline import ModelResponse, Plugin, RequestContext
 from gateway.wire.errors import InvalidRequest
 from plugins.tenancy.keys import hash_key
 from tests.server.test_audio_routes import AUDIO, AudioWorker
 from tests.support.fakes import FakeUpstream, ServerThread
+from tests.support.faults import SwitchableProxy
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.metrics import admin_metrics
 from tests.support.safety import rules
 from tests.support.tenancy import PEPPER, prefix
 
@@ -208,6 +211,80 @@ def test_an_answer_refused_by_a_later_plugin_is_not_charged(
     else:
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "content_filter"
         assert day["tokens"] == 0 and day["requests"] == 1
+
+
+class SilenceRedis(Plugin):
+    """Listed after tenancy, so its ``on_response`` runs first: from the moment the answer is ready, the
+    proxy between the gateway and Redis drops every byte, as a network path to Redis that goes silent."""
+
+    name = "silence_redis"
+    proxy: ClassVar[SwitchableProxy | None] = None
+
+    async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
+        assert self.proxy is not None
+        self.proxy.blackholed.set()
+        return None
+
+
+def test_an_answer_does_not_wait_for_redis_to_answer_its_charge(
+    gateway_factory: GatewayFactory, upstream_url: str, prefix: str
+) -> None:
+    """The charge is queued with the answer, which goes out without waiting for Redis's reply: with Redis
+    silent from the moment the answer is ready, the client has it at once, not after tenancy's Redis
+    timeout (4 s here), and the charge that got no reply is counted as a failed Redis call."""
+    timeout_s = 4
+    with SwitchableProxy(6379) as proxy:
+        SilenceRedis.proxy = proxy
+        cfg = config(
+            prefix,
+            upstream_url,
+            {"tokens_per_day": 1000},
+            between=("silence_redis",),
+            redis_timeout_ms=timeout_s * 1000,
+        )
+        redis_url = f"redis://127.0.0.1:{proxy.port}"
+        with gateway_factory(cfg, plugins={"silence_redis": SilenceRedis}, redis_url=redis_url) as (_, server):
+            started = time.monotonic()
+            reply = chat(server, max_tokens=5)
+            answered_in = time.monotonic() - started
+            failed = 'gateway_tenancy_redis_errors_total{op="charge"} 1.0'
+            deadline = time.monotonic() + timeout_s + 10
+            while failed not in admin_metrics(server) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert failed in admin_metrics(server)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
+    assert answered_in < timeout_s / 2, answered_in  # not held until the charge timed out
+
+
+class ForgetScripts(Plugin):
+    """Listed after tenancy: once the answer is ready, Redis forgets its scripts (``SCRIPT FLUSH``, as a
+    restarted Redis would), so tenancy's charge meets ``NOSCRIPT``."""
+
+    name = "forget_scripts"
+
+    async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
+        client = aioredis.Redis()
+        try:
+            await client.script_flush()
+        finally:
+            await client.aclose()
+        return None
+
+
+def test_a_charge_redis_has_forgotten_the_script_of_is_loaded_and_run(
+    gateway_factory: GatewayFactory, upstream_url: str, prefix: str
+) -> None:
+    """A charge sent without waiting for its reply still loads the script when Redis no longer knows it
+    (flushed, restarted): the tokens are charged, and no Redis failure is counted."""
+    cfg = config(prefix, upstream_url, {"tokens_per_day": 1000}, between=("forget_scripts",))
+    with gateway_factory(cfg, plugins={"forget_scripts": ForgetScripts}, admin_token="adm") as (_, server):
+        reply = chat(server, max_tokens=5)
+        completion = reply.json()["usage"]["completion_tokens"]
+        day = settled(server, lambda d: d["tokens"] == 5 + completion)
+        metrics = admin_metrics(server)
+    assert reply.status_code == 200
+    assert (day["prompt_tokens"], day["completion_tokens"]) == (5, completion)
+    assert "gateway_tenancy_redis_errors_total{" not in metrics
 
 
 @pytest.mark.parametrize("status", [500, 502, 503])
