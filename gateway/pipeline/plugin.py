@@ -36,6 +36,11 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   with. A plugin that only refuses answers or changes them in place need not set it: listed before the
   keeper, its ``on_request`` runs on every request the keeper answers, so its ``on_response`` checks
   each answer the keeper gives back (safety's output rules).
+- ``identifies_callers``: class attribute, False by default. A plugin whose ``on_request`` decides who is
+  calling (sets ``ctx.tenant``, refuses a request without a valid key: tenancy) sets it. A plugin that
+  keeps answers (``keeps_answers``) listed before it would answer a request from what it kept before the
+  caller was known (no key check, no limits, every caller sharing one scope of answers): such a config is
+  refused when it loads.
 - ``ctx.record_stream(self, max_bytes)``: an ``on_request`` whose plugin reads a stream's text only once
   it is complete and changes no chunk (the cache, to store it) asks for a recording instead of chunks:
   when no other plugin must read the stream chunk by chunk, it passes through as bytes, its ``on_chunk``
@@ -185,6 +190,7 @@ class Plugin:
     reads_stream_text: ClassVar[bool] = True
     replaces_answers: ClassVar[bool] = False
     keeps_answers: ClassVar[bool] = False
+    identifies_callers: ClassVar[bool] = False
 
     def __init__(self, config: Any, services: Services) -> None:
         self.config = config

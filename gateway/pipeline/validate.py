@@ -1,6 +1,6 @@
 """Resolves and validates a config's plugin sections: every enabled plugin exists, its ``config:``
 validates against the plugin's own ``Config`` model, and the order of the list keeps what the contract
-needs (``Plugin.replaces_answers``). Used by reload (before anything is built) and by
+needs (``Plugin.replaces_answers``, ``Plugin.identifies_callers``). Used by reload (before anything is built) and by
 ``gateway check-config``."""
 
 from __future__ import annotations
@@ -50,9 +50,21 @@ def resolve_plugins(config: GatewayConfig, registry: PluginRegistry) -> list[Res
 
 
 def _order_problems(resolved: list[ResolvedPlugin]) -> list[str]:
-    """A plugin that keeps answers listed after one that replaces them: ``on_response`` runs in reverse
-    order, so it would keep an answer before it was replaced (or refused) on the way back."""
+    """A plugin that keeps answers listed after one that replaces them (``on_response`` runs in reverse
+    order, so it would keep an answer before it was replaced or refused on the way back), or before one
+    that identifies callers (it would answer from what it kept before the caller was known)."""
     problems: list[str] = []
+    for at, keeper in enumerate(resolved):
+        if not keeper.cls.keeps_answers:
+            continue
+        for identifier in resolved[at + 1 :]:
+            if identifier.cls.identifies_callers:
+                problems.append(
+                    f"plugins[{identifier.index}].name: '{identifier.entry.name}' must come before"
+                    f" '{keeper.entry.name}' (plugins[{keeper.index}]) in plugins: it decides who is calling,"
+                    f" and '{keeper.entry.name}' answers requests from what it kept before that is known"
+                    " (no key check, no limits, one scope of answers for every caller)"
+                )
     for at, replacer in enumerate(resolved):
         if not replacer.cls.replaces_answers:
             continue

@@ -94,7 +94,8 @@ class CachePlugin(Plugin):
     Config = CacheConfig
     default_on_error = "fail_open"
     default_timeout_ms = None  # every Redis call and every wait is bounded inside the plugin
-    keeps_answers = True  # a plugin that replaces answers must come after it (``Plugin.replaces_answers``)
+    #: A plugin that replaces answers must come after it, one that identifies callers before it (``Plugin``).
+    keeps_answers = True
 
     def __init__(self, config: CacheConfig, services: Services) -> None:
         super().__init__(config, services)
@@ -114,11 +115,6 @@ class CachePlugin(Plugin):
         self._named: dict[str, str] = {}  # model name or alias -> the model name entries are kept under
 
     def prepare(self, config: GatewayConfig) -> None:
-        names = [entry.name for entry in config.plugins]
-        if "tenancy" in names and names.index("tenancy") > names.index(self.name):
-            # on_request runs in list order: a hit would be answered before tenancy saw the key (no 401,
-            # no limits), and with ctx.tenant unset every caller would share the public entries
-            raise ValueError("tenancy must come before the cache in plugins: it decides whose entries a request reads")
         self._named = {alias: m.name for m in config.served_models for alias in (m.name, *m.aliases)}
         managed = {w.name: w.model for w in config.engine.workers}
         # An adapter's answers come from its weights too: its path is part of what backs it.

@@ -73,6 +73,8 @@ class TenancyPlugin(Plugin):
     name = "tenancy"
     Config = TenancyConfig
     default_on_error = "fail_closed"
+    #: It decides who is calling: a plugin that keeps answers (the cache) must come after it.
+    identifies_callers = True
     #: Billing needs a stream's usage, not its text: streams keep the byte pass-through.
     reads_stream_text = False
     #: Wall clock (epoch seconds) that decides budget periods; a test subclass may replace it.

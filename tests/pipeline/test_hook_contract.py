@@ -268,6 +268,35 @@ def test_a_plugin_that_keeps_answers_must_come_before_one_that_replaces_them(ups
     assert resolve({"name": "plain"}, {"name": "store"}) == ["plain", "store"]
 
 
+class Identifier(Plugin):
+    """Stands for a plugin whose on_request decides who is calling (access control)."""
+
+    identifies_callers = True
+
+
+def test_a_plugin_that_identifies_callers_must_come_before_one_that_keeps_answers(upstream_url: str) -> None:
+    """on_request runs in list order: listed after a plugin that keeps answers, the one that decides who is
+    calling would see a request the keeper already answered. The order is refused by the plugins'
+    attributes, whatever they are called; a disabled identifier and plugins that set neither are taken."""
+    from gateway.pipeline.config import ConfigError, GatewayConfig
+    from gateway.pipeline.registry import PluginRegistry
+    from gateway.pipeline.validate import resolve_plugins
+
+    registry = PluginRegistry({"auth": Identifier, "store": Keeper, "plain": Recorder}, discover=False)
+
+    def resolve(*entries: dict[str, Any]) -> list[str]:
+        config = GatewayConfig.model_validate(base_config([upstream_url], plugins=list(entries)))
+        return [item.entry.name for item in resolve_plugins(config, registry)]
+
+    with pytest.raises(ConfigError) as info:
+        resolve({"name": "store"}, {"name": "plain"}, {"name": "auth"})
+    [problem] = info.value.problems
+    assert problem.startswith("plugins[2].name: 'auth' must come before 'store' (plugins[0])")
+    assert resolve({"name": "auth"}, {"name": "store"}) == ["auth", "store"]
+    assert resolve({"name": "store"}, {"name": "auth", "enabled": False}) == ["store"]
+    assert resolve({"name": "plain"}, {"name": "store"}) == ["plain", "store"]
+
+
 # -- stepping aside: per-request opt-out of the way back -------------------------------------------
 
 COMMENT = b": from the worker\n\n"  # an SSE comment: kept by a byte pass-through, dropped by parsing

@@ -250,7 +250,7 @@ def test_a_config_with_tenancy_after_the_cache_is_refused(
 
         refused = reload({"after": ("tenancy",)})
         assert refused.status_code == 400
-        assert "tenancy must come before the cache" in refused.json()["error"]["message"]
+        assert "'tenancy' must come before 'cache'" in refused.json()["error"]["message"]
         assert chat(server.url).status_code == 200  # the running config serves on, without a key
         assert reload({"before": ("tenancy",)}).status_code == 200
 
