@@ -5,6 +5,7 @@ needs (``Plugin.replaces_answers``, ``Plugin.identifies_callers``). Used by relo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ValidationError
@@ -53,27 +54,29 @@ def _order_problems(resolved: list[ResolvedPlugin]) -> list[str]:
     """A plugin that keeps answers listed after one that replaces them (``on_response`` runs in reverse
     order, so it would keep an answer before it was replaced or refused on the way back), or before one
     that identifies callers (it would answer from what it kept before the caller was known)."""
-    problems: list[str] = []
-    for at, keeper in enumerate(resolved):
-        if not keeper.cls.keeps_answers:
-            continue
-        for identifier in resolved[at + 1 :]:
-            if identifier.cls.identifies_callers:
-                problems.append(
-                    f"plugins[{identifier.index}].name: '{identifier.entry.name}' must come before"
-                    f" '{keeper.entry.name}' (plugins[{keeper.index}]) in plugins: it decides who is calling,"
-                    f" and '{keeper.entry.name}' answers requests from what it kept before that is known"
-                    " (no key check, no limits, one scope of answers for every caller)"
-                )
-    for at, replacer in enumerate(resolved):
-        if not replacer.cls.replaces_answers:
-            continue
-        for keeper in resolved[at + 1 :]:
-            if keeper.cls.keeps_answers:
-                problems.append(
-                    f"plugins[{keeper.index}].name: '{keeper.entry.name}' must come before '{replacer.entry.name}'"
-                    f" (plugins[{replacer.index}]) in plugins: it keeps answers for later requests, and"
-                    f" '{replacer.entry.name}' may replace or refuse an answer on the way back, which runs in"
-                    " reverse order"
-                )
+    problems = [
+        f"plugins[{identifier.index}].name: '{identifier.entry.name}' must come before '{keeper.entry.name}'"
+        f" (plugins[{keeper.index}]) in plugins: it decides who is calling, and '{keeper.entry.name}' answers"
+        " requests from what it kept before that is known (no key check, no limits, one scope of answers"
+        " for every caller)"
+        for keeper, identifier in _listed_before(resolved, "keeps_answers", "identifies_callers")
+    ]
+    problems += [
+        f"plugins[{keeper.index}].name: '{keeper.entry.name}' must come before '{replacer.entry.name}'"
+        f" (plugins[{replacer.index}]) in plugins: it keeps answers for later requests, and"
+        f" '{replacer.entry.name}' may replace or refuse an answer on the way back, which runs in reverse order"
+        for replacer, keeper in _listed_before(resolved, "replaces_answers", "keeps_answers")
+    ]
     return problems
+
+
+def _listed_before(
+    resolved: list[ResolvedPlugin], earlier: str, later: str
+) -> Iterator[tuple[ResolvedPlugin, ResolvedPlugin]]:
+    """Each pair (a, b) of plugins, a listed before b, whose classes set the contract attribute ``earlier``
+    (a) and ``later`` (b)."""
+    for at, first in enumerate(resolved):
+        if getattr(first.cls, earlier):
+            for second in resolved[at + 1 :]:
+                if getattr(second.cls, later):
+                    yield first, second

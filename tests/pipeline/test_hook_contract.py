@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any, ClassVar
 
 import httpx
@@ -239,6 +240,17 @@ class Replacer(Plugin):
     replaces_answers = True
 
 
+def resolved_names(upstream_url: str, plugins: dict[str, type[Plugin]], *entries: dict[str, Any]) -> list[str]:
+    """The names of the plugins a config listing ``entries`` resolves to, with only ``plugins`` registered
+    (a ``ConfigError`` when its order breaks the contract)."""
+    from gateway.pipeline.config import GatewayConfig
+    from gateway.pipeline.registry import PluginRegistry
+    from gateway.pipeline.validate import resolve_plugins
+
+    config = GatewayConfig.model_validate(base_config([upstream_url], plugins=list(entries)))
+    return [item.entry.name for item in resolve_plugins(config, PluginRegistry(plugins, discover=False))]
+
+
 class Keeper(Plugin):
     """Stands for a plugin whose on_response keeps answers for later requests (a cache)."""
 
@@ -249,15 +261,9 @@ def test_a_plugin_that_keeps_answers_must_come_before_one_that_replaces_them(ups
     """on_response runs in reverse order: listed after a plugin that replaces answers, a keeper would keep
     an answer before it was replaced. The order is refused by name, whatever the plugins are called; a
     disabled replacer, a keeper listed first, and plugins that set neither attribute are taken."""
-    from gateway.pipeline.config import ConfigError, GatewayConfig
-    from gateway.pipeline.registry import PluginRegistry
-    from gateway.pipeline.validate import resolve_plugins
+    from gateway.pipeline.config import ConfigError
 
-    registry = PluginRegistry({"retrier": Replacer, "store": Keeper, "plain": Recorder}, discover=False)
-
-    def resolve(*entries: dict[str, Any]) -> list[str]:
-        config = GatewayConfig.model_validate(base_config([upstream_url], plugins=list(entries)))
-        return [item.entry.name for item in resolve_plugins(config, registry)]
+    resolve = functools.partial(resolved_names, upstream_url, {"retrier": Replacer, "store": Keeper, "plain": Recorder})
 
     with pytest.raises(ConfigError) as info:
         resolve({"name": "retrier"}, {"name": "plain"}, {"name": "store"})
@@ -278,15 +284,9 @@ def test_a_plugin_that_identifies_callers_must_come_before_one_that_keeps_answer
     """on_request runs in list order: listed after a plugin that keeps answers, the one that decides who is
     calling would see a request the keeper already answered. The order is refused by the plugins'
     attributes, whatever they are called; a disabled identifier and plugins that set neither are taken."""
-    from gateway.pipeline.config import ConfigError, GatewayConfig
-    from gateway.pipeline.registry import PluginRegistry
-    from gateway.pipeline.validate import resolve_plugins
+    from gateway.pipeline.config import ConfigError
 
-    registry = PluginRegistry({"auth": Identifier, "store": Keeper, "plain": Recorder}, discover=False)
-
-    def resolve(*entries: dict[str, Any]) -> list[str]:
-        config = GatewayConfig.model_validate(base_config([upstream_url], plugins=list(entries)))
-        return [item.entry.name for item in resolve_plugins(config, registry)]
+    resolve = functools.partial(resolved_names, upstream_url, {"auth": Identifier, "store": Keeper, "plain": Recorder})
 
     with pytest.raises(ConfigError) as info:
         resolve({"name": "store"}, {"name": "plain"}, {"name": "auth"})
