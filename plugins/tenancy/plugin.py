@@ -410,11 +410,7 @@ class TenancyPlugin(Plugin):
             self.local.charge(admitted.plan, delta)
             return
         charge = (admitted.plan, delta, prompt, completion)
-        try:
-            sent = self.limiter.charge_soon(*charge)
-        except REDIS_ERRORS as exc:
-            self._redis_failed("charge", exc)
-            return
+        sent = self.limiter.charge_soon(*charge)  # queued: a failure, even a closed pipeline's, is the future's
         self._settling.add(sent)
         sent.add_done_callback(partial(self._charged, charge))
 
