@@ -19,7 +19,6 @@ from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from redis.exceptions import RedisError
 
 from gateway.pipeline.config import format_validation_error
 from gateway.wire.errors import InvalidRequest, NotFound, ServiceUnavailable
@@ -27,8 +26,8 @@ from plugins.tenancy.budgets import usage_report
 from plugins.tenancy.config import NAME_PATTERN, Limits, TenancyConfig
 from plugins.tenancy.history import MAX_DAYS, usage_history
 from plugins.tenancy.keys import KeyExists, KeyStore
+from plugins.tenancy.limits import REDIS_ERRORS
 
-_REDIS_ERRORS = (RedisError, OSError, TimeoutError)
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -91,7 +90,7 @@ class TenancyAdmin:
             )
         try:
             return await handler(body)
-        except _REDIS_ERRORS:
+        except REDIS_ERRORS:
             raise ServiceUnavailable(
                 "Redis is unreachable, so keys and usage cannot be read or changed; try again shortly.",
                 code="tenancy_unavailable",

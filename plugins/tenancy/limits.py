@@ -28,12 +28,15 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError
 
 from gateway.infra.redis_api import RedisPipeline
 from gateway.infra.redis_script import ScriptCall
 from plugins.tenancy.budgets import Budget, format_duration
 
 Kind = Literal["requests", "tokens"]
+#: What a call to Redis may raise: Redis's own errors, a connection's, a timeout.
+REDIS_ERRORS = (RedisError, OSError, TimeoutError)
 PERIOD_MS = 60_000
 
 _ADMIT = """

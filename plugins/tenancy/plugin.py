@@ -25,15 +25,11 @@ and fallbacks), and the tenant's configured priority
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any, ClassVar
-
-from redis.exceptions import NoScriptError, RedisError
 
 from gateway.pipeline.batch_config import CALLER_OF, BatchLine, Caller
 from gateway.pipeline.config import GatewayConfig
@@ -46,15 +42,15 @@ from plugins.tenancy import estimate
 from plugins.tenancy.admin import TenancyAdmin
 from plugins.tenancy.admitted import Admitted
 from plugins.tenancy.batch_lines import LINE_PRIORITY, batch_line, caller, line_key, priced, priced_pair
+from plugins.tenancy.charges import Charges
 from plugins.tenancy.config import NO_LIMITS, TenancyConfig, TenantConfig
 from plugins.tenancy.keys import KeyInfo, KeyStore
-from plugins.tenancy.limits import Decision, LocalLimiter, Plan, RedisLimiter
+from plugins.tenancy.limits import REDIS_ERRORS, Decision, LocalLimiter, Plan, RedisLimiter
 from plugins.tenancy.metrics import TenancyMetrics
 from plugins.tenancy.plans import Plans
 from plugins.tenancy.refusals import invalid_key, missing_key, refusal, unavailable
 
 log = logging.getLogger("gateway.tenancy")
-REDIS_ERRORS = (RedisError, OSError, TimeoutError)
 CLAMP_HEADER = "x-gateway-max-tokens"
 #: The most tokens a request reserves: the admission script's numbers are doubles, exact to 2^53, and
 #: Redis counts in 64-bit integers (a larger max_tokens, which vLLM clamps to the context, failed the
@@ -102,10 +98,10 @@ class TenancyPlugin(Plugin):
         self.local = LocalLimiter(config.fail_open_share)
         self.metrics = TenancyMetrics.of(services)
         self.admin = TenancyAdmin(config, self.redis, self.keys, type(self).clock)
+        self.charges = Charges(self.limiter, self.local, self.metrics, self._redis_failed)
         self._own_context: dict[str, int] = {}  # model name -> its own context tokens
         self._context: dict[str, int] = {}  # model name -> the longest context a request for it may reach
         self._names: dict[str, tuple[str, ...]] = {}  # model name -> it and its aliases
-        self._settling: set[asyncio.Future[Any]] = set()  # charges sent and not answered yet
         self.plans = Plans(config, lambda: type(self).clock())
 
     def prepare(self, config: GatewayConfig) -> None:
@@ -140,12 +136,7 @@ class TenancyPlugin(Plugin):
             del self.services.shared[TENANT_OF]
         if self.services.shared.get(CALLER_OF) == self.caller_of:
             del self.services.shared[CALLER_OF]
-        await self.settled()
-
-    async def settled(self) -> None:
-        """Wait for the settlements already scheduled (tests; retiring the plugin)."""
-        while self._settling:
-            await asyncio.gather(*list(self._settling), return_exceptions=True)
+        await self.charges.settled()
 
     async def tenant_of(self, headers: dict[str, str]) -> str:
         """Who is calling, for what the gateway keeps per tenant (stored Responses): the key's tenant
@@ -338,7 +329,7 @@ class TenancyPlugin(Plugin):
 
     async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
         """Charges the answer (or the completed stream) as it goes out, so the client's next request sees
-        the usage (``_charge``); ``_finish`` corrects the charge when the request ends otherwise (a later
+        the usage (``Charges.apply``); ``_finish`` corrects the charge when the request ends otherwise (a later
         hook refused the answer, the stream was cut, the client went away)."""
         admitted: Admitted | None = ctx.state.get(self.name)
         if admitted is None or response.status != 200:
@@ -358,7 +349,7 @@ class TenancyPlugin(Plugin):
         prompt, completion = priced_pair(self.delivered(ctx, admitted, answered=True), admitted.factor)
         change = admitted.settle_to(prompt, completion)
         if change is not None:
-            self._charge(ctx.tenant or "-", admitted, *change)
+            self.charges.apply(ctx.tenant or "-", admitted, *change)
         return None
 
     def _finish(self, ctx: RequestContext, admitted: Admitted) -> None:
@@ -369,7 +360,7 @@ class TenancyPlugin(Plugin):
         prompt, completion = priced_pair(self.delivered(ctx, admitted), admitted.factor)
         change = admitted.settle_to(prompt, completion)
         if change is not None:
-            self._charge(ctx.tenant or "-", admitted, *change)
+            self.charges.apply(ctx.tenant or "-", admitted, *change)
 
     @staticmethod
     def delivered(ctx: RequestContext, admitted: Admitted, *, answered: bool = False) -> tuple[int, int]:
@@ -396,42 +387,3 @@ class TenancyPlugin(Plugin):
             return 0, 0  # the worker cut it before any token went out: a failure, like an error before the first byte
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         return (prompt if isinstance(prompt, int) else admitted.prompt_estimate), sent.stream_tokens
-
-    def _charge(self, tenant: str, admitted: Admitted, delta: int, prompt: int, completion: int) -> None:
-        """Apply a settlement's change to the counters. In Redis the charge is queued in this loop turn's
-        batch of commands (one connection, run in order), ahead of the admission of any later request
-        this gateway makes, so the client's next request sees it; the answer does not wait for Redis's
-        reply (a Redis round trip less per request). ``settled()`` waits for the replies still due."""
-        if prompt > 0:  # a counter: a later refund (an answer refused after it was charged) is not shown
-            self.metrics.tokens.labels(tenant, "prompt").inc(prompt)
-        if completion > 0:
-            self.metrics.tokens.labels(tenant, "completion").inc(completion)
-        if not admitted.via_redis:
-            self.local.charge(admitted.plan, delta)
-            return
-        charge = (admitted.plan, delta, prompt, completion)
-        sent = self.limiter.charge_soon(*charge)  # queued: a failure, even a closed pipeline's, is the future's
-        self._settling.add(sent)
-        sent.add_done_callback(partial(self._charged, charge))
-
-    def _charged(self, charge: tuple[Plan, int, int, int], sent: asyncio.Future[Any]) -> None:
-        """Redis's reply to a charge (a done callback): an error is counted (the answer already went out);
-        a script Redis no longer knows (restarted, flushed) is loaded and the charge run again."""
-        self._settling.discard(sent)
-        error = sent.exception() if not sent.cancelled() else None
-        if error is None:
-            return
-        if isinstance(error, NoScriptError):
-            retry = asyncio.get_running_loop().create_task(self._charge_again(charge))
-            self._settling.add(retry)
-            retry.add_done_callback(self._settling.discard)
-        elif isinstance(error, REDIS_ERRORS):
-            self._redis_failed("charge", error)
-        else:
-            log.error("tenancy: a charge failed", exc_info=error)
-
-    async def _charge_again(self, charge: tuple[Plan, int, int, int]) -> None:
-        try:
-            await self.limiter.charge(*charge)
-        except REDIS_ERRORS as exc:
-            self._redis_failed("charge", exc)

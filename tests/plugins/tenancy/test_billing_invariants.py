@@ -186,7 +186,7 @@ def test_charged_equals_delivered_and_limits_hold(gateway_factory: GatewayFactor
             elapsed = time.monotonic() - started
             tenancy = next(b.plugin for b in app.state.holder.current.pipeline.plugins if b.name == "tenancy")
             deadline = time.monotonic() + 20
-            while tenancy._settling and time.monotonic() < deadline:  # charges still on their way
+            while tenancy.charges.due and time.monotonic() < deadline:  # charges still on their way
                 time.sleep(0.05)
             time.sleep(0.2)
     statuses = sorted({o.status for o in outcomes})
