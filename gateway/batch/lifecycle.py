@@ -77,7 +77,7 @@ class Lifecycle:
         for index, custom_id, code, message in parsed.malformed:
             field = custom_id if custom_id is not None else unnamed_line(index)
             line = error_line(custom_id, code, f"Line {index + 1}: {message}")
-            await self.work.record(batch_id, index, field, line, ok=False, tokens=(0, 0))
+            await self.work.record(batch_id, index, field, line, ok=False, tokens=(0, 0), owner="")
         moved = await self.jobs.move(
             batch_id,
             ("validating",),
@@ -111,7 +111,7 @@ class Lifecycle:
             for index, raw in await self.work.remaining(batch_id):
                 custom_id = orjson.loads(raw)["custom_id"]
                 line = error_line(custom_id, code, message)
-                await self.work.record(batch_id, index, custom_id, line, ok=False, tokens=(0, 0))
+                await self.work.record(batch_id, index, custom_id, line, ok=False, tokens=(0, 0), owner="")
         scope = record["_scope"]
         fields: dict[str, Any] = {f"{final}_at": int(time.time())}
         for part, name in (("out", "output"), ("err", "error")):

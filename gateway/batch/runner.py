@@ -17,7 +17,9 @@ again, here or elsewhere, and be charged then.
 
 A line two replicas both ran (one took over the lapsed lease of the other, still running it) has its
 result written once, by whichever run finishes first; the other run's answer is delivered to nobody and
-billed so (``gateway.batch.submit``): the tenant pays for one answer per line.
+billed so (``gateway.batch.submit``): the tenant pays for one answer per line. Except that a success
+replaces an error (``gateway.batch.work``): a batch whose lines all have a result waits to be finalized
+while a run of one of them still holds its lease.
 """
 
 from __future__ import annotations
@@ -179,6 +181,8 @@ class Runner:
         elif status == "in_progress":
             if pending:
                 return True
+            if await self.work.running(batch_id):  # a line's second run, whose success may replace an error
+                return False
             await self.lifecycle.finalize(batch_id, record, "completed")
         return False
 
@@ -266,7 +270,9 @@ class Runner:
         ok = outcome.status == 200
         result = output_line(custom_id, outcome.status, outcome.request_id, outcome.body)
         try:
-            written = await self.work.record(batch_id, index, custom_id, result, ok=ok, tokens=outcome.tokens)
+            written = await self.work.record(
+                batch_id, index, custom_id, result, ok=ok, tokens=outcome.tokens, owner=self.owner
+            )
         except REDIS_ERRORS as exc:  # the lease lapses and the line runs again, here or elsewhere
             log.warning("batch %s: line %d's result could not be recorded (%s)", batch_id, index, exc)
             return False

@@ -9,7 +9,12 @@ Per batch ``<prefix>:b:<id>:``
   lines are claimed again by whoever looks next.
 - ``out`` and ``err``: hash, ``custom_id`` -> ``<index> <output line>``. ``record`` writes a result
   only when neither hash has that ``custom_id`` yet, in one Lua script with the counters: two replicas
-  that both ran a line (a lease taken over from a slow one) produce one output line, counted once.
+  that both ran a line (a lease taken over from a slow one) produce one output line, counted once. The
+  one exception: a success replaces an error, so a line whose first answer was a failure (the slow
+  replica's worker gave up) and whose second run succeeded ends completed, as a lone run's retry would.
+  ``spent`` (``custom_id`` -> ``<input> <output>`` tokens of an error line that had any) lets that
+  replacement take the error's tokens back out of the batch's counts. A run leaves a lease that is no
+  longer its own, and the batch is finalized only once no lease is live (``running``).
 """
 
 from __future__ import annotations
@@ -47,25 +52,47 @@ end
 return got
 """
 
-# KEYS out, err, todo, leases, owners, batch; ARGV custom_id, index, value, "out"|"err", input tokens,
-# output tokens. 1 when this call wrote the result, 0 when it was written before.
+# KEYS out, err, todo, leases, owners, batch, spent; ARGV custom_id, index, value, "out"|"err", input
+# tokens, output tokens, owner. 1 when this call wrote the result, 0 when one was written before (a
+# success replaces an error while the batch is in progress: the error's counts and tokens are taken
+# back). The lease is removed only when it is the caller's: a run whose lease was taken over leaves the
+# other run's, so the batch waits for it.
 _RECORD = """
 local written = 0
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
+local done_ok = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
+local done_err = redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1
+if ARGV[4] == 'out' and done_err and not done_ok and redis.call('HGET', KEYS[6], 'status') == '"in_progress"' then
+  local spent = redis.call('HGET', KEYS[7], ARGV[1])
+  if spent then
+    local sep = string.find(spent, ' ')
+    redis.call('HINCRBY', KEYS[6], 'n_input_tokens', -tonumber(string.sub(spent, 1, sep - 1)))
+    redis.call('HINCRBY', KEYS[6], 'n_output_tokens', -tonumber(string.sub(spent, sep + 1)))
+    redis.call('HDEL', KEYS[7], ARGV[1])
+  end
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('HINCRBY', KEYS[6], 'n_failed', -1)
+  done_err = false
+end
+if not done_ok and not done_err then
   if ARGV[4] == 'out' then
     redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
     redis.call('HINCRBY', KEYS[6], 'n_completed', 1)
   else
     redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
     redis.call('HINCRBY', KEYS[6], 'n_failed', 1)
+    if tonumber(ARGV[5]) ~= 0 or tonumber(ARGV[6]) ~= 0 then
+      redis.call('HSET', KEYS[7], ARGV[1], ARGV[5] .. ' ' .. ARGV[6])
+    end
   end
   redis.call('HINCRBY', KEYS[6], 'n_input_tokens', tonumber(ARGV[5]))
   redis.call('HINCRBY', KEYS[6], 'n_output_tokens', tonumber(ARGV[6]))
   written = 1
 end
 redis.call('ZREM', KEYS[3], ARGV[2])
-redis.call('ZREM', KEYS[4], ARGV[2])
-redis.call('HDEL', KEYS[5], ARGV[2])
+if redis.call('HGET', KEYS[5], ARGV[2]) == ARGV[7] then
+  redis.call('ZREM', KEYS[4], ARGV[2])
+  redis.call('HDEL', KEYS[5], ARGV[2])
+end
 return written
 """
 
@@ -130,13 +157,24 @@ class Work:
         return int(await self._renew(keys=keys, args=[owner, expiry, *idxs]))
 
     async def record(
-        self, batch_id: str, idx: int, custom_id: str, line: dict[str, Any], *, ok: bool, tokens: tuple[int, int]
+        self,
+        batch_id: str,
+        idx: int,
+        custom_id: str,
+        line: dict[str, Any],
+        *,
+        ok: bool,
+        tokens: tuple[int, int],
+        owner: str,
     ) -> bool:
-        """Write line ``idx``'s result unless one was written already; whether this call wrote it."""
+        """Write line ``idx``'s result, run by ``owner``, unless one was written already (a success
+        replaces an error another run wrote); whether this call wrote it. The line's lease goes with it
+        when it is still ``owner``'s."""
         keys = [self.key(batch_id, p) for p in ("out", "err", "todo", "leases", "owners")]
-        keys.append(self._batch_key(batch_id))
+        keys += [self._batch_key(batch_id), self.key(batch_id, "spent")]
         value = b"%d " % idx + orjson.dumps(line)
-        args: list[bytes | str | int] = [custom_id, idx, value, "out" if ok else "err", tokens[0], tokens[1]]
+        kind = "out" if ok else "err"
+        args: list[bytes | str | int] = [custom_id, idx, value, kind, tokens[0], tokens[1], owner]
         return bool(await self._record(keys=keys, args=args))
 
     async def remaining(self, batch_id: str) -> list[tuple[int, bytes]]:
@@ -147,6 +185,12 @@ class Work:
     async def pending(self, batch_id: str) -> int:
         return int(await self.redis.zcard(self.key(batch_id, "todo")))
 
+    async def running(self, batch_id: str) -> int:
+        """How many lines are leased and not given back or lapsed: with none pending, the runs of lines
+        another run already has a result for (a lease taken over), whose success may still replace it."""
+        now_ms = int(time.time() * 1000)
+        return int(await self.redis.zcount(self.key(batch_id, "leases"), f"({now_ms}", "+inf"))
+
     async def results(self, batch_id: str, part: str) -> list[bytes]:
         """The output (``out``) or error (``err``) lines, in input order."""
         raw: list[Any] = await self.redis.hvals(self.key(batch_id, part))
@@ -156,6 +200,6 @@ class Work:
 
     async def drop(self, batch_id: str) -> None:
         """Forget the work once the batch's files are written (results expire with the files)."""
-        await self.redis.delete(*(self.key(batch_id, p) for p in ("lines", "todo", "leases", "owners")))
+        await self.redis.delete(*(self.key(batch_id, p) for p in ("lines", "todo", "leases", "owners", "spent")))
         for part in ("out", "err"):
             await self.redis.expire(self.key(batch_id, part), self.config.output_ttl_s)

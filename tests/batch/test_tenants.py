@@ -379,8 +379,13 @@ def test_a_cancel_another_replica_finalizes_stops_this_replicas_lines(
 
 
 @pytest.mark.parametrize(
-    ("endpoint", "first"),
-    [("/v1/chat/completions", "taker"), ("/v1/chat/completions", "slow"), ("/v1/responses", "taker")],
+    ("endpoint", "first", "slow_status"),
+    [
+        ("/v1/chat/completions", "taker", 200),
+        ("/v1/chat/completions", "slow", 200),
+        ("/v1/responses", "taker", 200),
+        ("/v1/chat/completions", "slow", 400),
+    ],
 )
 def test_a_line_two_replicas_both_ran_is_charged_once(
     gateway_factory: GatewayFactory,
@@ -390,12 +395,15 @@ def test_a_line_two_replicas_both_ran_is_charged_once(
     batch_names: dict[str, Any],
     endpoint: str,
     first: str,
+    slow_status: int,
 ) -> None:
     """A replica whose lease on a running line lapsed (its renewals did not get through in time) is still
     running it when another replica takes the line over: both runs are answered, but the line's result is
     written once and the tenant pays for that one answer. The run whose answer came second was delivered
     to nobody: its charge is given back, whichever replica ran it (``first``: whose run is answered first,
-    the replica that took the line over or the slow one)."""
+    the replica that took the line over or the slow one). Unless the first answer was an error and the
+    second a success (``slow_status`` 400: the slow replica's worker refused its lines): the success
+    replaces it, the batch waiting for it, and is paid for."""
     config = gateway_config(upstream_url, prefix, batch_names)
     config["batches"]["max_in_flight"] = 2  # the slow replica runs lines 0 and 1, and claims nothing more
     if endpoint == "/v1/responses":
@@ -411,7 +419,7 @@ def test_a_line_two_replicas_both_ran_is_charged_once(
             assert time.monotonic() < deadline, what
             time.sleep(0.02)
 
-    upstream.behavior.hold = slow_runs
+    upstream.behavior = Behavior(hold=slow_runs, status=slow_status)
     try:
         with gateway_factory(config, admin_token="adm") as (_, slow):
             acme = sdk(slow, "acme-1")
@@ -429,6 +437,11 @@ def test_a_line_two_replicas_both_ran_is_charged_once(
             def completed() -> int:
                 return acme.batches.retrieve(batch.id).request_counts.completed  # type: ignore[union-attr]
 
+            def settled_lines() -> int:
+                counts = acme.batches.retrieve(batch.id).request_counts
+                assert counts is not None
+                return counts.completed + counts.failed
+
             with gateway_factory(config, admin_token="adm") as _:  # takes lines 0 and 2
                 if first == "taker":
                     wait_until(lambda: completed() == 2, "the other replica never answered lines 0 and 2")
@@ -436,15 +449,23 @@ def test_a_line_two_replicas_both_ran_is_charged_once(
                 else:
                     wait_until(lambda: len(upstream.requests) == 4, "the other replica never took lines 0 and 2")
                     slow_runs.set()
-                    wait_until(lambda: completed() == 2, "the slow replica never answered lines 0 and 1")
+                    wait_until(lambda: settled_lines() == 2, "the slow replica never answered lines 0 and 1")
                     taker_runs.set()  # line 0's second answer: the other replica's
                 done = wait_for(acme, batch.id, ("completed",), timeout_s=15)
                 output = parse_jsonl(acme.files.content(done.output_file_id).content)
-                day = settled_usage(slow, lambda d: d.get("requests") == 4 and d.get("tokens", 0) <= 3 * 8)
+                errors = parse_jsonl(acme.files.content(done.error_file_id).content) if done.error_file_id else []
+                answers = 3 if slow_status == 200 else 2  # line 1 ran once, on the slow replica
+                day = settled_usage(slow, lambda d: d.get("requests") == 4 and d.get("tokens", 0) <= answers * 8)
     finally:
         slow_runs.set()
         taker_runs.set()
     assert len(upstream.requests) == 4  # line 0 ran on both replicas
+    if slow_status != 200:
+        assert (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+        assert sorted(line["custom_id"] for line in output) == ["t-0", "t-2"]  # line 0's error replaced
+        assert [(line["custom_id"], line["response"]["status_code"]) for line in errors] == [("t-1", 400)]
+        assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (2 * 5, 2 * 3, 2 * 8)
+        return
     assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
     assert sorted(line["custom_id"] for line in output) == ["t-0", "t-1", "t-2"]  # each result written once
     # three answers of 5 prompt and 3 completion tokens each: line 0's second run costs nothing

@@ -40,15 +40,72 @@ def test_leases_and_exactly_once_results(batch_names: dict[str, Any]) -> None:
             assert await work.renew(batch["id"], "replica-1", [1]) == 0  # no longer its lease
             assert await work.renew(batch["id"], "replica-2", [1, 0]) == 2
             results = await asyncio.gather(
-                *(work.record(batch["id"], 1, "b", {"by": who}, ok=True, tokens=(5, 3)) for who in ("r1", "r2"))
+                *(
+                    work.record(batch["id"], 1, "b", {"by": who}, ok=True, tokens=(5, 3), owner=who)
+                    for who in ("replica-1", "replica-2")
+                )
             )
             assert sorted(results) == [False, True]
-            assert not await work.record(batch["id"], 1, "b", {"by": "late"}, ok=False, tokens=(1, 1))
+            late = {"by": "late"}
+            assert not await work.record(batch["id"], 1, "b", late, ok=False, tokens=(1, 1), owner="replica-1")
             record = await jobs.load(batch["id"])
             assert record is not None
             assert (record["n_completed"], record["n_failed"], record["n_output_tokens"]) == (1, 0, 3)
             assert len(await work.results(batch["id"], "out")) == 1 and await work.results(batch["id"], "err") == []
             assert await work.pending(batch["id"]) == 1
+            assert await work.running(batch["id"]) == 1  # line 0, still replica-2's
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_success_replaces_an_error_while_the_batch_is_in_progress(batch_names: dict[str, Any]) -> None:
+    """A line two runs answered (a lease taken over from a slow replica): the slow run's error, written
+    first, gives way to the other run's success, with the counts and tokens of the success alone, and
+    the batch is not done while that run holds its lease. Nothing else is replaced: not a success, not
+    by an error, not once the batch is being finalized."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], lease_s=30)
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, config)
+            work = Work(client, config, jobs.key)
+            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
+            batch_id = batch["id"]
+            await work.load_lines(batch_id, [b'{"custom_id": "a"}', b'{"custom_id": "b"}'], [0, 1])
+            assert await jobs.move(batch_id, ("validating",), "in_progress")
+            assert [i for i, _ in await work.claim(batch_id, "slow", 2)] == [0, 1]
+            await client.zadd(work.key(batch_id, "leases"), {"0": 0})  # line 0's lease lapses
+            assert [i for i, _ in await work.claim(batch_id, "taker", 2)] == [0]
+
+            async def record(index: int, ok: bool, tokens: tuple[int, int], owner: str) -> bool:
+                custom_id = "ab"[index]
+                return await work.record(batch_id, index, custom_id, {"by": owner}, ok=ok, tokens=tokens, owner=owner)
+
+            async def counts() -> tuple[int, ...]:
+                loaded = await jobs.load(batch_id)
+                assert loaded is not None
+                fields = ("n_completed", "n_failed", "n_input_tokens", "n_output_tokens")
+                return tuple(loaded[f] for f in fields)
+
+            assert await record(0, False, (4, 2), "slow")  # the slow run's worker gave up after some tokens
+            assert (await work.pending(batch_id), await work.running(batch_id)) == (1, 2)  # the taker's lease stays
+            assert await counts() == (0, 1, 4, 2)
+            assert await record(0, True, (5, 3), "taker")
+            assert await counts() == (1, 0, 5, 3)
+            assert await work.results(batch_id, "err") == []
+            assert await work.results(batch_id, "out") == [b'{"by":"taker"}']
+            assert await work.running(batch_id) == 1  # line 1, the slow replica's
+            assert not await record(0, True, (5, 3), "slow")  # a success stays the first one written
+            assert not await record(0, False, (1, 1), "slow")
+            assert await record(1, False, (0, 0), "slow")
+            assert (await work.pending(batch_id), await work.running(batch_id)) == (0, 0)
+            assert await jobs.move(batch_id, ("in_progress",), "finalizing")
+            assert not await record(1, True, (1, 1), "late")  # the batch's files are being written
+            assert await counts() == (1, 1, 5, 3)
+            assert len(await work.results(batch_id, "err")) == 1
         finally:
             await client.aclose()
 
