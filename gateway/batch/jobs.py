@@ -2,7 +2,8 @@
 
 - ``<prefix>:batch:<id>``: a hash; each field of the OpenAI batch object JSON-encoded, plus the
   owner (``_scope``, ``_caller``), who cancelled it (``_cancelled_by``, ``owner`` or ``operator``: what
-  the lines it cuts are charged depends on it) and the counters the runner increments atomically
+  the lines it cuts are charged depends on it), whether its results are final (``_sealed``, ``seal``)
+  and the counters the runner increments atomically
   (``n_total``, ``n_completed``, ``n_failed``, ``n_input_tokens``, ``n_output_tokens``). A final batch
   expires with its output files (``output_ttl_s``).
 - ``<prefix>:batches:<scope>``: the scope's batch ids by creation time (listing, newest first); pruned
@@ -237,6 +238,14 @@ class Jobs:
         async with guarded("update the batch"):
             applied = await self._move(keys=[self.key(batch_id), self.active_key], args=argv)
         return bool(applied)
+
+    async def seal(self, batch_id: str) -> None:
+        """Keep every line's result as it is from now on (``_sealed``: no success replaces an error, see
+        ``gateway.batch.work``). An expiry's finalization seals the batch before it writes off the lines
+        left and reads the results into the files, all while the status is still ``in_progress``: a run
+        ending meanwhile on another replica must not change a result the files or the counts already
+        took, nor turn a line written off into an answer nobody receives."""
+        await self.move(batch_id, ("in_progress",), "in_progress", _sealed=True)
 
     async def active(self) -> list[str]:
         async with guarded("list the running batches"):

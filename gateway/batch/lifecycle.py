@@ -107,6 +107,8 @@ class Lifecycle:
             if not moved and record["status"] != "finalizing":
                 return False
         else:
+            if final == "expired":  # still in_progress: no other replica's run may change a result from here
+                await self.jobs.seal(batch_id)
             code, message = _LEFTOVER[final]
             for index, raw in await self.work.remaining(batch_id):
                 custom_id = orjson.loads(raw)["custom_id"]

@@ -11,7 +11,9 @@ Per batch ``<prefix>:b:<id>:``
   only when neither hash has that ``custom_id`` yet, in one Lua script with the counters: two replicas
   that both ran a line (a lease taken over from a slow one) produce one output line, counted once. The
   one exception: a success replaces an error, so a line whose first answer was a failure (the slow
-  replica's worker gave up) and whose second run succeeded ends completed, as a lone run's retry would.
+  replica's worker gave up) and whose second run succeeded ends completed, as a lone run's retry would;
+  only while the batch is ``in_progress`` and not sealed (``Jobs.seal``: an expiry is writing its files
+  from the results as they are, the status still ``in_progress``).
   ``spent`` (``custom_id`` -> ``<input> <output>`` tokens of an error line that had any) lets that
   replacement take the error's tokens back out of the batch's counts. A run leaves a lease that is no
   longer its own, and the batch is finalized only once no lease is live (``running``).
@@ -54,14 +56,16 @@ return got
 
 # KEYS out, err, todo, leases, owners, batch, spent; ARGV custom_id, index, value, "out"|"err", input
 # tokens, output tokens, owner. 1 when this call wrote the result, 0 when one was written before (a
-# success replaces an error while the batch is in progress: the error's counts and tokens are taken
-# back). The lease is removed only when it is the caller's: a run whose lease was taken over leaves the
-# other run's, so the batch waits for it.
+# success replaces an error while the batch is in progress and not sealed, ``Jobs.seal``: the error's
+# counts and tokens are taken back). The lease is removed only when it is the caller's: a run whose
+# lease was taken over leaves the other run's, so the batch waits for it.
 _RECORD = """
 local written = 0
 local done_ok = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
 local done_err = redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1
-if ARGV[4] == 'out' and done_err and not done_ok and redis.call('HGET', KEYS[6], 'status') == '"in_progress"' then
+local replaceable = redis.call('HGET', KEYS[6], 'status') == '"in_progress"'
+replaceable = replaceable and redis.call('HEXISTS', KEYS[6], '_sealed') == 0
+if ARGV[4] == 'out' and done_err and not done_ok and replaceable then
   local spent = redis.call('HGET', KEYS[7], ARGV[1])
   if spent then
     local sep = string.find(spent, ' ')

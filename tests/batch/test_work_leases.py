@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 
 from gateway.batch.blobs import DirectoryStore
@@ -164,6 +165,65 @@ def test_the_contents_of_expired_output_files_leave_the_file_store(batch_names: 
             assert await files.sweep(later) == 2
             assert sorted(p.name for p in batch_names["dir"].iterdir()) == [upload["id"]]
             assert await client.zcard(f"{batch_names['prefix']}:files-expiring") == 0
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_run_ending_while_an_expiry_is_written_changes_no_result(batch_names: dict[str, Any]) -> None:
+    """The window passed: a replica finalizes the batch as expired, its status still ``in_progress`` while
+    it writes the lines left off and reads the results into the files. Runs of two lines end on another
+    replica meanwhile, both with an answer: line "a", which was written off (it was still running), and
+    line "b", whose first run's error was written (the answer is its second run's). Neither answer replaces
+    the error: the files and the counts keep what the finalization read, and no answer is recorded (and
+    so charged) that no file holds."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"], lease_s=30)
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, config)
+            files = Files(client, DirectoryStore(config.files_dir), config)
+            work = Work(client, config, jobs.key)
+            lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
+            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
+            batch_id = batch["id"]
+            await work.load_lines(batch_id, [orjson.dumps(chat_line(c, c)) for c in "ab"], [0, 1])
+            assert await jobs.move(batch_id, ("validating",), "in_progress", n_total=2)
+            assert [i for i, _ in await work.claim(batch_id, "slow", 2)] == [0, 1]
+            await client.zadd(work.key(batch_id, "leases"), {"1": 0})  # line 1's lease lapses
+            assert [i for i, _ in await work.claim(batch_id, "taker", 2)] == [1]
+
+            async def record(custom_id: str, ok: bool, owner: str) -> bool:
+                line = {"custom_id": custom_id, "by": owner, "error": None}
+                index = "ab".index(custom_id)
+                return await work.record(batch_id, index, custom_id, line, ok=ok, tokens=(5, 3), owner=owner)
+
+            assert await record("b", False, "slow")  # the slow replica's worker refused line "b"
+            answers: list[bool] = []
+            read_results = work.results
+
+            async def results_as_runs_end(batch: str, part: str) -> list[bytes]:
+                if part == "err":  # the output lines were read: the other replica's runs end now
+                    answers.extend([await record("a", True, "slow"), await record("b", True, "taker")])
+                return await read_results(batch, part)
+
+            work.results = results_as_runs_end  # type: ignore[method-assign]
+            record_read = await jobs.load(batch_id)
+            assert record_read is not None
+            assert await lifecycle.finalize(batch_id, record_read, "expired")
+            assert answers == [False, False]
+            final = await jobs.load(batch_id)
+            assert final is not None and final["status"] == "expired"
+            assert (final["n_completed"], final["n_failed"]) == (0, 2)
+            assert final["output_file_id"] is None
+            content = b"".join([piece async for piece in files.content(final["error_file_id"])])
+            errors = [orjson.loads(line) for line in content.splitlines()]
+            assert [(e["custom_id"], e["error"] and e["error"]["code"], e.get("by")) for e in errors] == [
+                ("a", "batch_expired", None),
+                ("b", None, "slow"),
+            ]
         finally:
             await client.aclose()
 
