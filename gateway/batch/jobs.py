@@ -41,9 +41,9 @@ COUNTERS = ("n_total", "n_completed", "n_failed", "n_input_tokens", "n_output_to
 # KEYS[1] the batch hash, KEYS[2] the runners' active set; ARGV[1] the allowed current statuses,
 # JSON-encoded, joined by "|"; ARGV[2] the batch id; ARGV[3] the seconds a final batch is kept, or "" when
 # the new status is not final; ARGV[4] the prefix of the scopes' active sets; ARGV[5..] field, value pairs
-# to set (the new status among them). 1 when applied, else 0. A final status also takes the batch off both
-# active sets and sets its expiry in the same step, so no failure in between can leave a final batch that
-# never expires or that holds its tenant's place among the running batches.
+# to set (the new status among them, unless the status stays). 1 when applied, else 0. A final status also
+# takes the batch off both active sets and sets its expiry in the same step, so no failure in between can
+# leave a final batch that never expires or that holds its tenant's place among the running batches.
 _MOVE = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return 0 end
@@ -224,14 +224,18 @@ class Jobs:
         check a script's keys. Redis Cluster is not supported: a batch's keys are not hash-tagged to one
         slot (``create`` already writes them in one MULTI across slots).
         """
-        final = status in FINAL
+        return await self._apply(batch_id, allowed, {"status": status, **fields}, final=status in FINAL)
+
+    async def update(self, batch_id: str, allowed: tuple[str, ...], **fields: Any) -> bool:
+        """Set ``fields`` if the batch is in one of ``allowed``, its status left as it is; whether it was."""
+        return await self._apply(batch_id, allowed, fields, final=False)
+
+    async def _apply(self, batch_id: str, allowed: tuple[str, ...], fields: dict[str, Any], *, final: bool) -> bool:
         argv: list[bytes] = [
             b"|".join(orjson.dumps(s) for s in allowed),
             batch_id.encode(),
             str(self.config.output_ttl_s).encode() if final else b"",
             self._active_prefix.encode(),
-            b"status",
-            orjson.dumps(status),
         ]
         for name, value in fields.items():
             argv += [name.encode(), orjson.dumps(value)]
@@ -245,7 +249,7 @@ class Jobs:
         left and reads the results into the files, all while the status is still ``in_progress``: a run
         ending meanwhile on another replica must not change a result the files or the counts already
         took, nor turn a line written off into an answer nobody receives."""
-        await self.move(batch_id, ("in_progress",), "in_progress", _sealed=True)
+        await self.update(batch_id, ("in_progress",), _sealed=True)
 
     async def active(self) -> list[str]:
         async with guarded("list the running batches"):

@@ -73,6 +73,11 @@ class Lifecycle:
             errors = parsed.errors if parsed is not None else []
             await self.jobs.move(batch_id, ("validating",), "failed", errors=_errors(errors), failed_at=now)
             return
+        # The total is counted before any line can be written off: a cancel (or the window passing) while
+        # this validation ran finalizes the lines loaded here, and the counts never show more lines
+        # failed than the batch has. Once the batch is final, it is too late to load any.
+        if not await self.jobs.update(batch_id, ("validating", "cancelling"), n_total=len(parsed.lines)):
+            return
         await self.work.load_lines(batch_id, parsed.lines, parsed.run_order())
         for index, custom_id, code, message in parsed.malformed:
             field = custom_id if custom_id is not None else unnamed_line(index)
@@ -83,7 +88,6 @@ class Lifecycle:
             ("validating",),
             "in_progress",
             in_progress_at=int(time.time()),
-            n_total=len(parsed.lines),
             _models=models_of(parsed),
         )
         if not moved:  # cancelled or expired meanwhile; if it was finalized too, nobody else drops this work

@@ -144,6 +144,43 @@ def test_a_validation_overtaken_by_a_cancellation_leaves_no_work_behind(batch_na
     asyncio.run(scenario())
 
 
+def test_a_batch_cancelled_while_it_was_validated_counts_the_lines_it_writes_off(
+    batch_names: dict[str, Any],
+) -> None:
+    """The owner cancelled the batch while this replica was reading its input (a large file takes a while):
+    the cancellation writes off the lines the validation loaded, and ``request_counts`` counts them in the
+    total, never more lines failed than the batch has."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"])
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, config)
+            files = Files(client, DirectoryStore(config.files_dir), config)
+            work = Work(client, config, jobs.key)
+            lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
+            lines = [chat_line("a", "x"), chat_line("b", "y"), {**chat_line("c", "z"), "method": "GET"}]
+            source = await files.create("shared", "in.jsonl", "batch", _once(jsonl(lines)))
+            batch = await jobs.create("shared", Caller(""), source["id"], "/v1/chat/completions", None)
+            record = await jobs.load(batch["id"])
+            assert record is not None and record["status"] == "validating"
+            assert await jobs.move(batch["id"], ("validating",), "cancelling", _cancelled_by="owner")
+            await lifecycle.validate(batch["id"], record)  # read as validating: the cancel came during it
+            cancelling = await jobs.load(batch["id"])
+            assert cancelling is not None and cancelling["status"] == "cancelling"
+            assert await lifecycle.finalize(batch["id"], cancelling, "cancelled")
+            final = await jobs.get("shared", batch["id"])
+            assert final is not None and final["status"] == "cancelled"
+            assert final["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+            content = b"".join([piece async for piece in files.content(final["error_file_id"])])
+            codes = [line["error"]["code"] for line in map(orjson.loads, content.splitlines())]
+            assert codes == ["batch_cancelled", "batch_cancelled", "invalid_method"]
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
 async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
