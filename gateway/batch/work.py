@@ -7,7 +7,9 @@ Per batch ``<prefix>:b:<id>:``
 - ``leases`` (index -> expiry in ms) and ``owners`` (index -> replica): a replica that claims a line
   holds it until the expiry, renewing while it runs; a replica killed midway stops renewing and its
   lines are claimed again by whoever looks next.
-- ``out`` and ``err``: hash, ``custom_id`` -> ``<index> <output line>``. ``record`` writes a result
+- ``out`` and ``err``: hash, ``custom_id`` -> ``<index> <output line>``, until the batch is final and
+  its files hold them (then the batch's work is dropped, results too: Redis holds the lines and results
+  of unfinished batches only). ``record`` writes a result only while the batch is not final, and
   only when neither hash has that ``custom_id`` yet, in one Lua script with the counters: two replicas
   that both ran a line (a lease taken over from a slow one) produce one output line, counted once. The
   one exception: a success replaces an error, so a line whose first answer was a failure (the slow
@@ -55,15 +57,19 @@ return got
 """
 
 # KEYS out, err, todo, leases, owners, batch, spent; ARGV custom_id, index, value, "out"|"err", input
-# tokens, output tokens, owner. 1 when this call wrote the result, 0 when one was written before (a
+# tokens, output tokens, owner. 1 when this call wrote the result, 0 when one was written before or the
+# batch is final (or gone: its work was dropped, and nothing is written again under its keys) (a
 # success replaces an error while the batch is in progress and not sealed, ``Jobs.seal``: the error's
 # counts and tokens are taken back). The lease is removed only when it is the caller's: a run whose
 # lease was taken over leaves the other run's, so the batch waits for it.
 _RECORD = """
+local status = redis.call('HGET', KEYS[6], 'status')
+local unfinished = {['"validating"'] = true, ['"in_progress"'] = true, ['"finalizing"'] = true, ['"cancelling"'] = true}
+if not unfinished[status] then return 0 end
 local written = 0
 local done_ok = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
 local done_err = redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1
-local replaceable = redis.call('HGET', KEYS[6], 'status') == '"in_progress"'
+local replaceable = status == '"in_progress"'
 replaceable = replaceable and redis.call('HEXISTS', KEYS[6], '_sealed') == 0
 if ARGV[4] == 'out' and done_err and not done_ok and replaceable then
   local spent = redis.call('HGET', KEYS[7], ARGV[1])
@@ -203,7 +209,7 @@ class Work:
         return [e[1] for e in entries]
 
     async def drop(self, batch_id: str) -> None:
-        """Forget the work once the batch's files are written (results expire with the files)."""
-        await self.redis.delete(*(self.key(batch_id, p) for p in ("lines", "todo", "leases", "owners", "spent")))
-        for part in ("out", "err"):
-            await self.redis.expire(self.key(batch_id, part), self.config.output_ttl_s)
+        """Forget the work once the batch is final: its results live on in its files only. (A run that ends
+        later records nothing: ``record`` writes only while the batch is not final.)"""
+        parts = ("lines", "todo", "leases", "owners", "spent", "out", "err")
+        await self.redis.delete(*(self.key(batch_id, p) for p in parts))

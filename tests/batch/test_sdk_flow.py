@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import openai
+import redis
 
 from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, wait_for
 from tests.support.fakes import FakeUpstream
@@ -64,3 +65,27 @@ def test_a_files_content_is_served_nosniff(
         assert answer.headers["content-type"] == "application/octet-stream"
         assert answer.headers["x-content-type-options"] == "nosniff"
         assert answer.content == b"window.__pwned = 1;\n"
+
+
+def test_a_finished_batch_keeps_its_results_in_its_files_only(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """Redis holds the lines and results of unfinished batches only (what the file store's sizing guide
+    counts on): once a batch's output and error files are written, nothing of its work stays in Redis, not
+    even until the files expire, and the files still serve every line."""
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    lines = [chat_line("answered", "hi"), chat_line("refused", "hi", model="no-such-model")]
+    with gateway_factory(config) as (_, server):
+        client = sdk(server.url)
+        uploaded = client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = wait_for(client, batch.id, ("completed",))
+        assert done.output_file_id and done.error_file_id
+        output = parse_jsonl(client.files.content(done.output_file_id).content)
+        errors = parse_jsonl(client.files.content(done.error_file_id).content)
+        with redis.Redis() as redis_client:
+            left = sorted(redis_client.scan_iter(match=f"{batch_names['prefix']}:b:{batch.id}:*"))
+    assert left == []
+    assert [o["custom_id"] for o in output] == ["answered"] and [e["custom_id"] for e in errors] == ["refused"]

@@ -181,6 +181,42 @@ def test_a_batch_cancelled_while_it_was_validated_counts_the_lines_it_writes_off
     asyncio.run(scenario())
 
 
+def test_a_run_ending_after_its_batch_is_final_records_nothing(batch_names: dict[str, Any]) -> None:
+    """A slow replica's run (its lease was taken over) ends after the batch was finalized and its work
+    dropped: its result is not written (so not charged), and no key of the batch's work comes back."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"])
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, config)
+            files = Files(client, DirectoryStore(config.files_dir), config)
+            work = Work(client, config, jobs.key)
+            lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
+            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
+            batch_id = batch["id"]
+            await work.load_lines(batch_id, [orjson.dumps(chat_line("a", "x"))], [0])
+            assert await jobs.move(batch_id, ("validating",), "in_progress", n_total=1)
+            assert [i for i, _ in await work.claim(batch_id, "taker", 1)] == [0]
+            line = {"custom_id": "a", "error": None}
+            assert await work.record(batch_id, 0, "a", line, ok=True, tokens=(5, 3), owner="taker")
+            record = await jobs.load(batch_id)
+            assert record is not None
+            assert await lifecycle.finalize(batch_id, record, "completed")
+            assert [k async for k in client.scan_iter(match=f"{batch_names['prefix']}:b:{batch_id}:*")] == []
+            for ok in (True, False):
+                assert not await work.record(batch_id, 0, "a", line, ok=ok, tokens=(5, 3), owner="slow")
+            assert [k async for k in client.scan_iter(match=f"{batch_names['prefix']}:b:{batch_id}:*")] == []
+            final = await jobs.get("shared", batch_id)
+            assert final is not None and final["status"] == "completed"
+            assert final["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+            assert final["usage"]["total_tokens"] == 8
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
 async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
