@@ -33,6 +33,7 @@ _LEFTOVER = {
     "cancelled": ("batch_cancelled", "This line was not run before the batch was cancelled."),
 }
 MODELS_SHOWN = 16
+_INPUT_GONE = {"code": "invalid_input_file", "message": "The input file is gone.", "param": None, "line": None}
 
 
 def result_file_id(batch_id: str, part: str) -> str:
@@ -62,15 +63,14 @@ class Lifecycle:
         now = int(time.time())
         source = await self.files.get(record["_scope"], record["input_file_id"])
         if source is None or source["purpose"] != "batch":
-            error = {"code": "invalid_input_file", "message": "The input file is gone.", "param": None, "line": None}
-            await self.jobs.move(batch_id, ("validating",), "failed", errors=_errors([error]), failed_at=now)
+            await self.jobs.move(batch_id, ("validating",), "failed", errors=_errors([_INPUT_GONE]), failed_at=now)
             return
         try:
             parsed = await parse_input(self.files.content(source["id"]), record["endpoint"], self.config.max_lines)
-        except FileNotFoundError:
+        except FileNotFoundError:  # deleted as it was read, or missing from this replica's file store
             parsed = None
         if parsed is None or parsed.errors:
-            errors = parsed.errors if parsed is not None else []
+            errors = parsed.errors if parsed is not None else [_INPUT_GONE]
             await self.jobs.move(batch_id, ("validating",), "failed", errors=_errors(errors), failed_at=now)
             return
         # The total is counted before any line can be written off: a cancel (or the window passing) while

@@ -116,6 +116,26 @@ def test_an_input_that_is_no_batch_fails_it(
     assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["a"]  # only "fine" reached it
 
 
+def test_an_input_whose_contents_are_gone_fails_the_batch_saying_so(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """The input file is listed but its contents are not in the file store (deleted as the batch was
+    validated, or a replica whose files directory is not the shared one): the batch fails with an error
+    that says so, never with an empty ``errors`` list."""
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        source = client.files.create(file=("in.jsonl", jsonl([chat_line("a", "b")])), purpose="batch")
+        (batch_names["dir"] / source.id).unlink()
+        batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        failed = wait_for(client, batch.id, ("failed", "completed"))
+    assert failed.status == "failed" and failed.errors is not None
+    assert [(e.code, e.message) for e in failed.errors.data or []] == [
+        ("invalid_input_file", "The input file is gone.")
+    ]
+    assert upstream.requests == []
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_file_over_the_bound_is_a_413_and_leaves_nothing(
     gateway_factory: GatewayFactory, upstream_url: str, batch_names: dict[str, Any], chunked: bool
