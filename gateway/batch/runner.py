@@ -19,7 +19,7 @@ A line two replicas both ran (one took over the lapsed lease of the other, still
 result written once, by whichever run finishes first; the other run's answer is delivered to nobody and
 billed so (``gateway.batch.submit``): the tenant pays for one answer per line. Except that a success
 replaces an error (``gateway.batch.work``): a batch whose lines all have a result waits to be finalized
-while a run of one of them still holds its lease.
+while a run that may still replace an error holds its lease.
 """
 
 from __future__ import annotations

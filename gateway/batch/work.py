@@ -17,8 +17,9 @@ Per batch ``<prefix>:b:<id>:``
   only while the batch is ``in_progress`` and not sealed (``Jobs.seal``: an expiry is writing its files
   from the results as they are, the status still ``in_progress``).
   ``spent`` (``custom_id`` -> ``<input> <output>`` tokens of an error line that had any) lets that
-  replacement take the error's tokens back out of the batch's counts. A run leaves a lease that is no
-  longer its own, and the batch is finalized only once no lease is live (``running``).
+  replacement take the error's tokens back out of the batch's counts. A run that wrote an error leaves
+  a lease that is no longer its own, and the batch is finalized only once no lease is live
+  (``running``); a success, which nothing replaces, takes the line's lease whoever holds it.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ return got
 # tokens, output tokens, owner. 1 when this call wrote the result, 0 when one was written before or the
 # batch is final (or gone: its work was dropped, and nothing is written again under its keys) (a
 # success replaces an error while the batch is in progress and not sealed, ``Jobs.seal``: the error's
-# counts and tokens are taken back). The lease is removed only when it is the caller's: a run whose
-# lease was taken over leaves the other run's, so the batch waits for it.
+# counts and tokens are taken back). The lease is removed when it is the caller's or the caller wrote a
+# success: a run whose lease was taken over and that wrote an error leaves the other run's, so the batch
+# waits for it.
 _RECORD = """
 local status = redis.call('HGET', KEYS[6], 'status')
 local unfinished = {['"validating"'] = true, ['"in_progress"'] = true, ['"finalizing"'] = true, ['"cancelling"'] = true}
@@ -99,7 +101,9 @@ if not done_ok and not done_err then
   written = 1
 end
 redis.call('ZREM', KEYS[3], ARGV[2])
-if redis.call('HGET', KEYS[5], ARGV[2]) == ARGV[7] then
+-- another run's lease stays while its success may still replace this error; once a success is written
+-- nothing replaces it, and the batch need not wait for that run
+if redis.call('HGET', KEYS[5], ARGV[2]) == ARGV[7] or (written == 1 and ARGV[4] == 'out') then
   redis.call('ZREM', KEYS[4], ARGV[2])
   redis.call('HDEL', KEYS[5], ARGV[2])
 end

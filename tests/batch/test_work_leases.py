@@ -244,6 +244,35 @@ def test_the_contents_of_expired_output_files_leave_the_file_store(batch_names: 
     asyncio.run(scenario())
 
 
+def test_a_success_written_first_does_not_wait_for_the_other_run(batch_names: dict[str, Any]) -> None:
+    """The slow replica's run answers a line whose lease another replica took over and is still running:
+    nothing can replace that answer, so the line holds no live lease and the batch is not kept from
+    finalizing until the other run, whose answer is delivered to nobody, ends."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], lease_s=30)
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, config)
+            work = Work(client, config, jobs.key)
+            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
+            batch_id = batch["id"]
+            await work.load_lines(batch_id, [b'{"custom_id": "a"}'], [0])
+            assert await jobs.move(batch_id, ("validating",), "in_progress")
+            assert [i for i, _ in await work.claim(batch_id, "slow", 1)] == [0]
+            await client.zadd(work.key(batch_id, "leases"), {"0": 0})  # its lease lapses
+            assert [i for i, _ in await work.claim(batch_id, "taker", 1)] == [0]
+            assert await work.record(batch_id, 0, "a", {"by": "slow"}, ok=True, tokens=(5, 3), owner="slow")
+            assert (await work.pending(batch_id), await work.running(batch_id)) == (0, 0)
+            assert await work.renew(batch_id, "taker", [0]) == 0  # the taker's run goes on, holding nothing
+            assert not await work.record(batch_id, 0, "a", {"by": "taker"}, ok=True, tokens=(5, 3), owner="taker")
+            assert await work.results(batch_id, "out") == [b'{"by":"slow"}']
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_a_run_ending_while_an_expiry_is_written_changes_no_result(batch_names: dict[str, Any]) -> None:
     """The window passed: a replica finalizes the batch as expired, its status still ``in_progress`` while
     it writes the lines left off and reads the results into the files. Runs of two lines end on another
