@@ -15,11 +15,10 @@ Per batch ``<prefix>:b:<id>:``
   one exception: a success replaces an error, so a line whose first answer was a failure (the slow
   replica's worker gave up) and whose second run succeeded ends completed, as a lone run's retry would;
   only while the batch is ``in_progress`` and not sealed (``Jobs.seal``: an expiry is writing its files
-  from the results as they are, the status still ``in_progress``).
-  ``spent`` (``custom_id`` -> ``<input> <output>`` tokens of an error line that had any) lets that
-  replacement take the error's tokens back out of the batch's counts. A run that wrote an error leaves
-  a lease that is no longer its own, and the batch is finalized only once no lease is live
-  (``running``); a success, which nothing replaces, takes the line's lease whoever holds it.
+  from the results as they are, the status still ``in_progress``). Only answers count tokens (an error
+  line has no usage), so a replaced error leaves nothing to take back but its count. A run that wrote
+  an error leaves a lease that is no longer its own, and the batch is finalized only once no lease is
+  live (``running``); a success, which nothing replaces, takes the line's lease whoever holds it.
 """
 
 from __future__ import annotations
@@ -57,13 +56,13 @@ end
 return got
 """
 
-# KEYS out, err, todo, leases, owners, batch, spent; ARGV custom_id, index, value, "out"|"err", input
-# tokens, output tokens, owner. 1 when this call wrote the result, 0 when one was written before or the
-# batch is final (or gone: its work was dropped, and nothing is written again under its keys) (a
-# success replaces an error while the batch is in progress and not sealed, ``Jobs.seal``: the error's
-# counts and tokens are taken back). The lease is removed when it is the caller's or the caller wrote a
-# success: a run whose lease was taken over and that wrote an error leaves the other run's, so the batch
-# waits for it.
+# KEYS out, err, todo, leases, owners, batch; ARGV custom_id, index, value, "out"|"err", input tokens,
+# output tokens (an answer's; an error's are not counted), owner. 1 when this call wrote the result; 0
+# when one was written before, or the batch is final or gone (its work dropped: nothing is written under
+# its keys again). A success replaces an error while the batch is in progress and not sealed
+# (``Jobs.seal``), taking the error's count back. The lease is removed when it is the caller's or the
+# caller wrote a success: a run whose lease was taken over and that wrote an error leaves the other
+# run's, so the batch waits for it.
 _RECORD = """
 local status = redis.call('HGET', KEYS[6], 'status')
 local unfinished = {['"validating"'] = true, ['"in_progress"'] = true, ['"finalizing"'] = true, ['"cancelling"'] = true}
@@ -74,13 +73,6 @@ local done_err = redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1
 local replaceable = status == '"in_progress"'
 replaceable = replaceable and redis.call('HEXISTS', KEYS[6], '_sealed') == 0
 if ARGV[4] == 'out' and done_err and not done_ok and replaceable then
-  local spent = redis.call('HGET', KEYS[7], ARGV[1])
-  if spent then
-    local sep = string.find(spent, ' ')
-    redis.call('HINCRBY', KEYS[6], 'n_input_tokens', -tonumber(string.sub(spent, 1, sep - 1)))
-    redis.call('HINCRBY', KEYS[6], 'n_output_tokens', -tonumber(string.sub(spent, sep + 1)))
-    redis.call('HDEL', KEYS[7], ARGV[1])
-  end
   redis.call('HDEL', KEYS[2], ARGV[1])
   redis.call('HINCRBY', KEYS[6], 'n_failed', -1)
   done_err = false
@@ -89,15 +81,12 @@ if not done_ok and not done_err then
   if ARGV[4] == 'out' then
     redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
     redis.call('HINCRBY', KEYS[6], 'n_completed', 1)
+    redis.call('HINCRBY', KEYS[6], 'n_input_tokens', tonumber(ARGV[5]))
+    redis.call('HINCRBY', KEYS[6], 'n_output_tokens', tonumber(ARGV[6]))
   else
     redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
     redis.call('HINCRBY', KEYS[6], 'n_failed', 1)
-    if tonumber(ARGV[5]) ~= 0 or tonumber(ARGV[6]) ~= 0 then
-      redis.call('HSET', KEYS[7], ARGV[1], ARGV[5] .. ' ' .. ARGV[6])
-    end
   end
-  redis.call('HINCRBY', KEYS[6], 'n_input_tokens', tonumber(ARGV[5]))
-  redis.call('HINCRBY', KEYS[6], 'n_output_tokens', tonumber(ARGV[6]))
   written = 1
 end
 redis.call('ZREM', KEYS[3], ARGV[2])
@@ -185,7 +174,7 @@ class Work:
         replaces an error another run wrote); whether this call wrote it. The line's lease goes with it
         when it is still ``owner``'s."""
         keys = [self.key(batch_id, p) for p in ("out", "err", "todo", "leases", "owners")]
-        keys += [self._batch_key(batch_id), self.key(batch_id, "spent")]
+        keys.append(self._batch_key(batch_id))
         value = b"%d " % idx + orjson.dumps(line)
         kind = "out" if ok else "err"
         args: list[bytes | str | int] = [custom_id, idx, value, kind, tokens[0], tokens[1], owner]
@@ -215,5 +204,5 @@ class Work:
     async def drop(self, batch_id: str) -> None:
         """Forget the work once the batch is final: its results live on in its files only. (A run that ends
         later records nothing: ``record`` writes only while the batch is not final.)"""
-        parts = ("lines", "todo", "leases", "owners", "spent", "out", "err")
+        parts = ("lines", "todo", "leases", "owners", "out", "err")
         await self.redis.delete(*(self.key(batch_id, p) for p in parts))
