@@ -1,7 +1,8 @@
 """A worker whose chat answer is not what the Messages translation reads: a 502 in Anthropic's shape (as the
 OpenAI routes answer a worker's body that is not JSON), never the gateway's own 500 nor a Message made of
 what could be read; a stream whose chunk is malformed midway ends with one ``error`` event of that kind,
-which the ``anthropic`` SDK raises. A scripted worker sends the exact bytes."""
+which the ``anthropic`` SDK raises. A ``/tokenize`` answer without a token count is a 502 on ``count_tokens``
+too. A scripted worker sends the exact bytes."""
 
 from __future__ import annotations
 
@@ -140,3 +141,33 @@ def test_the_events_of_the_chunks_before_a_malformed_one_come_before_the_error(
     assert events[-1]["type"] == "error" and "message_stop" not in [event["type"] for event in events]
     deltas = [event["delta"] for event in events if event["type"] == "content_block_delta"]
     assert deltas == [{"type": "text_delta", "text": "Hello"}]
+
+
+COUNT = {"model": "m1", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"<html>Internal Server Error</html>", b"null", b"[1, 2]", b"{}", b'{"count": "7"}', b'{"count": -1}',
+     b'{"count": true}', b'{"count": 7.5}'],
+    ids=["not-json", "null", "array", "no-count", "count-string", "count-negative", "count-bool", "count-float"],
+)  # fmt: skip
+def test_a_tokenize_answer_without_a_count_is_a_502_in_anthropics_shape(
+    scripted: tuple[ScriptedWorker, str], body: bytes
+) -> None:
+    worker, url = scripted
+    worker.body = body
+    reply = httpx.post(url + "/v1/messages/count_tokens", json=COUNT)
+    assert reply.status_code == 502, reply.text
+    assert reply.json()["type"] == "error" and reply.json()["error"]["type"] == "api_error"
+    assert "/tokenize" in reply.json()["error"]["message"]
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        anthropic.Anthropic(base_url=url, api_key="k", max_retries=0).messages.count_tokens(**COUNT)  # type: ignore[arg-type]
+    assert caught.value.status_code == 502
+
+
+def test_a_tokenize_answer_with_a_count_is_the_input_tokens(scripted: tuple[ScriptedWorker, str]) -> None:
+    worker, url = scripted
+    worker.body = b'{"count": 7, "max_model_len": 2048, "tokens": [1, 2, 3, 4, 5, 6, 7]}'
+    counted = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0).messages.count_tokens(**COUNT)  # type: ignore[arg-type]
+    assert counted.input_tokens == 7

@@ -36,6 +36,7 @@ from gateway.server.routes.utility import call_worker
 from gateway.server.state import AppState
 from gateway.wire.anthropic_request import chat_request, parse_request, template_kwargs
 from gateway.wire.errors import (
+    BadGateway,
     GatewayError,
     InvalidRequest,
     MethodNotAllowed,
@@ -72,6 +73,20 @@ def anthropic_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
             )
         headers["authorization"] = bearer
     return headers
+
+
+def token_count(answer: bytes) -> int:
+    """The ``count`` of a worker's ``/tokenize`` answer. An answer without one (not JSON, not an object, a
+    count that is no non-negative integer) is the worker's failure, a 502: not the gateway's 500, nor an
+    ``input_tokens`` the client cannot read as a number."""
+    try:
+        payload = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        payload = None
+    count = payload.get("count") if isinstance(payload, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise BadGateway("The model worker's /tokenize answer has no token count.", code="upstream_error")
+    return count
 
 
 class MessagesEndpoint(InferenceEndpoints):
@@ -173,8 +188,7 @@ class MessagesEndpoint(InferenceEndpoints):
             raise endpoint_not_served(status, answer, req.model, "messages/count_tokens") or from_upstream(
                 status, answer
             )
-        count = orjson.loads(answer).get("count")
-        return JSONReply(200, orjson.dumps({"input_tokens": count}))
+        return JSONReply(200, orjson.dumps({"input_tokens": token_count(answer)}))
 
     @staticmethod
     async def _send_error(error: GatewayError, send: Send, cycle: RequestCycle) -> None:
