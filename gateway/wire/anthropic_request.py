@@ -7,7 +7,8 @@ mapping follows vLLM's own Anthropic entrypoint (``vllm/entrypoints/anthropic/se
 reaches the model the same through the gateway as on a worker's ``/v1/messages``:
 
 - ``system`` (a string or text blocks) becomes the first system message; text blocks are joined;
-- a user turn's ``tool_result`` blocks become ``tool`` messages (before the turn's other content), an
+- a user turn's ``tool_result`` blocks become ``tool`` messages (before the turn's other content; a result's
+  images follow its tool message as a user message, as vLLM's entrypoint sends them), an
   assistant turn's ``tool_use`` blocks its ``tool_calls``; ``thinking`` blocks a client echoes back are
   dropped (the served models do not read them); ``image`` blocks become ``image_url`` parts;
 - ``tools`` become functions (``input_schema`` as ``parameters``); ``tool_choice`` auto / any / tool / none
@@ -340,7 +341,7 @@ def _append_turn(messages: list[dict[str, Any]], turn: object, param: str) -> No
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_call(block, where))
         elif kind == "tool_result" and role == "user":
-            messages.append(_tool_message(block, where))
+            messages += _tool_messages(block, where)
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue
         else:
@@ -376,20 +377,36 @@ def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
     }
 
 
-def _tool_message(block: dict[str, Any], where: str) -> dict[str, Any]:
+def _tool_messages(block: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A ``tool_result`` block as chat messages, as vLLM's entrypoint renders one: a ``tool`` message with
+    its text blocks joined, then, when the result holds images (a screenshot, an image file a tool read),
+    a ``user`` message with them as ``image_url`` parts, since a chat ``tool`` message carries text only."""
     call_id, content = block.get("tool_use_id"), block.get("content")
     if not isinstance(call_id, str) or not call_id:
         raise bad(f"{where}.tool_use_id: Field required", f"{where}.tool_use_id")
-    if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = content
-    elif isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        text = "\n".join(p["text"] for p in content)
-    else:
-        raise bad(f"{where}.content: a tool result must be a string or text blocks", f"{where}.content")
+    texts: list[str] = []
+    images: list[dict[str, Any]] = []
+    if isinstance(content, str):
+        texts.append(content)
+    elif isinstance(content, list):
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "image":
+                url = _image_url(part.get("source"), f"{where}.content.{k}")
+                images.append({"type": "image_url", "image_url": {"url": url}})
+            else:
+                raise bad(
+                    f"{where}.content.{k}: a tool result's content must be text or image blocks",
+                    f"{where}.content.{k}",
+                )
+    elif content is not None:
+        raise bad(f"{where}.content: a tool result must be a string or a list of blocks", f"{where}.content")
+    text = "\n".join(texts)
     if block.get("is_error") is True:
         text = f"Error: {text}"  # the chat format has no error flag: the model reads it in the text
-    return {"role": "tool", "tool_call_id": call_id, "content": text}
+    out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": call_id, "content": text}]
+    if images:
+        out.append({"role": "user", "content": images})
+    return out

@@ -172,6 +172,46 @@ def test_tool_round_trip_plain_and_streamed(gateway: ServerThread, upstream: Fak
     assert sent["tool_choice"] == "auto" and sent["parallel_tool_calls"] is False
 
 
+def test_a_tool_result_with_images_reaches_the_worker_as_vllm_sends_it(
+    gateway: ServerThread, upstream: FakeUpstream
+) -> None:
+    """A tool that returns an image (a screenshot, an image file it read) is answered with image blocks in
+    its tool_result: the tool message keeps the text, the images follow it in a user message."""
+    png = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+    call = {"type": "tool_use", "id": "call_1", "name": "screenshot", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "call_1", "content": [
+        {"type": "text", "text": "The screen:"}, {"type": "image", "source": png},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/b.png"}},
+    ]}  # fmt: skip
+    conversation: list[Any] = [
+        {"role": "user", "content": "What is on my screen?"},
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result, {"type": "text", "text": "Describe it."}]},
+    ]
+    message = sdk(gateway).messages.create(model="m1", max_tokens=64, messages=conversation)
+    assert message.stop_reason == "end_turn"
+    assert chats(upstream)[-1]["messages"][2:] == [
+        {"role": "tool", "tool_call_id": "call_1", "content": "The screen:"},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+            {"type": "image_url", "image_url": {"url": "https://example.com/b.png"}},
+        ]},
+        {"role": "user", "content": "Describe it."},
+    ]  # fmt: skip
+
+    # an image URL inside a tool result passes the media URL checks any image part does
+    result["content"] = [{"type": "image", "source": {"type": "url", "url": "http://169.254.169.254/latest/"}}]
+    upstream.requests.clear()
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        sdk(gateway).messages.create(model="m1", max_tokens=64, messages=conversation)
+    assert caught.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert chats(upstream) == []
+    # a block a tool result cannot hold is still a 400 naming it
+    result["content"] = [{"type": "text", "text": 42}]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\.2\.content\.0\.content\.0"):
+        sdk(gateway).messages.create(model="m1", max_tokens=64, messages=conversation)
+
+
 @pytest.mark.parametrize(
     "arguments",
     ["{city: Paris}", '{"city": "Paris"}}', '["Paris"]', '"Paris"', '{"city": "Par'],
