@@ -57,6 +57,8 @@ _ROLES = ("user", "assistant")
 #: ``output_config.effort`` values: Anthropic's, each also a chat ``reasoning_effort`` of vLLM's.
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 _DISPLAYS = ("summarized", "omitted", "updates")
+#: A base64 image's ``media_type``: the ones Anthropic's API takes.
+_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 def bad(message: str, param: str, code: str | None = None) -> InvalidRequest:
@@ -358,9 +360,17 @@ def _append_turn(messages: list[dict[str, Any]], turn: object, param: str) -> No
 
 
 def _image_url(source: object, where: str) -> str:
+    """An image source as the ``image_url`` vLLM reads: a base64 one as a data URL of its media type (one
+    of Anthropic's, JPEG when it has none, as vLLM's entrypoint assumes), a URL one as it is."""
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64" and isinstance(source, dict) and isinstance(source.get("data"), str):
-        return f"data:{source.get('media_type') or 'image/jpeg'};base64,{source['data']}"
+        media_type = source.get("media_type") or "image/jpeg"
+        if media_type not in _IMAGE_TYPES:  # else written into the data URL as it came: a dict's repr, a ','
+            raise bad(
+                f"{where}.source.media_type: Input should be one of {', '.join(_IMAGE_TYPES)}",
+                f"{where}.source.media_type",
+            )
+        return f"data:{media_type};base64,{source['data']}"
     if kind == "url" and isinstance(source, dict) and isinstance(source.get("url"), str):
         return source["url"]
     raise bad(f"{where}.source: an image source must be base64 data or a URL", f"{where}.source")

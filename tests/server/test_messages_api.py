@@ -305,6 +305,20 @@ def test_a_final_assistant_turn_is_continued(gateway: ServerThread, upstream: Fa
     assert "continue_final_message" not in chats(upstream)[-1]
 
 
+@pytest.mark.parametrize("media_type", [{"type": "image/png"}, "image/png;charset=x,", "text/html", "image/svg+xml", 7])
+def test_an_image_of_a_media_type_anthropic_does_not_take_is_a_400(
+    gateway: ServerThread, upstream: FakeUpstream, media_type: object
+) -> None:
+    """Anthropic takes JPEG, PNG, GIF and WebP; any other media type was written into the data URL the
+    worker reads as it came (a dict's repr, a comma that ends the URL's header)."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": "iVBORw0KGgo="}}
+    body = {"model": "m1", "max_tokens": 8, "messages": [{"role": "user", "content": [image]}]}
+    reply = httpx.post(gateway.url + "/v1/messages", json=body)
+    assert _error(reply) == (400, "invalid_request_error")
+    assert "messages.0.content.0.source.media_type" in reply.json()["error"]["message"]
+    assert chats(upstream) == []
+
+
 def _error(reply: httpx.Response) -> tuple[int, str]:
     body = reply.json()
     assert set(body) == {"type", "error"} and body["type"] == "error" and set(body["error"]) == {"type", "message"}
