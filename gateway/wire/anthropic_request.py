@@ -6,7 +6,8 @@ naming the field; ``chat_request`` builds the chat completions body every plugin
 mapping follows vLLM's own Anthropic entrypoint (``vllm/entrypoints/anthropic/serving.py``), so a prompt
 reaches the model the same through the gateway as on a worker's ``/v1/messages``:
 
-- ``system`` (a string or text blocks) becomes the first system message; text blocks are joined;
+- ``system`` (a string or text blocks) becomes the first system message; text blocks are joined, except
+  Claude Code's per-request attribution block (``x-anthropic-billing-header: ...``), dropped;
 - a user turn's ``tool_result`` blocks become ``tool`` messages (before the turn's other content; a result's
   images follow its tool message as a user message, as vLLM's entrypoint sends them), an
   assistant turn's ``tool_use`` blocks its ``tool_calls``; ``thinking`` blocks a client echoes back are
@@ -57,6 +58,8 @@ _ROLES = ("user", "assistant")
 #: ``output_config.effort`` values: Anthropic's, each also a chat ``reasoning_effort`` of vLLM's.
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 _DISPLAYS = ("summarized", "omitted", "updates")
+#: How Claude Code's attribution system block starts (``x-anthropic-billing-header: cc_version=...; cch=...;``).
+_BILLING_HEADER = "x-anthropic-billing-header"
 #: A base64 image's ``media_type``: the ones Anthropic's API takes.
 _IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
@@ -305,6 +308,10 @@ def _tool_choice(choice: object, tools: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _system(system: object) -> list[dict[str, Any]]:
+    """The system message: the string, or the text blocks joined, without Claude Code's attribution block
+    (``_BILLING_HEADER``), which vLLM's entrypoint drops too. That block comes first and holds a hash that
+    changes with every request, so kept, no two requests of a session would share a prompt prefix: the
+    worker's prefix cache, routing's prefix affinity and the answer cache would all miss on every turn."""
     if system is None:
         return []
     if isinstance(system, str):
@@ -314,7 +321,8 @@ def _system(system: object) -> list[dict[str, Any]]:
         for i, block in enumerate(system):
             if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
                 raise bad(f"system.{i}: system blocks must be text blocks", f"system.{i}")
-            parts.append(block["text"])
+            if not block["text"].startswith(_BILLING_HEADER):
+                parts.append(block["text"])
         text = "".join(parts)
     else:
         raise bad("system: Input should be a string or a list of text blocks", "system")

@@ -241,6 +241,27 @@ def test_tool_arguments_that_are_no_json_object_are_an_empty_input_whole_and_str
         ]
 
 
+def test_claude_codes_attribution_block_is_left_out_of_the_prompt(
+    gateway: ServerThread, upstream: FakeUpstream
+) -> None:
+    """Claude Code's first system block carries a hash that changes with every request; the prompt the worker
+    reads is the same on every turn without it (as vLLM's entrypoint renders it), so its prefix cache hits."""
+    client = sdk(gateway)
+    for cch in ("eb6c6", "0aaa9"):
+        system = [
+            {
+                "type": "text",
+                "text": f"x-anthropic-billing-header: cc_version=2.1.100.7b4; cc_entrypoint=cli; cch={cch};",
+            },
+            {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
+        ]
+        client.messages.create(model="m1", max_tokens=8, system=system, messages=[{"role": "user", "content": "Hi"}])  # type: ignore[arg-type]
+        client.messages.count_tokens(model="m1", system=system, messages=[{"role": "user", "content": "Hi"}])  # type: ignore[arg-type]
+    prompts = [chat["messages"] for chat in chats(upstream)] + [body["messages"] for body in upstream.tokenized]
+    expected = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Hi"}]
+    assert prompts == [expected] * 4
+
+
 def test_count_tokens_asks_a_worker_to_tokenize_the_conversation(gateway: ServerThread, upstream: FakeUpstream) -> None:
     counted = sdk(gateway).messages.count_tokens(
         model="alias-1", system="Be brief.", tools=[WEATHER],  # type: ignore[list-item]
