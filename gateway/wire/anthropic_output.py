@@ -132,6 +132,12 @@ class MessageStream:
     object ``message_from_chat`` would give, or none when they are no JSON object (``input`` stays ``{}``):
     the chat stream's pieces cannot be sent as they come, since which ones make an object is only known at
     the end, and a client cannot take back pieces it parsed.
+
+    Text that arrives while a tool call's block is open is held too, and becomes a text block of its own
+    once that block ends, as vLLM's entrypoint does: a worker that sends several tokens per chunk
+    (speculative decoding, ``--stream-interval``) can put the text after a call (the newline after
+    ``</tool_call>``) in the same delta as the call's last arguments, and ending the call there would cut
+    it in two blocks, the second without its id and name.
     """
 
     def __init__(self, message_id: str, model: str) -> None:
@@ -139,6 +145,7 @@ class MessageStream:
         self._index = -1  # the open content block (-1: none yet)
         self._open: str | None = None  # "thinking", "text" or "tool:<chat tool call index>"
         self._arguments: list[str] = []  # the open tool call's arguments so far
+        self._held_text: list[str] = []  # text that came while a tool call's block was open
         self._used_tools = False
         self._finish_reason: object = None
         self._matched: object = None
@@ -164,7 +171,9 @@ class MessageStream:
                 out += self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
                 out.append(self._delta({"type": "thinking_delta", "thinking": thinking}))
             text = delta.get("content")
-            if text:
+            if text and self._open is not None and self._open.startswith("tool:"):
+                self._held_text.append(text)
+            elif text:
                 out += self._block("text", {"type": "text", "text": ""})
                 out.append(self._delta({"type": "text_delta", "text": text}))
             for call, function in calls:
@@ -175,10 +184,13 @@ class MessageStream:
         return out
 
     def _block(self, key: str, block: dict[str, Any]) -> list[bytes]:
-        """Open the block ``key`` unless it is the open one (closing the open one first)."""
+        """Open the block ``key`` unless it is the open one (closing the open one first, and the text block
+        a closed tool call's held text opens unless that is ``key``)."""
+        out: list[bytes] = []
+        while self._open is not None and self._open != key:
+            out += self._close_block()
         if self._open == key:
-            return []
-        out = self._close_block()
+            return out
         self._index += 1
         self._open = key
         out.append(sse({"type": "content_block_start", "index": self._index, "content_block": block}))
@@ -215,12 +227,18 @@ class MessageStream:
             self._arguments = []
             if arguments:
                 out.append(self._delta({"type": "input_json_delta", "partial_json": orjson.dumps(arguments).decode()}))
-        self._open = None
+        closed, self._open = self._open, None
         out.append(sse({"type": "content_block_stop", "index": self._index}))
+        if closed.startswith("tool:") and self._held_text:  # the text that came during the call, now open
+            text, self._held_text = "".join(self._held_text), []
+            out += self._block("text", {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": text}))
         return out
 
     def close(self) -> list[bytes]:
-        out = self._close_block()
+        out: list[bytes] = []
+        while self._open is not None:
+            out += self._close_block()
         reason, sequence = stop_reason(self._finish_reason, self._matched, self._used_tools)
         delta = {"stop_reason": reason or "end_turn", "stop_sequence": sequence}
         out.append(sse({"type": "message_delta", "delta": delta, "usage": usage_of(self._usage)}))

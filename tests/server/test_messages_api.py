@@ -15,6 +15,7 @@ import pytest
 
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.scripted_worker import ScriptedWorker, chunk
 
 WEATHER = {
     "name": "get_weather",
@@ -210,6 +211,46 @@ def test_a_tool_result_with_images_reaches_the_worker_as_vllm_sends_it(
     result["content"] = [{"type": "text", "text": 42}]
     with pytest.raises(anthropic.BadRequestError, match=r"messages\.2\.content\.0\.content\.0"):
         sdk(gateway).messages.create(model="m1", max_tokens=64, messages=conversation)
+
+
+def test_text_in_the_same_chunk_as_a_tool_calls_arguments_does_not_cut_the_call(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """A worker that sends several tokens per chunk (speculative decoding, --stream-interval) can put the
+    newline after a call in the delta that carries the call's last arguments: the call stays one whole
+    tool_use block, and the text comes after it, as vLLM's entrypoint streams it."""
+
+    def call(index: int, arguments: str, name: str | None = None) -> dict[str, Any]:
+        named = {"id": f"call_{index}", "type": "function", "function": {"name": name}} if name else {"function": {}}
+        named["function"]["arguments"] = arguments
+        return {"index": index, **named}
+
+    def delta(**fields: Any) -> bytes:
+        return chunk({"index": 0, "delta": fields, "finish_reason": None})
+
+    worker = ScriptedWorker()
+    worker.events = [
+        delta(role="assistant", tool_calls=[call(0, '{"city": ', "get_weather")]),
+        delta(content="\n", tool_calls=[call(0, '"Paris"}')]),  # the call's end and the text after it
+        delta(tool_calls=[call(1, '{"zone": "UTC"}', "get_time")]),
+        chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"}),
+        chunk(None, usage={"prompt_tokens": 9, "completion_tokens": 12}),
+        b"[DONE]",
+    ]
+    ask = {"model": "m1", "max_tokens": 64, "tools": [WEATHER], "messages": [{"role": "user", "content": "Weather?"}]}
+    with (
+        ServerThread(worker) as server,
+        gateway_factory(base_config([server.url])) as (_, gateway),
+        sdk(gateway).messages.stream(**ask) as stream,  # type: ignore[arg-type]
+    ):
+        final = stream.get_final_message()
+    blocks = [block.to_dict() for block in final.content]
+    assert blocks == [
+        {"type": "tool_use", "id": "call_0", "name": "get_weather", "input": {"city": "Paris"}},
+        {"type": "text", "text": "\n"},
+        {"type": "tool_use", "id": "call_1", "name": "get_time", "input": {"zone": "UTC"}},
+    ]
+    assert final.stop_reason == "tool_use"
 
 
 @pytest.mark.parametrize(

@@ -76,3 +76,31 @@ def test_arguments_cut_short_by_max_tokens_are_an_empty_input() -> None:
     events = _events(raw + out.close())
     assert [e["type"] for e in events] == ["content_block_start", "content_block_stop", "message_delta"]
     assert events[-1]["delta"]["stop_reason"] == "max_tokens"
+
+
+def test_text_that_came_during_a_call_follows_its_block() -> None:
+    """Held while the call's block is open, then one text block after it, as the next call starts or the
+    answer ends."""
+    out = MessageStream("msg_1", "m1")
+    raw = out.feed(_chunk({"tool_calls": [_call(0, '{"city": ', "get_weather")]}))
+    raw += out.feed(_chunk({"content": "\n", "tool_calls": [_call(0, '"Paris"}')]}))
+    raw += out.feed(_chunk({"content": "Checking."}, "tool_calls"))
+    raw += out.close()
+    kinds = [(e["type"], e.get("index"), e.get("delta")) for e in _events(raw)]
+    assert kinds == [
+        ("content_block_start", 0, None),
+        ("content_block_delta", 0, {"type": "input_json_delta", "partial_json": '{"city":"Paris"}'}),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, None),
+        ("content_block_delta", 1, {"type": "text_delta", "text": "\nChecking."}),  # all of it held
+        ("content_block_stop", 1, None),
+        ("message_delta", None, {"stop_reason": "tool_use", "stop_sequence": None}),
+    ]
+
+    out = MessageStream("msg_2", "m1")
+    raw = out.feed(_chunk({"tool_calls": [_call(0, '{"city": "Paris"}', "get_weather")]}))
+    raw += out.feed(_chunk({"content": "\n"}, "tool_calls"))
+    raw += out.close()
+    assert [(e["type"], e.get("index")) for e in _events(raw)][-3:] == [
+        ("content_block_delta", 1), ("content_block_stop", 1), ("message_delta", None),
+    ]  # fmt: skip
