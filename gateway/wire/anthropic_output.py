@@ -36,17 +36,25 @@ def new_message_id() -> str:
     return "msg_" + uuid.uuid4().hex
 
 
-def stop_reason(finish_reason: object, matched: object, used_tools: bool) -> tuple[str | None, str | None]:
+def stop_reason(
+    finish_reason: object, matched: object, used_tools: bool, calls_whole: bool = True
+) -> tuple[str | None, str | None]:
     """Anthropic's ``(stop_reason, stop_sequence)`` for a chat ``finish_reason``; ``matched`` is vLLM's
-    ``stop_reason`` (the stop string that ended the answer, when one did)."""
+    ``stop_reason`` (the stop string that ended the answer, when one did); ``calls_whole``: every tool
+    call's arguments are a JSON object. A stop string that cut a call short is ``stop_sequence``, not
+    ``tool_use``, as vLLM's entrypoint answers: a client runs the tools of a ``tool_use`` answer, and a
+    call cut short must not run (its ``input`` is ``{}``)."""
     if finish_reason == "length":
         return "max_tokens", None
     if finish_reason == "content_filter":
         return "refusal", None
-    if finish_reason == "tool_calls" or used_tools:
+    tools = finish_reason == "tool_calls" or used_tools
+    if tools and calls_whole:
         return "tool_use", None
     if isinstance(matched, str):
         return "stop_sequence", matched
+    if tools:
+        return "tool_use", None
     return ("end_turn", None) if finish_reason is not None else (None, None)
 
 
@@ -67,16 +75,24 @@ def _signature() -> str:
     return uuid.uuid4().hex
 
 
+def _arguments_object(arguments: object) -> dict[str, Any] | None:
+    """A tool call's arguments as the JSON object they should be, or None when they are none (no
+    arguments, invalid JSON, JSON cut short, an array or a string)."""
+    if not isinstance(arguments, str) or not arguments:
+        return None
+    try:
+        parsed = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
 def _tool_input(arguments: object) -> dict[str, Any]:
     """A tool call's arguments as the ``input`` object. Anthropic's ``input`` is always a JSON object, and
     clients rely on it (the SDK's stream helper raises on a delta it cannot parse), so arguments that are not
     one (none, invalid JSON, JSON cut short by max_tokens, an array or a string) give ``{}``: the answer
     stays whole, and the client's check of the tool's input answers the model."""
-    try:
-        parsed = orjson.loads(arguments) if isinstance(arguments, str) and arguments else {}
-    except orjson.JSONDecodeError:
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
+    return _arguments_object(arguments) or {}
 
 
 def message_object(message_id: str, model: str) -> dict[str, Any]:
@@ -111,8 +127,9 @@ def message_from_chat(message_id: str, model: str, chat: object) -> dict[str, An
                 "input": _tool_input(function.get("arguments")),
             }
         )
+    whole = all(_arguments_object(function.get("arguments")) is not None for _, function in calls)
     out["stop_reason"], out["stop_sequence"] = stop_reason(
-        choice.get("finish_reason"), choice.get("stop_reason"), bool(calls)
+        choice.get("finish_reason"), choice.get("stop_reason"), bool(calls), whole
     )
     out["usage"] = usage_of(usage)
     return out
@@ -147,6 +164,7 @@ class MessageStream:
         self._arguments: list[str] = []  # the open tool call's arguments so far
         self._held_text: list[str] = []  # text that came while a tool call's block was open
         self._used_tools = False
+        self._calls_whole = True  # every closed tool call's arguments were a JSON object
         self._finish_reason: object = None
         self._matched: object = None
         self._usage: object = None
@@ -222,10 +240,12 @@ class MessageStream:
         out: list[bytes] = []
         if self._open == "thinking":
             out.append(self._delta({"type": "signature_delta", "signature": _signature()}))
-        if self._open not in ("thinking", "text") and self._arguments:
-            arguments = _tool_input("".join(self._arguments))
+        if self._open.startswith("tool:"):
+            arguments = _arguments_object("".join(self._arguments))
             self._arguments = []
-            if arguments:
+            if arguments is None:
+                self._calls_whole = False
+            elif arguments:
                 out.append(self._delta({"type": "input_json_delta", "partial_json": orjson.dumps(arguments).decode()}))
         closed, self._open = self._open, None
         out.append(sse({"type": "content_block_stop", "index": self._index}))
@@ -239,7 +259,7 @@ class MessageStream:
         out: list[bytes] = []
         while self._open is not None:
             out += self._close_block()
-        reason, sequence = stop_reason(self._finish_reason, self._matched, self._used_tools)
+        reason, sequence = stop_reason(self._finish_reason, self._matched, self._used_tools, self._calls_whole)
         delta = {"stop_reason": reason or "end_turn", "stop_sequence": sequence}
         out.append(sse({"type": "message_delta", "delta": delta, "usage": usage_of(self._usage)}))
         return out

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
-from tests.support.scripted_worker import ScriptedWorker, chunk
+from tests.support.scripted_worker import ScriptedWorker, chunk, completion
 
 WEATHER = {
     "name": "get_weather",
@@ -251,6 +251,44 @@ def test_text_in_the_same_chunk_as_a_tool_calls_arguments_does_not_cut_the_call(
         {"type": "tool_use", "id": "call_1", "name": "get_time", "input": {"zone": "UTC"}},
     ]
     assert final.stop_reason == "tool_use"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "reason", "sequence"),
+    [('{"city": "Pa', "stop_sequence", "END"), ('{"city": "Paris"}', "tool_use", None)],
+    ids=["call-cut-short", "call-whole"],
+)
+def test_a_stop_sequence_that_cut_a_tool_call_short_is_the_stop_reason(
+    gateway_factory: GatewayFactory, arguments: str, reason: str, sequence: str | None
+) -> None:
+    """A client runs the tools of a tool_use answer; a call its stop sequence cut short must not run, so
+    the answer says stop_sequence (as vLLM's entrypoint answers), whole and streamed. A whole call that a
+    stop string followed is still tool_use."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    worker = ScriptedWorker()
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    worker.body = completion(
+        choices=[{"index": 0, "message": message, "finish_reason": "tool_calls", "stop_reason": "END"}]
+    )
+    worker.events = [
+        chunk(
+            {"index": 0, "delta": {"role": "assistant", "tool_calls": [{"index": 0, **call}]}, "finish_reason": None}
+        ),
+        chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls", "stop_reason": "END"}),
+        b"[DONE]",
+    ]
+    ask: dict[str, Any] = {
+        "model": "m1", "max_tokens": 64, "tools": [WEATHER], "stop_sequences": ["END"],
+        "messages": [{"role": "user", "content": "Weather?"}],
+    }  # fmt: skip
+    with ServerThread(worker) as server, gateway_factory(base_config([server.url])) as (_, gateway):
+        client = sdk(gateway)
+        whole = client.messages.create(**ask)
+        with client.messages.stream(**ask) as stream:
+            streamed = stream.get_final_message()
+    for answer in (whole, streamed):
+        assert (answer.stop_reason, answer.stop_sequence) == (reason, sequence)
+        assert answer.content[0].type == "tool_use"
 
 
 @pytest.mark.parametrize(
