@@ -52,7 +52,7 @@ _UNSUPPORTED = {
 }
 #: ``cache_control`` (top level or on a block) is accepted and needs nothing: vLLM caches prefixes by itself.
 _COUNT_FIELDS = frozenset(
-    {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control", "output_config"}
+    {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control", "output_config", "speed"}
 )
 _ROLES = ("user", "assistant")
 #: ``output_config.effort`` values: Anthropic's, each also a chat ``reasoning_effort`` of vLLM's.
@@ -97,6 +97,8 @@ def parse_request(body: dict[str, Any], *, count_tokens: bool = False) -> Messag
         stream = body.get("stream") is True
         if body.get("stream") not in (None, True, False):
             raise bad("stream: Input should be a valid boolean", "stream")
+    if body.get("speed") not in (None, "standard"):  # a Messages and a count_tokens field alike
+        raise bad("speed: only 'standard' is supported by this gateway", "speed", "unsupported_parameter")
     options.update(_output_config(body.get("output_config")))
     options.update(_thinking(body.get("thinking"), options.get("max_tokens")))  # after: disabled wins over effort
     tools = _tools(body.get("tools"))
@@ -178,8 +180,6 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
             out["user"] = user
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise bad("service_tier: Input should be 'auto' or 'standard_only'", "service_tier")
-    if body.get("speed") not in (None, "standard"):
-        raise bad("speed: only 'standard' is supported by this gateway", "speed", "unsupported_parameter")
     return out
 
 

@@ -377,6 +377,21 @@ def test_count_tokens_renders_thinking_as_the_answer_will(gateway: ServerThread,
         assert "chat_template_kwargs" not in upstream.tokenized[-1]
 
 
+def test_count_tokens_takes_speed_as_create_does(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    """``speed`` is a count_tokens field of Anthropic's API too: a client that counts with the options it
+    sends is not refused for it; "fast" is refused on both, naming the field."""
+    client = sdk(gateway)
+    hi: Any = [{"role": "user", "content": "Hi"}]
+    assert client.messages.count_tokens(model="m1", messages=hi, speed="standard").input_tokens == 5
+    assert client.messages.create(model="m1", max_tokens=8, messages=hi, speed="standard").stop_reason == "end_turn"
+    for call in (
+        lambda: client.messages.count_tokens(model="m1", messages=hi, speed="fast"),
+        lambda: client.messages.create(model="m1", max_tokens=8, messages=hi, speed="fast"),
+    ):
+        with pytest.raises(anthropic.BadRequestError, match="speed: only 'standard'"):
+            call()
+
+
 def test_a_final_assistant_turn_is_continued(gateway: ServerThread, upstream: FakeUpstream) -> None:
     """Anthropic's prefill: a final assistant turn is the start of the answer, so the worker is asked to
     continue it (``continue_final_message``, no generation prompt), and count_tokens counts it that way.
