@@ -37,14 +37,13 @@ _ACCEPTED = frozenset(
     {
         "model", "messages", "max_tokens", "system", "stream", "stop_sequences", "temperature", "top_p",
         "top_k", "tools", "tool_choice", "metadata", "thinking", "service_tier", "cache_control", "output_config",
-        "speed",
+        "speed", "context_management",
     }
 )  # fmt: skip
 #: Fields refused outright, with the reason the client reads.
 _UNSUPPORTED = {
     "container": "code execution containers are Anthropic's servers' own",
     "mcp_servers": "remote MCP servers are called by Anthropic's servers, not by this gateway",
-    "context_management": "server-side context management is not supported",
     "inference_geo": "the region is where this gateway's workers run, not the client's choice",
     "diagnostics": "prompt-cache diagnostics are Anthropic's servers' own",
     "user_profile_id": "user profiles are Anthropic's servers' own",
@@ -52,12 +51,17 @@ _UNSUPPORTED = {
 }
 #: ``cache_control`` (top level or on a block) is accepted and needs nothing: vLLM caches prefixes by itself.
 _COUNT_FIELDS = frozenset(
-    {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control", "output_config", "speed"}
-)
+    {
+        "model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control", "output_config", "speed",
+        "context_management",
+    }
+)  # fmt: skip
 _ROLES = ("user", "assistant")
 #: ``output_config.effort`` values: Anthropic's, each also a chat ``reasoning_effort`` of vLLM's.
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 _DISPLAYS = ("summarized", "omitted", "updates")
+#: The one ``context_management`` edit the gateway honours: the prompt never holds earlier turns' thinking.
+_CLEAR_THINKING = "clear_thinking_20251015"
 #: How Claude Code's attribution system block starts (``x-anthropic-billing-header: cc_version=...; cch=...;``).
 _BILLING_HEADER = "x-anthropic-billing-header"
 #: A base64 image's ``media_type``: the ones Anthropic's API takes.
@@ -99,6 +103,7 @@ def parse_request(body: dict[str, Any], *, count_tokens: bool = False) -> Messag
             raise bad("stream: Input should be a valid boolean", "stream")
     if body.get("speed") not in (None, "standard"):  # a Messages and a count_tokens field alike
         raise bad("speed: only 'standard' is supported by this gateway", "speed", "unsupported_parameter")
+    _context_management(body.get("context_management"))
     options.update(_output_config(body.get("output_config")))
     options.update(_thinking(body.get("thinking"), options.get("max_tokens")))  # after: disabled wins over effort
     tools = _tools(body.get("tools"))
@@ -181,6 +186,27 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise bad("service_tier: Input should be 'auto' or 'standard_only'", "service_tier")
     return out
+
+
+def _context_management(config: object) -> None:
+    """``context_management`` (Claude Code sends it with thinking on) is accepted when its only edits clear
+    earlier turns' thinking (``clear_thinking_20251015``, whatever it keeps): the prompt never holds that
+    thinking anyway, since thinking blocks sent back are dropped. Other edits (clearing tool results,
+    compaction) would change what the model reads, and Anthropic's servers do them: a 400 naming the edit."""
+    if config is None:
+        return
+    edits = config.get("edits") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or set(config) - {"edits"} or not isinstance(edits, list | None):
+        raise bad("context_management: Input should be an object with a list of 'edits'", "context_management")
+    for i, edit in enumerate(edits or ()):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind != _CLEAR_THINKING:
+            raise bad(
+                f"context_management.edits.{i}.type: only {_CLEAR_THINKING!r} is supported by this gateway "
+                f"(not {kind!r}): other context edits are done by Anthropic's servers",
+                f"context_management.edits.{i}.type",
+                "unsupported_parameter",
+            )
 
 
 def _output_config(config: object) -> dict[str, Any]:

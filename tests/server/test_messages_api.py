@@ -377,6 +377,41 @@ def test_count_tokens_renders_thinking_as_the_answer_will(gateway: ServerThread,
         assert "chat_template_kwargs" not in upstream.tokenized[-1]
 
 
+def test_context_management_that_clears_thinking_is_accepted(gateway: ServerThread, upstream: FakeUpstream) -> None:
+    """Claude Code sends ``context_management`` clearing earlier turns' thinking (beta client, as it does):
+    accepted, since the prompt never holds that thinking; an edit that would change what the model reads
+    (clearing tool results) is a 400 naming it."""
+    client = sdk(gateway)
+    clear = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    thought: Any = {"type": "thinking", "thinking": "Greet back.", "signature": "s"}
+    turns: Any = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [thought, {"type": "text", "text": "Hello!"}]},
+        {"role": "user", "content": "Bye"},
+    ]
+    beta = ["context-management-2025-06-27"]
+    message = client.beta.messages.create(
+        model="m1",
+        max_tokens=8,
+        messages=turns,
+        context_management=clear,
+        betas=beta,  # type: ignore[arg-type]
+    )
+    assert message.stop_reason == "end_turn"
+    sent = chats(upstream)[-1]
+    assert "context_management" not in sent and sent["messages"][1] == {"role": "assistant", "content": "Hello!"}
+    counted = client.beta.messages.count_tokens(model="m1", messages=turns, context_management=clear, betas=beta)  # type: ignore[arg-type]
+    assert counted.input_tokens == 5
+
+    upstream.requests.clear()
+    clear_tools: Any = {"edits": [clear["edits"][0], {"type": "clear_tool_uses_20250919"}]}
+    with pytest.raises(anthropic.BadRequestError, match=r"context_management\.edits\.1\.type"):
+        client.beta.messages.create(
+            model="m1", max_tokens=8, messages=turns, context_management=clear_tools, betas=beta
+        )
+    assert chats(upstream) == []
+
+
 def test_count_tokens_takes_speed_as_create_does(gateway: ServerThread, upstream: FakeUpstream) -> None:
     """``speed`` is a count_tokens field of Anthropic's API too: a client that counts with the options it
     sends is not refused for it; "fast" is refused on both, naming the field."""
