@@ -26,6 +26,11 @@ class BatchMetrics:
         self.queued = Gauge(
             "gateway_batch_queued_lines", "Lines of running batches not done yet (all replicas)", registry=r
         )
+        self.deferred = Counter(
+            "gateway_batch_lines_deferred",
+            "Batch line runs refused for now (a rate limit) and given back to run after the wait",
+            registry=r,
+        )
         self.running = Gauge("gateway_batch_running_lines", "Batch lines in flight on this replica", registry=r)
         self.batches = Gauge("gateway_batch_active", "Batches not in a final state (all replicas)", registry=r)
 

@@ -44,7 +44,7 @@ from gateway.batch.lifecycle import Lifecycle
 from gateway.batch.lines import output_line
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.redis_errors import REDIS_ERRORS
-from gateway.batch.submit import LineRun, Outcome, Submitter
+from gateway.batch.submit import Keep, LineRun, Outcome, RetryLater, Submitter, hand_over
 from gateway.batch.work import Work
 from gateway.ops.tasks import cancel_and_wait, stop_if_cancelled
 from gateway.pipeline.batch_config import BatchesConfig, BatchLine, Caller
@@ -101,6 +101,7 @@ class Runner:
         self.gate = IdleGate()
         self._next_sweep = 0.0
         self._last_served = ""  # the batch whose line was started last: the next round starts after it
+        self._paused: dict[str, float] = {}  # batch id -> monotonic time before which none of its lines starts
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -214,9 +215,13 @@ class Runner:
         so with room for one line at a time (a round per finished line) the batches still alternate.
         """
         config = self._config()
-        runnable = rotated_after(runnable, self._last_served)
+        now = time.monotonic()
+        self._paused = {batch_id: until for batch_id, until in self._paused.items() if until > now}
+        runnable = rotated_after([item for item in runnable if item[0] not in self._paused], self._last_served)
         while runnable and len(self.running) < config.max_in_flight:
             batch_id, record = runnable.pop(0)
+            if batch_id in self._paused:  # one of its lines was refused for now while this round ran
+                continue
             if await self._start_one(batch_id, record, config):
                 self._last_served = batch_id
                 runnable.append((batch_id, record))
@@ -236,7 +241,10 @@ class Runner:
             return False
         caller = Caller(**record["_caller"])
         run = LineRun()
-        task = asyncio.create_task(self._run(batch_id, index, line, caller, run), name=f"batch-line-{index}")
+        expires_at = float(record["expires_at"])
+        task = asyncio.create_task(
+            self._run(batch_id, index, line, caller, run, expires_at), name=f"batch-line-{index}"
+        )
         self.running[task] = RunningLine(batch_id, index, model.name if model is not None else "", run)
         self.metrics.running.set(len(self.running))
         task.add_done_callback(self._line_finished)
@@ -247,12 +255,16 @@ class Runner:
         self.metrics.running.set(len(self.running))
         self._wake.set()
 
-    async def _run(self, batch_id: str, index: int, line: dict[str, Any], caller: Caller, run: LineRun) -> None:
+    async def _run(
+        self, batch_id: str, index: int, line: dict[str, Any], caller: Caller, run: LineRun, expires_at: float
+    ) -> None:
         custom_id = line["custom_id"]
         whose = BatchLine(caller, batch_id, custom_id)
         keep = functools.partial(self._keep, batch_id, index, custom_id)
         try:
             await self.submitter.submit(line["url"], line["body"], whose, run, keep)
+        except RetryLater as later:
+            await self._retry_later(batch_id, index, expires_at, later, run, keep)
         except asyncio.CancelledError:
             with contextlib.suppress(*REDIS_ERRORS):
                 await self.work.release(batch_id, self.owner, [index])
@@ -262,6 +274,22 @@ class Runner:
             if run.kept is None:
                 failure = ServerError("The gateway failed to run this line; it has been logged.", code="internal_error")
                 await keep(Outcome(failure.status_code, failure.body(), ""))
+
+    async def _retry_later(
+        self, batch_id: str, index: int, expires_at: float, later: RetryLater, run: LineRun, keep: Keep
+    ) -> None:
+        """A line refused for now (a rate limit: a tenant's batch goes at the pace its limits allow, rather
+        than failing every line past them): given back, and no line of its batch starts here until the wait
+        is over, so a batch of many lines costs one refused attempt per wait, not one per line. A wait that
+        outlasts the batch's window (a monthly budget) cannot help: the refusal is the line's result."""
+        if time.time() + later.wait_s >= expires_at:
+            await hand_over(run, keep, later.outcome)
+            return
+        until = time.monotonic() + later.wait_s
+        self._paused[batch_id] = max(until, self._paused.get(batch_id, 0.0))
+        self.metrics.deferred.inc()
+        with contextlib.suppress(*REDIS_ERRORS):  # else its lease lapses, and the line is claimed then
+            await self.work.release(batch_id, self.owner, [index])
 
     async def _keep(self, batch_id: str, index: int, custom_id: str, outcome: Outcome) -> bool:
         """Write what a run of the line got as its result, unless another run's was written first (a lease

@@ -17,6 +17,10 @@ again). So an answer is handed to ``keep`` before the line's request is over, as
 before its finalizers run; a run whose answer was not written (another run's was, first) delivered
 nothing, and its context says so (``ctx.delivered`` None): the plugins bill it as a request whose client
 got no answer (tenancy gives back what ``on_response`` charged), and the tenant pays for one answer per line.
+
+A line refused for now (a 429 that says how long to wait: a rate limit, a budget until its period ends) is
+not handed to ``keep``: ``submit`` raises ``RetryLater``, and the runner decides whether the line waits
+(its batch's window lasts longer than the wait) or the refusal is its result.
 """
 
 from __future__ import annotations
@@ -64,6 +68,31 @@ class Outcome:
         return (prompt if isinstance(prompt, int) else 0), (completion if isinstance(completion, int) else 0)
 
 
+class RetryLater(Exception):
+    """A line's run was refused for now: it may succeed after ``wait_s`` seconds (``outcome`` is the
+    refusal, the line's result if it cannot wait that long)."""
+
+    def __init__(self, wait_s: float, outcome: Outcome) -> None:
+        super().__init__(f"retry in {wait_s:.3f} s")
+        self.wait_s, self.outcome = wait_s, outcome
+
+
+def retry_wait(error: GatewayError) -> float | None:
+    """The seconds a 429 says to wait before the same request can succeed (``retry-after-ms``, else
+    ``retry-after``); None for any other refusal, and for a 429 without a wait (a request larger than a
+    limit, which waiting does not help)."""
+    if error.status_code != 429:
+        return None
+    try:
+        if "retry-after-ms" in error.headers:
+            return max(0.0, int(error.headers["retry-after-ms"]) / 1000)
+        if "retry-after" in error.headers:
+            return max(0.0, float(error.headers["retry-after"]))
+    except ValueError:
+        return None
+    return None
+
+
 #: Writes what a run of a line got as the line's result, unless a result was written already (by another
 #: run of the line): whether this call wrote it.
 Keep = Callable[[Outcome], Awaitable[bool]]
@@ -95,7 +124,8 @@ class Submitter:
 
     async def submit(self, url: str, body: dict[str, Any], line: BatchLine, run: LineRun, keep: Keep) -> None:
         """Run one line and hand what it got (its answer or its refusal) to ``keep``, once: an answer before
-        the line's request is over. ``run`` is given the line's request context as soon as it exists."""
+        the line's request is over. ``run`` is given the line's request context as soon as it exists.
+        Raises ``RetryLater`` instead for a refusal that says when the line could succeed."""
         request_id = "batch-" + uuid.uuid4().hex
         try:
             self._ready()
@@ -109,7 +139,11 @@ class Submitter:
                 await self._inference(url, body, line, request_id, run, keep)
         except GatewayError as error:
             if run.kept is None:
-                await hand_over(run, keep, Outcome(error.status_code, error.body(), request_id))
+                outcome = Outcome(error.status_code, error.body(), request_id)
+                wait_s = retry_wait(error)
+                if wait_s is not None:
+                    raise RetryLater(wait_s, outcome) from None
+                await hand_over(run, keep, outcome)
 
     def _context(self, endpoint_name: str, path: str, body: dict[str, Any], requested: str, line: BatchLine,
                  request_id: str, snapshot: Any, model: Any, run: LineRun) -> RequestContext:  # fmt: skip
