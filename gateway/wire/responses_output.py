@@ -191,6 +191,13 @@ class EventStream:
     function_call_arguments.delta); ``close()``
     the ``.done`` events of every open item; ``completed()`` the final response.completed (or
     response.incomplete). ``response`` is the Response object being built, ready to store once closed.
+
+    Text that arrives while function calls are open is held, with its logprobs, and becomes a message
+    item of its own once those calls' items are done (as the next call starts, or the answer ends), as
+    vLLM's entrypoint does: a worker that sends several tokens per chunk (speculative decoding,
+    ``--stream-interval``) can put the text after a call (the newline after ``</tool_call>``) in the same
+    delta as the call's last arguments, and closing the call there would cut it in two items, the second
+    without its call id and name.
     """
 
     def __init__(self, response: dict[str, Any]) -> None:
@@ -199,6 +206,8 @@ class EventStream:
         self._reasoning: dict[str, Any] | None = None  # the open reasoning item
         self._message: dict[str, Any] | None = None  # the open message item
         self._calls: dict[int, dict[str, Any]] = {}  # tool call index -> its open function_call item
+        self._held_text: list[str] = []  # text that came while function calls were open
+        self._held_logprobs: list[dict[str, Any]] = []  # and its logprobs
         self._finish_reason: str | None = None
         self._usage: object = None
         self._item_status = "completed"  # what an item closed now is ("incomplete" when cut by max tokens)
@@ -245,7 +254,7 @@ class EventStream:
     def _reasoning_delta(self, text: str) -> list[bytes]:
         out: list[bytes] = []
         if self._reasoning is None:
-            out += self._close_message() + self._close_calls()
+            out += self._close_calls() + self._close_message()  # the calls' held text is a message, closed too
             item = reasoning_item("", status="in_progress")
             self._reasoning = item
             index = len(self.response["output"])
@@ -278,11 +287,13 @@ class EventStream:
         return [] if item is None else self._close_part(item, "response.reasoning_text.done")
 
     def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
+        if self._calls:  # the calls may not be whole yet: the text waits for their items to be done
+            self._held_text.append(text)
+            self._held_logprobs += logprobs
+            return []
         out: list[bytes] = []
         if self._message is None:
             out += self._close_reasoning()
-            if self._calls:
-                out += self._close_calls()
             item = message_item("assistant", [])
             item["status"] = "in_progress"
             self._message = item
@@ -317,7 +328,10 @@ class EventStream:
         index = call.get("index", 0)
         item = self._calls.get(index)
         if item is None:
-            out += self._close_reasoning() + self._close_message()
+            out += self._close_reasoning()
+            if self._held_text:  # text came after the open calls: their items and its message come first
+                out += self._close_calls()
+            out += self._close_message()
             item = _function_call(call.get("id"), function.get("name") or "", "", status="in_progress")
             self._calls[index] = item
             self.response["output"].append(item)
@@ -362,6 +376,8 @@ class EventStream:
         ]
 
     def _close_calls(self) -> list[bytes]:
+        """The events that end the open function call items, then open the message of the text held while
+        they were open (left open: text that follows goes on in it)."""
         out: list[bytes] = []
         for item in self._calls.values():
             index = self.response["output"].index(item)
@@ -377,13 +393,17 @@ class EventStream:
             )
             out.append(self._event("response.output_item.done", output_index=index, item=item))
         self._calls = {}
+        if self._held_text:
+            text, logprobs = "".join(self._held_text), self._held_logprobs
+            self._held_text, self._held_logprobs = [], []
+            out += self._text(text, logprobs)
         return out
 
     def close(self) -> list[bytes]:
         """The ``.done`` events of the open items; the Response then holds its final status and usage."""
         if _INCOMPLETE.get(self._finish_reason or ""):
             self._item_status = "incomplete"
-        out = self._close_reasoning() + self._close_message() + self._close_calls()
+        out = self._close_reasoning() + self._close_calls() + self._close_message()
         finish(self.response, self._finish_reason, self._usage)
         return out
 

@@ -20,6 +20,7 @@ import redis
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
 from tests.support.metrics import admin_metrics
+from tests.support.scripted_worker import ScriptedWorker, chunk
 
 TOOL = {
     "type": "function",
@@ -202,6 +203,77 @@ def test_tool_round_trip_plain_and_streamed(server: ServerThread, upstream: Fake
     assert events[5].arguments == '{"city": "Rome"}'  # type: ignore[union-attr]
     final = events[-1].response  # type: ignore[union-attr]
     assert final.output[0].call_id == "call_xyz" and final.output[0].status == "completed"
+
+
+def test_text_in_the_same_chunk_as_a_calls_arguments_does_not_cut_the_call(
+    gateway_factory: GatewayFactory, prefix: str
+) -> None:
+    """A worker that sends several tokens per chunk (speculative decoding, --stream-interval) can put the
+    newline after a call in the delta that carries the call's last arguments: the call stays one whole
+    function_call item, and the text is a message item after it, as vLLM's entrypoint streams it; the
+    stored Response holds the same items."""
+
+    def call(index: int, arguments: str, name: str | None = None) -> dict[str, Any]:
+        named = {"id": f"call_{index}", "type": "function", "function": {"name": name}} if name else {"function": {}}
+        named["function"]["arguments"] = arguments
+        return {"index": index, **named}
+
+    def delta(**fields: Any) -> bytes:
+        return chunk({"index": 0, "delta": fields, "finish_reason": None})
+
+    worker = ScriptedWorker()
+    worker.events = [
+        delta(role="assistant", tool_calls=[call(0, '{"city": ', "get_weather")]),
+        delta(content="\n", tool_calls=[call(0, '"Paris"}')]),  # the call's end and the text after it
+        delta(tool_calls=[call(1, '{"zone": "UTC"}', "get_time")]),
+        chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"}),
+        chunk(None, usage={"prompt_tokens": 9, "completion_tokens": 12}),
+        b"[DONE]",
+    ]
+    with (
+        ServerThread(worker) as upstream,
+        gateway_factory(base_config([upstream.url], responses={"redis_prefix": prefix})) as (_, gateway),
+    ):
+        client = sdk(gateway)
+        with client.responses.stream(model="m1", input="Weather and time in Paris?", tools=[TOOL]) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        stored = client.responses.retrieve(final.id)
+    placed = [(e.type, e.output_index, getattr(e, "item", None)) for e in events if hasattr(e, "output_index")]
+    assert [(kind, index, item and item.type) for kind, index, item in placed] == [
+        ("response.output_item.added", 0, "function_call"),
+        ("response.function_call_arguments.delta", 0, None),
+        ("response.function_call_arguments.delta", 0, None),
+        ("response.function_call_arguments.done", 0, None),
+        ("response.output_item.done", 0, "function_call"),
+        ("response.output_item.added", 1, "message"),
+        ("response.content_part.added", 1, None),
+        ("response.output_text.delta", 1, None),
+        ("response.output_text.done", 1, None),
+        ("response.content_part.done", 1, None),
+        ("response.output_item.done", 1, "message"),
+        ("response.output_item.added", 2, "function_call"),
+        ("response.function_call_arguments.delta", 2, None),
+        ("response.function_call_arguments.done", 2, None),
+        ("response.output_item.done", 2, "function_call"),
+    ]
+
+    def items(output: Any) -> list[tuple[Any, ...]]:
+        def fields(item: Any) -> tuple[Any, ...]:
+            if item.type == "message":
+                return tuple((part.type, part.text) for part in item.content)
+            return item.call_id, item.name, item.arguments
+
+        return [(item.type, item.id, item.status, *fields(item)) for item in output]
+
+    accumulated = items(final.output)  # what the SDK made of the deltas
+    assert [item[:1] + item[3:] for item in accumulated] == [
+        ("function_call", "call_0", "get_weather", '{"city": "Paris"}'),
+        ("message", ("output_text", "\n")),
+        ("function_call", "call_1", "get_time", '{"zone": "UTC"}'),
+    ]
+    assert all(status == "completed" for _, _, status, *_ in accumulated) and final.status == "completed"
+    assert items(events[-1].response.output) == items(stored.output) == accumulated  # type: ignore[union-attr]
 
 
 def test_text_format_json_schema_becomes_response_format(server: ServerThread, upstream: FakeUpstream) -> None:

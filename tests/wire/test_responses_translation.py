@@ -12,6 +12,7 @@ from gateway.wire.errors import InvalidRequest
 from gateway.wire.responses_chat import chat_request, instructions_as_seen, items_as_seen
 from gateway.wire.responses_output import EventStream, response_object
 from gateway.wire.responses_request import parse_request
+from tests.support.responses_schema import check_event
 
 
 def events_of(data: list[bytes]) -> list[dict[str, Any]]:
@@ -139,6 +140,71 @@ def test_text_then_tool_call_stream_closes_the_message_first() -> None:
         "arguments": '{"a": 1}',
         "status": "completed",
     }
+
+
+def _call(index: int, arguments: str, name: str | None = None) -> dict[str, Any]:
+    """A chat stream's tool call delta: the first of a call names it, the others carry arguments only."""
+    named = {"id": f"call_{index}", "type": "function", "function": {"name": name}} if name else {"function": {}}
+    named["function"]["arguments"] = arguments
+    return {"index": index, **named}
+
+
+def _delta(finish_reason: str | None = None, **fields: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": fields, "finish_reason": finish_reason}]}
+
+
+def test_text_that_came_during_a_call_is_a_message_after_its_item() -> None:
+    """Held (with its logprobs) while the call is open, then one message item once the call's item is
+    done: as the answer ends, or, before it, as the next call starts."""
+    req = parse_request({"model": "m", "input": "hi", "stream": True})
+    stream = EventStream(response_object(req, "resp_1", "m", 1, "in_progress", []))
+    logprob = {"token": "\n", "logprob": -0.5, "bytes": [10], "top_logprobs": []}
+    data = stream.feed(_delta(tool_calls=[_call(0, '{"city": ', "get_weather")]))
+    chunk = _delta(content="\n", tool_calls=[_call(0, '"Paris"}')])  # the call's end and the text after it
+    chunk["choices"][0]["logprobs"] = {"content": [logprob]}
+    data += stream.feed(chunk)
+    data += stream.feed(_delta("tool_calls", content="Checking."))
+    data += stream.close()
+    events = events_of(data)
+    for event in events:
+        check_event(event)  # as OpenAI's spec has each of them
+    assert [(e["type"], e["output_index"]) for e in events] == [
+        ("response.output_item.added", 0),
+        ("response.function_call_arguments.delta", 0),
+        ("response.function_call_arguments.delta", 0),
+        ("response.function_call_arguments.done", 0),
+        ("response.output_item.done", 0),
+        ("response.output_item.added", 1),
+        ("response.content_part.added", 1),
+        ("response.output_text.delta", 1),
+        ("response.output_text.done", 1),
+        ("response.content_part.done", 1),
+        ("response.output_item.done", 1),
+    ]
+    assert events[3]["arguments"] == '{"city": "Paris"}' and events[3]["name"] == "get_weather"
+    assert events[7]["delta"] == "\nChecking." and events[7]["logprobs"] == [logprob]  # all of it held
+    call, message = stream.response["output"]
+    assert (call["call_id"], call["name"], call["arguments"]) == ("call_0", "get_weather", '{"city": "Paris"}')
+    assert message["content"][0]["text"] == "\nChecking." and message["content"][0]["logprobs"] == [logprob]
+    assert call["status"] == message["status"] == "completed"
+
+    stream = EventStream(response_object(req, "resp_2", "m", 1, "in_progress", []))
+    data = stream.feed(_delta(tool_calls=[_call(0, '{"city": ', "get_weather")]))
+    data += stream.feed(_delta(content="\n", tool_calls=[_call(0, '"Paris"}'), _call(1, "{}", "get_time")]))
+    data += stream.feed(_delta("tool_calls"))
+    data += stream.close()
+    added_and_done = [
+        (e["type"], e["item"]["type"]) for e in events_of(data) if e["type"].startswith("response.output_item.")
+    ]
+    assert added_and_done == [
+        ("response.output_item.added", "function_call"),
+        ("response.output_item.done", "function_call"),
+        ("response.output_item.added", "message"),
+        ("response.output_item.done", "message"),
+        ("response.output_item.added", "function_call"),
+        ("response.output_item.done", "function_call"),
+    ]
+    assert [item.get("name") for item in stream.response["output"]] == ["get_weather", None, "get_time"]
 
 
 def test_a_stream_cut_by_max_tokens_is_incomplete() -> None:
