@@ -6,7 +6,12 @@ while there is idle capacity for them (``gateway.batch.capacity``) and this repl
 ``max_in_flight``. Each line runs as a task through the live pipeline (``gateway.batch.submit``); its
 result is recorded once. A background loop renews the leases of the lines running here; a replica that
 dies stops renewing, and the others take its lines over when the leases lapse. A finished line wakes
-the loop at once, so a busy batch does not wait for the poll interval between lines.
+the loop at once, so a busy batch does not wait for the poll interval between lines; that step only
+starts lines of the batches the last round found runnable (a refill: no batch is read), since a whole
+round reads every batch not final from Redis and would cost each line as much as there are batches
+running. Whole rounds come every ``poll_interval_s`` and when asked (``wake``: a batch was created or
+cancelled here); a claim only takes lines of a batch still in progress (``Work.claim``), so a refill
+never starts a line of a batch cancelled since.
 
 Lines are stopped midway in three ways, billed as the live request each resembles: a batch cancelled
 by its owner stops its lines as a client that hangs up (``LineRun.abandon``: a line that had reached a
@@ -102,6 +107,10 @@ class Runner:
         self._next_sweep = 0.0
         self._last_served = ""  # the batch whose line was started last: the next round starts after it
         self._paused: dict[str, float] = {}  # batch id -> monotonic time before which none of its lines starts
+        self._runnable: list[tuple[str, dict[str, Any]]] = []  # the last round's batches with lines to run
+        self._round_due = True  # the next step is a whole round (asked for, or the poll interval passed)
+        self._next_round = 0.0  # monotonic time of the next whole round
+        self._refilling = False  # the step running is a refill, not a whole round
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -123,21 +132,36 @@ class Runner:
         await asyncio.gather(*lines, return_exceptions=True)
 
     def wake(self) -> None:
+        """Run a whole round now (a batch was created or cancelled here)."""
+        self._round_due = True
         self._wake.set()
 
     async def _loop(self) -> None:
         while True:
             try:
-                await self.tick()
+                await self._step()
             except (GatewayError, *REDIS_ERRORS) as exc:
                 log.warning("batch runner: %s", getattr(exc, "message", None) or type(exc).__name__)
             except Exception:
                 log.exception("batch runner round failed")
             stop_if_cancelled()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._config().poll_interval_s):
+                async with asyncio.timeout(max(0.0, self._next_round - time.monotonic())):
                     await self._wake.wait()
             self._wake.clear()
+
+    async def _step(self) -> None:
+        """A whole round when one is due, else a refill: lines started from the last round's batches."""
+        if self._round_due or time.monotonic() >= self._next_round:
+            self._round_due = False
+            self._next_round = time.monotonic() + self._config().poll_interval_s
+            await self.tick()
+        else:
+            self._refilling = True
+            try:
+                await self._dispatch(list(self._runnable))
+            finally:
+                self._refilling = False
 
     async def tick(self) -> None:
         """One round over the batches not final yet."""
@@ -161,6 +185,7 @@ class Runner:
             except Exception:  # one batch's trouble (a bug, a file it cannot write) must not hold the others
                 log.exception("batch runner: batch %s was not moved on this round", batch_id)
         self.metrics.queued.set(queued)
+        self._runnable = list(runnable)
         await self._dispatch(runnable)
         if time.monotonic() >= self._next_sweep:  # expired output files' contents leave the file store
             self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
@@ -230,6 +255,7 @@ class Runner:
         """Claim and start one line of the batch; False when it has none free or no capacity now."""
         claimed = await self.work.claim(batch_id, self.owner, 1)
         if not claimed:
+            self._drained(batch_id)
             return False
         index, raw = claimed[0]
         line = orjson.loads(raw)
@@ -249,6 +275,18 @@ class Runner:
         self.metrics.running.set(len(self.running))
         task.add_done_callback(self._line_finished)
         return True
+
+    def _drained(self, batch_id: str) -> None:
+        """The batch had no line to claim (all done or held, or it is no longer in progress): refills stop
+        trying it, and when a refill found that and none of its lines runs here, a whole round comes next,
+        to finalize it if it is done (at most once per round: it is out of the refills' list until the next
+        round, and a round finding it so asks for no other)."""
+        if not self._refilling or not any(batch_id == b for b, _ in self._runnable):
+            return
+        self._runnable = [item for item in self._runnable if item[0] != batch_id]
+        if not any(line.batch_id == batch_id for line in self.running.values()):
+            self._round_due = True
+            self._wake.set()
 
     def _line_finished(self, task: asyncio.Task[None]) -> None:
         self.running.pop(task, None)

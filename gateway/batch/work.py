@@ -32,8 +32,12 @@ import redis.asyncio as aioredis
 from gateway.batch.redis_errors import text
 from gateway.pipeline.batch_config import BatchesConfig
 
-# KEYS todo, leases, owners; ARGV now_ms, lease_ms, n, owner. The indexes claimed, in run order.
+# KEYS todo, leases, owners, batch; ARGV now_ms, lease_ms, n, owner. The indexes claimed, in run order; none
+# while the batch is not in progress, or sealed by an expiry being written.
 _CLAIM = """
+if redis.call('HGET', KEYS[4], 'status') ~= '"in_progress"' or redis.call('HEXISTS', KEYS[4], '_sealed') == 1 then
+  return {}
+end
 local now = tonumber(ARGV[1])
 local expiry = now + tonumber(ARGV[2])
 local want = tonumber(ARGV[3])
@@ -135,9 +139,10 @@ class Work:
         await pipe.execute()
 
     async def claim(self, batch_id: str, owner: str, n: int) -> list[tuple[int, bytes]]:
-        """Up to ``n`` lines nobody holds, now held by ``owner`` for ``lease_s``: (index, line)."""
+        """Up to ``n`` lines nobody holds, now held by ``owner`` for ``lease_s``: (index, line). None of a
+        batch that is not in progress (cancelled, expired, finalizing since its caller last read it)."""
         now_ms = int(time.time() * 1000)
-        keys = [self.key(batch_id, p) for p in ("todo", "leases", "owners")]
+        keys = [*(self.key(batch_id, p) for p in ("todo", "leases", "owners")), self._batch_key(batch_id)]
         idxs = await self._claim(keys=keys, args=[now_ms, int(self.config.lease_s * 1000), n, owner])
         return await self._lines(batch_id, [text(i) for i in idxs or ()])
 

@@ -3,11 +3,14 @@ download the output and the errors; every line went through the pipeline to the 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import openai
+import pytest
 import redis
 
+from gateway.batch.runner import Runner
 from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, wait_for
 from tests.support.fakes import FakeUpstream
 from tests.support.gateways import GatewayFactory, base_config
@@ -89,3 +92,40 @@ def test_a_finished_batch_keeps_its_results_in_its_files_only(
             left = sorted(redis_client.scan_iter(match=f"{batch_names['prefix']}:b:{batch.id}:*"))
     assert left == []
     assert [o["custom_id"] for o in output] == ["answered"] and [e["custom_id"] for e in errors] == ["refused"]
+
+
+def test_a_finished_line_does_not_cost_a_round_over_every_batch(
+    gateway_factory: GatewayFactory,
+    upstream: FakeUpstream,
+    upstream_url: str,
+    batch_names: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lines finishing one at a time (``max_in_flight`` 1) over 20 running batches: each finished line
+    starts the next one from the batches the last round found (a refill), not a whole round that reads
+    every running batch from Redis. Whole rounds come with each batch created and every poll interval.
+    (``bench/bench_batch_runner.py`` measures what the rounds cost: it grew with the number of batches.)"""
+    rounds: list[float] = []
+    tick = Runner.tick
+
+    async def counted(self: Runner) -> None:
+        rounds.append(time.monotonic())
+        await tick(self)
+
+    monkeypatch.setattr(Runner, "tick", counted)
+    batches, per = 20, 10
+    config = base_config([upstream_url], batches=batches_section(batch_names, max_in_flight=1, poll_interval_s=0.5))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server.url)
+        ids = []
+        for b in range(batches):
+            lines = [chat_line(f"b{b}-{i}", "hi", max_tokens=2) for i in range(per)]
+            source = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+            ids.append(client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h").id)  # fmt: skip
+        done = [wait_for(client, batch_id, ("completed",)) for batch_id in ids]
+    assert all(d.request_counts.completed == per for d in done)
+    assert len(upstream.requests) == batches * per
+    # before: a round per finished line (at least 200); now about one per batch created and per 0.5 s
+    elapsed = rounds[-1] - rounds[0]
+    assert len(rounds) <= batches + 2 * elapsed / 0.5 + 5, (len(rounds), elapsed)

@@ -31,6 +31,8 @@ def test_leases_and_exactly_once_results(batch_names: dict[str, Any]) -> None:
             batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
             lines = [b'{"custom_id": "a"}', b'{"custom_id": "b"}']
             await work.load_lines(batch["id"], lines, [1, 0])  # run order: line 1 first
+            assert await work.claim(batch["id"], "replica-1", 5) == []  # not yet in progress: nothing to run
+            assert await jobs.move(batch["id"], ("validating",), "in_progress")
             first = await work.claim(batch["id"], "replica-1", 5)
             assert [index for index, _ in first] == [1, 0]
             assert await work.claim(batch["id"], "replica-2", 5) == []  # both leased
@@ -55,6 +57,9 @@ def test_leases_and_exactly_once_results(batch_names: dict[str, Any]) -> None:
             assert len(await work.results(batch["id"], "out")) == 1 and await work.results(batch["id"], "err") == []
             assert await work.pending(batch["id"]) == 1
             assert await work.running(batch["id"]) == 1  # line 0, still replica-2's
+            await work.release(batch["id"], "replica-2", [0])
+            assert await jobs.move(batch["id"], ("in_progress",), "cancelling")
+            assert await work.claim(batch["id"], "replica-1", 5) == []  # cancelled since: line 0 is not run
         finally:
             await client.aclose()
 
