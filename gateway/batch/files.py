@@ -55,6 +55,9 @@ class Stored:
     hold: Hold | None = None
 
 
+_CHUNK = 100  # file records read per round trip while a page is filled
+
+
 class Files:
     """Create, look up, read and delete files, per scope."""
 
@@ -72,8 +75,11 @@ class Files:
     def _expiring(self) -> str:
         return f"{self.config.redis_prefix}:files-expiring"
 
+    def _gone(self, scope: str) -> str:
+        return f"{self.config.redis_prefix}:files-gone:{scope}"
+
     def _keys(self, scope: str, file_id: str) -> FileKeys:
-        return FileKeys(self._key(file_id), self._index(scope), self._expiring)
+        return FileKeys(self._key(file_id), self._index(scope), self._expiring, self._gone(scope))
 
     async def create(
         self, scope: str, filename: str, purpose: str, pieces: AsyncIterator[bytes], *, file_id: str | None = None
@@ -200,28 +206,46 @@ class Files:
         self, scope: str, *, purpose: str | None, limit: int, after: str | None, order: str
     ) -> tuple[list[dict[str, Any]], bool]:
         """A page of the scope's files (``order`` by creation, "desc" first by default), after the file
-        ``after``; and whether more follow. Expired files are dropped from the index as they are met."""
+        ``after``; and whether more follow. ``after`` may be a file deleted or expired since (its place is
+        kept a while): a client deleting the files it pages through goes on where it was. Read a chunk at a
+        time from where the page starts, never the whole index. Expired files are dropped from the index
+        as they are met."""
+        index, desc = self._index(scope), order == "desc"
+        start = await self._start(scope, after, desc)
+        if start is None:
+            return [], False
+        page: list[dict[str, Any]] = []
+        while len(page) <= limit:
+            async with guarded("list the files"):
+                chunk = [text(i) for i in await self.redis.zrange(index, start, start + _CHUNK - 1, desc=desc)]
+                raws = await self.redis.mget([self._key(i) for i in chunk]) if chunk else []
+            stale = [file_id for file_id, raw in zip(chunk, raws, strict=True) if raw is None]
+            for raw in raws:
+                obj = orjson.loads(raw)["file"] if raw is not None else None
+                if obj is not None and (purpose is None or obj["purpose"] == purpose):
+                    page.append(obj)
+            if stale:
+                async with guarded("list the files"):
+                    await self.redis.zrem(index, *stale)
+            if len(chunk) < _CHUNK:
+                break
+            start += _CHUNK - len(stale)  # the stale ones are gone from the index: the next ones moved up
+        return page[:limit], len(page) > limit
+
+    async def _start(self, scope: str, after: str | None, desc: bool) -> int | None:
+        """Where in the index (in ``desc`` order or not) a page after the file ``after`` starts: past it,
+        or past its place if it was deleted or expired lately; None for an id the scope never had."""
+        if after is None:
+            return 0
         index = self._index(scope)
         async with guarded("list the files"):
-            ids = [text(i) for i in await self.redis.zrange(index, 0, -1, desc=order == "desc")]
-        if after is not None:
-            ids = ids[ids.index(after) + 1 :] if after in ids else []
-        page: list[dict[str, Any]] = []
-        stale: list[str] = []
-        for start in range(0, len(ids), 100):
-            chunk = ids[start : start + 100]
-            async with guarded("list the files"):
-                raws = await self.redis.mget([self._key(i) for i in chunk])
-            for file_id, raw in zip(chunk, raws, strict=True):
-                if raw is None:
-                    stale.append(file_id)
-                    continue
-                obj = orjson.loads(raw)["file"]
-                if purpose is None or obj["purpose"] == purpose:
-                    page.append(obj)
-            if len(page) > limit:
-                break
-        if stale:
-            async with guarded("list the files"):
-                await self.redis.zrem(index, *stale)
-        return page[:limit], len(page) > limit
+            rank: Any = await (self.redis.zrevrank if desc else self.redis.zrank)(index, after)
+            if rank is not None:
+                return int(rank) + 1
+            place = await self.redis.zscore(self._gone(scope), after)
+            if place is None:
+                return None
+            # the files listed before it: created before it (after it, when the newest come first)
+            low, high = (f"({place}", "+inf") if desc else ("-inf", f"({place}")
+            before: Any = await self.redis.zcount(index, low, high)
+        return int(before)

@@ -36,6 +36,10 @@ from gateway.wire.errors import GatewayError, InvalidRequest
 
 HOLD_S = 120.0  # how long a hold outlives its last renewal (an upload renews it every third of that)
 GRANT = 1 << 20  # an upload of unknown length reserves this much more each time it needs more
+#: A deleted or expired file's place in its scope's listing is kept (the newest this many, this long), so a
+#: client paging past it (``after`` = its id: deleting while iterating) goes on from there.
+GONE_KEPT = 1000
+GONE_TTL_S = 86400
 
 # KEYS[1] usage, KEYS[2] held, KEYS[3] held-until. Drops lapsed holds; sets now, held, uploads, stored, files.
 _PURGE = """
@@ -121,8 +125,10 @@ return {1}
 """
 )
 
-# KEYS[1] usage, KEYS[2] file-bytes, KEYS[3] the record, KEYS[4] the scope's index, KEYS[5] the expiring set;
-# ARGV[1] file id, ARGV[2] "sweep" (the record expired: leave a record written again since alone) or "delete".
+# KEYS[1] usage, KEYS[2] file-bytes, KEYS[3] the record, KEYS[4] the scope's index, KEYS[5] the expiring set,
+# KEYS[6] the scope's gone files (id -> its place in the index, the newest GONE_KEPT, for GONE_TTL_S); ARGV[1]
+# file id, ARGV[2] "sweep" (the record expired: leave a record written again since alone) or "delete",
+# ARGV[3] GONE_KEPT, ARGV[4] GONE_TTL_S.
 # -> 1 the file is gone and no longer counted, 0 nothing done (swept, but its record is there again).
 _FORGET = """
 if ARGV[2] == 'sweep' then
@@ -130,6 +136,12 @@ if ARGV[2] == 'sweep' then
 else
   redis.call('DEL', KEYS[3])
   redis.call('ZREM', KEYS[5], ARGV[1])
+end
+local place = redis.call('ZSCORE', KEYS[4], ARGV[1])
+if place then  -- its place in the listing, for a client paging past it
+  redis.call('ZADD', KEYS[6], place, ARGV[1])
+  redis.call('ZREMRANGEBYRANK', KEYS[6], 0, -1 - tonumber(ARGV[3]))
+  redis.call('EXPIRE', KEYS[6], tonumber(ARGV[4]))
 end
 redis.call('ZREM', KEYS[4], ARGV[1])
 local counted = redis.call('HGET', KEYS[2], ARGV[1])
@@ -149,6 +161,7 @@ class FileKeys:
     record: str
     index: str
     expiring: str
+    gone: str  # the scope's files deleted or expired lately, by their place in ``index``
 
 
 class StorageFull(InvalidRequest):
@@ -256,9 +269,10 @@ class Usage:
         """Delete the file's record and take it off the scope's usage (once, whoever else deletes it).
         ``swept``: its record expired; False (nothing done) when the record is there again (written anew
         meanwhile: its contents must stay)."""
-        all_keys = [self.key(scope), self._counted, keys.record, keys.index, keys.expiring]
+        all_keys = [self.key(scope), self._counted, keys.record, keys.index, keys.expiring, keys.gone]
+        args = [file_id, "sweep" if swept else "delete", GONE_KEPT, GONE_TTL_S]
         async with guarded("delete the file"):
-            return bool(await self._forget(keys=all_keys, args=[file_id, "sweep" if swept else "delete"]))
+            return bool(await self._forget(keys=all_keys, args=args))
 
 
 class Hold:

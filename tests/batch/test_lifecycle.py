@@ -232,6 +232,31 @@ def test_files_and_batches_are_listed_in_pages(
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "purpose"
 
 
+@pytest.mark.parametrize("order", ["asc", "desc"])
+def test_deleting_the_files_of_each_page_while_paging_deletes_them_all(
+    gateway_factory: GatewayFactory, upstream_url: str, batch_names: dict[str, Any], order: str
+) -> None:
+    """The SDK's auto-pagination asks for the page after the last file of the page before, which the loop
+    has just deleted: the listing goes on from that file's place, as it would from a file still there.
+    (It ended after the first page: a deleted ``after`` gave an empty page.) Pages are read a chunk at a
+    time: 230 files, more than two chunks."""
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        uploaded = [client.files.create(file=(f"f{i}.jsonl", b"{}\n"), purpose="batch").id for i in range(230)]
+        listed = [f.id for f in client.files.list(limit=100, order=order)]
+        assert listed == (uploaded if order == "asc" else uploaded[::-1])
+        seen = []
+        for f in client.files.list(limit=7, order=order):  # each page's files deleted as it is read
+            seen.append(f.id)
+            client.files.delete(f.id)
+        assert seen == listed
+        assert client.files.list().data == []
+        assert client.files.list(after=uploaded[5]).data == []  # a deleted file's place: nothing after it now
+        unknown = "file-" + "0" * 24
+        assert client.files.list(after=unknown).data == []  # an id this tenant never had: an empty page
+
+
 def test_a_limit_that_is_no_integer_is_a_400(
     gateway_factory: GatewayFactory, upstream_url: str, batch_names: dict[str, Any]
 ) -> None:
