@@ -85,7 +85,9 @@ class MessagesRequest:
 def parse_request(body: dict[str, Any], *, count_tokens: bool = False) -> MessagesRequest:
     """Check a Messages (or count_tokens) body; raise a 400 naming the first problem."""
     accepted = _COUNT_FIELDS if count_tokens else _ACCEPTED
-    for name in body:
+    for name, value in body.items():
+        if value is None and name in _UNSUPPORTED:
+            continue  # null asks for nothing: a client that sends every field it knows, unset ones as null
         if name in _UNSUPPORTED or (name in _ACCEPTED and name not in accepted):
             reason = _UNSUPPORTED.get(name, "it does not apply to counting tokens")
             raise bad(f"'{name}' is not supported by this gateway: {reason}.", name, "unsupported_parameter")

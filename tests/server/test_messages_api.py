@@ -509,6 +509,26 @@ def test_errors_have_anthropics_shape(
     assert chats(upstream) == []
 
 
+def test_a_field_anthropics_servers_handle_is_refused_unless_it_is_null(
+    gateway: ServerThread, upstream: FakeUpstream
+) -> None:
+    """``container``, ``mcp_servers`` and the like ask for what only Anthropic's servers do: a 400 naming
+    the field. Sent as null they ask for nothing (a client that sends every field it knows, unset ones as
+    null): the request is answered."""
+    fields = ("container", "mcp_servers", "inference_geo", "diagnostics", "user_profile_id", "workspace_id")
+    for name in fields:
+        refused = httpx.post(gateway.url + "/v1/messages", json={"model": "m1", "max_tokens": 8, "messages": USER,
+                                                                 name: "x"})  # fmt: skip
+        assert _error(refused) == (400, "invalid_request_error"), name
+        assert name in refused.json()["error"]["message"]
+    assert chats(upstream) == []
+    nulls = {name: None for name in fields}
+    answer = httpx.post(gateway.url + "/v1/messages", json={"model": "m1", "max_tokens": 8, "messages": USER, **nulls})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["type"] == "message"
+    assert not set(fields) & set(chats(upstream)[0])  # nothing of them reaches the worker
+
+
 def test_transport_errors_and_worker_failures_have_anthropics_shape(
     gateway: ServerThread, upstream: FakeUpstream
 ) -> None:
