@@ -40,6 +40,10 @@ class Parsed:
         return sorted((i for i, raw in enumerate(self.lines) if raw), key=lambda i: self.keys[i])
 
 
+#: A UTF-8 byte order mark: Windows editors and PowerShell's UTF-8 output start a file with one.
+_BOM = b"\xef\xbb\xbf"
+
+
 async def split_lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """The lines of a stream of byte pieces (without their newlines; blank lines skipped). A line's start
     is kept as its pieces and joined once, so a long line costs its length, not its length squared."""
@@ -101,6 +105,10 @@ async def parse_input(pieces: AsyncIterator[bytes], endpoint: str, max_lines: in
     parsed = Parsed()
     seen: set[str] = set()
     async for raw in split_lines(pieces):
+        if not parsed.lines and raw.startswith(_BOM):  # the file's own mark, not its first line's
+            raw = raw[len(_BOM) :]
+            if not raw.strip():
+                continue
         index = len(parsed.lines)
         if index >= max_lines:
             parsed.errors.append(_batch_error("too_many_lines", f"The input has more than {max_lines} lines.", None))

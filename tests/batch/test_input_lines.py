@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from gateway.batch.lines import split_lines
+from gateway.batch.lines import parse_input, split_lines
+from tests.support.batches import chat_line, jsonl
 
 
 async def _pieces(pieces: list[bytes]) -> AsyncIterator[bytes]:
@@ -35,3 +36,17 @@ async def test_a_long_line_costs_its_length_not_its_square() -> None:
     spent = time.process_time() - started
     assert [len(line) for line in lines] == [64 << 20, 2]
     assert spent < 1.0, spent  # a copy of the line per piece took several seconds of the event loop
+
+
+async def test_a_byte_order_mark_at_the_start_of_the_file_is_not_part_of_the_first_line() -> None:
+    """Windows editors and PowerShell start a UTF-8 file with a byte order mark: the first line is read
+    without it (it was malformed JSON); a mark anywhere else is the line's own, and malformed."""
+    bom = b"\xef\xbb\xbf"
+    data = jsonl([chat_line("a", "x"), chat_line("b", "y")])
+    for source in (bom + data, bom + b"\n" + data):
+        parsed = await parse_input(_pieces([source[:2], source[2:]]), "/v1/chat/completions", 10)
+        assert (parsed.errors, parsed.malformed, len(parsed.lines)) == ([], [], 2)
+        assert parsed.lines[0] == jsonl([chat_line("a", "x")]).strip()
+    inner = await parse_input(_pieces([jsonl([chat_line("a", "x")]) + bom + jsonl([chat_line("b", "y")])]),
+                              "/v1/chat/completions", 10)  # fmt: skip
+    assert inner.errors == [] and [code for _, _, code, _ in inner.malformed] == ["invalid_json"]
