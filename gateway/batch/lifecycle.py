@@ -128,6 +128,7 @@ class Lifecycle:
                 await self.files.create(scope, filename, "batch_output", _jsonl(lines), file_id=file_id)
                 fields[f"{name}_file_id"] = file_id
         allowed = ("validating", "in_progress", "finalizing", "cancelling")
+        await self.work.expire(batch_id, self.config.output_ttl_s)  # a final batch's work is nobody's to drop
         moved = await self.jobs.move(batch_id, allowed, final, **fields)
         if moved:
             await self.work.drop(batch_id)

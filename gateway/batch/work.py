@@ -116,6 +116,10 @@ return n
 """
 
 
+#: Every key of a batch's work.
+_PARTS = ("lines", "todo", "leases", "owners", "out", "err")
+
+
 class Work:
     """The lines of every batch, as claims, renewals and results."""
 
@@ -206,8 +210,16 @@ class Work:
         entries.sort(key=lambda e: int(e[0]))
         return [e[1] for e in entries]
 
+    async def expire(self, batch_id: str, seconds: int) -> None:
+        """Let the batch's work expire in ``seconds`` unless ``drop`` deletes it first: set before the batch
+        is moved to a final status, after which nothing else would ever delete it (a ``drop`` that failed,
+        a replica that died between the two)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for part in _PARTS:
+            pipe.expire(self.key(batch_id, part), seconds)
+        await pipe.execute()
+
     async def drop(self, batch_id: str) -> None:
         """Forget the work once the batch is final: its results live on in its files only. (A run that ends
         later records nothing: ``record`` writes only while the batch is not final.)"""
-        parts = ("lines", "todo", "leases", "owners", "out", "err")
-        await self.redis.delete(*(self.key(batch_id, p) for p in parts))
+        await self.redis.delete(*(self.key(batch_id, p) for p in _PARTS))

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+import pytest
 import redis.asyncio as aioredis
 
 from gateway.batch.blobs import DirectoryStore
@@ -216,6 +217,44 @@ def test_a_run_ending_after_its_batch_is_final_records_nothing(batch_names: dict
             assert final is not None and final["status"] == "completed"
             assert final["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
             assert final["usage"]["total_tokens"] == 8
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_finalized_batch_whose_work_was_not_dropped_leaves_none_of_it_for_good(batch_names: dict[str, Any]) -> None:
+    """The drop after a batch's move to its final status failed (Redis went away, the replica died): no
+    round ever sees the batch again to drop its work, so its lines and results must expire by themselves."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"])
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, config)
+            files = Files(client, DirectoryStore(config.files_dir), config)
+            work = Work(client, config, jobs.key)
+            lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
+            source = await files.create("shared", "in.jsonl", "batch", _once(jsonl([chat_line("a", "x")])))
+            batch = await jobs.create("shared", Caller(""), source["id"], "/v1/chat/completions", None)
+            record = await jobs.load(batch["id"])
+            assert record is not None
+            await lifecycle.validate(batch["id"], record)
+
+            async def lost(batch_id: str) -> None:
+                raise ConnectionError("Redis went away")
+
+            work.drop = lost  # type: ignore[method-assign]
+            moved = await jobs.move(batch["id"], ("in_progress",), "cancelling")
+            assert moved
+            with pytest.raises(ConnectionError):
+                await lifecycle.finalize(batch["id"], {**record, "status": "cancelling"}, "cancelled")
+            final = await jobs.load(batch["id"])
+            assert final is not None and final["status"] == "cancelled"
+            pattern = f"{batch_names['prefix']}:b:{batch['id']}:*"
+            left = [k async for k in client.scan_iter(match=pattern)]
+            assert left  # the lines and the written-off result: not dropped
+            assert {k: await client.ttl(k) for k in left if await client.ttl(k) < 0} == {}
         finally:
             await client.aclose()
 
