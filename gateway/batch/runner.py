@@ -110,7 +110,6 @@ class Runner:
         self._runnable: list[tuple[str, dict[str, Any]]] = []  # the last round's batches with lines to run
         self._round_due = True  # the next step is a whole round (asked for, or the poll interval passed)
         self._next_round = 0.0  # monotonic time of the next whole round
-        self._refilling = False  # the step running is a refill, not a whole round
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -157,11 +156,7 @@ class Runner:
             self._next_round = time.monotonic() + self._config().poll_interval_s
             await self.tick()
         else:
-            self._refilling = True
-            try:
-                await self._dispatch(list(self._runnable))
-            finally:
-                self._refilling = False
+            await self._dispatch(list(self._runnable), refill=True)
 
     async def tick(self) -> None:
         """One round over the batches not final yet."""
@@ -232,7 +227,7 @@ class Runner:
                     line.run.abandon()
                 task.cancel()
 
-    async def _dispatch(self, runnable: list[tuple[str, dict[str, Any]]]) -> None:
+    async def _dispatch(self, runnable: list[tuple[str, dict[str, Any]]], *, refill: bool = False) -> None:
         """Claim lines one per batch in turn (no batch starves another) while this replica has room and
         the lines' models have idle capacity.
 
@@ -242,20 +237,20 @@ class Runner:
         config = self._config()
         now = time.monotonic()
         self._paused = {batch_id: until for batch_id, until in self._paused.items() if until > now}
-        runnable = rotated_after([item for item in runnable if item[0] not in self._paused], self._last_served)
+        runnable = rotated_after(runnable, self._last_served)
         while runnable and len(self.running) < config.max_in_flight:
             batch_id, record = runnable.pop(0)
-            if batch_id in self._paused:  # one of its lines was refused for now while this round ran
+            if batch_id in self._paused:  # one of its lines was refused for now (before or during this step)
                 continue
-            if await self._start_one(batch_id, record, config):
+            if await self._start_one(batch_id, record, config, refill):
                 self._last_served = batch_id
                 runnable.append((batch_id, record))
 
-    async def _start_one(self, batch_id: str, record: dict[str, Any], config: BatchesConfig) -> bool:
+    async def _start_one(self, batch_id: str, record: dict[str, Any], config: BatchesConfig, refill: bool) -> bool:
         """Claim and start one line of the batch; False when it has none free or no capacity now."""
         claimed = await self.work.claim(batch_id, self.owner, 1)
         if not claimed:
-            self._drained(batch_id)
+            self._drained(batch_id, refill)
             return False
         index, raw = claimed[0]
         line = orjson.loads(raw)
@@ -276,12 +271,12 @@ class Runner:
         task.add_done_callback(self._line_finished)
         return True
 
-    def _drained(self, batch_id: str) -> None:
+    def _drained(self, batch_id: str, refill: bool) -> None:
         """The batch had no line to claim (all done or held, or it is no longer in progress): refills stop
         trying it, and when a refill found that and none of its lines runs here, a whole round comes next,
         to finalize it if it is done (at most once per round: it is out of the refills' list until the next
         round, and a round finding it so asks for no other)."""
-        if not self._refilling or not any(batch_id == b for b, _ in self._runnable):
+        if not refill or not any(batch_id == b for b, _ in self._runnable):
             return
         self._runnable = [item for item in self._runnable if item[0] != batch_id]
         if not any(line.batch_id == batch_id for line in self.running.values()):
