@@ -22,6 +22,14 @@ from gateway.pipeline.batch_config import BatchesConfig, Caller
 from tests.support.batches import chat_line, jsonl
 
 
+async def batch_in_progress(jobs: Jobs, work: Work, lines: list[bytes]) -> str:
+    """A new batch whose ``lines`` are loaded (to run in their order) and which is in progress: its id."""
+    batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
+    await work.load_lines(batch["id"], lines, list(range(len(lines))))
+    assert await jobs.move(batch["id"], ("validating",), "in_progress", n_total=len(lines))
+    return str(batch["id"])
+
+
 def test_leases_and_exactly_once_results(batch_names: dict[str, Any]) -> None:
     async def scenario() -> None:
         config = BatchesConfig(redis_prefix=batch_names["prefix"], lease_s=0.3)
@@ -79,10 +87,7 @@ def test_a_success_replaces_an_error_while_the_batch_is_in_progress(batch_names:
         try:
             jobs = Jobs(client, config)
             work = Work(client, config, jobs.key)
-            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
-            batch_id = batch["id"]
-            await work.load_lines(batch_id, [b'{"custom_id": "a"}', b'{"custom_id": "b"}'], [0, 1])
-            assert await jobs.move(batch_id, ("validating",), "in_progress")
+            batch_id = await batch_in_progress(jobs, work, [b'{"custom_id": "a"}', b'{"custom_id": "b"}'])
             assert [i for i, _ in await work.claim(batch_id, "slow", 2)] == [0, 1]
             await client.zadd(work.key(batch_id, "leases"), {"0": 0})  # line 0's lease lapses
             assert [i for i, _ in await work.claim(batch_id, "taker", 2)] == [0]
@@ -199,10 +204,7 @@ def test_a_run_ending_after_its_batch_is_final_records_nothing(batch_names: dict
             files = Files(client, DirectoryStore(config.files_dir), config)
             work = Work(client, config, jobs.key)
             lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
-            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
-            batch_id = batch["id"]
-            await work.load_lines(batch_id, [orjson.dumps(chat_line("a", "x"))], [0])
-            assert await jobs.move(batch_id, ("validating",), "in_progress", n_total=1)
+            batch_id = await batch_in_progress(jobs, work, [orjson.dumps(chat_line("a", "x"))])
             assert [i for i, _ in await work.claim(batch_id, "taker", 1)] == [0]
             line = {"custom_id": "a", "error": None}
             assert await work.record(batch_id, 0, "a", line, ok=True, tokens=(5, 3), owner="taker")
@@ -299,10 +301,7 @@ def test_a_success_written_first_does_not_wait_for_the_other_run(batch_names: di
         try:
             jobs = Jobs(client, config)
             work = Work(client, config, jobs.key)
-            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
-            batch_id = batch["id"]
-            await work.load_lines(batch_id, [b'{"custom_id": "a"}'], [0])
-            assert await jobs.move(batch_id, ("validating",), "in_progress")
+            batch_id = await batch_in_progress(jobs, work, [b'{"custom_id": "a"}'])
             assert [i for i, _ in await work.claim(batch_id, "slow", 1)] == [0]
             await client.zadd(work.key(batch_id, "leases"), {"0": 0})  # its lease lapses
             assert [i for i, _ in await work.claim(batch_id, "taker", 1)] == [0]
@@ -333,10 +332,7 @@ def test_a_run_ending_while_an_expiry_is_written_changes_no_result(batch_names: 
             files = Files(client, DirectoryStore(config.files_dir), config)
             work = Work(client, config, jobs.key)
             lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
-            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
-            batch_id = batch["id"]
-            await work.load_lines(batch_id, [orjson.dumps(chat_line(c, c)) for c in "ab"], [0, 1])
-            assert await jobs.move(batch_id, ("validating",), "in_progress", n_total=2)
+            batch_id = await batch_in_progress(jobs, work, [orjson.dumps(chat_line(c, c)) for c in "ab"])
             assert [i for i, _ in await work.claim(batch_id, "slow", 2)] == [0, 1]
             await client.zadd(work.key(batch_id, "leases"), {"1": 0})  # line 1's lease lapses
             assert [i for i, _ in await work.claim(batch_id, "taker", 2)] == [1]
