@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
-from tests.support.scripted_worker import ScriptedWorker, chunk, completion
+from tests.support.scripted_worker import ScriptedWorker, chunk, completion, text_in_a_calls_last_chunk
 
 WEATHER = {
     "name": "get_weather",
@@ -220,23 +220,8 @@ def test_text_in_the_same_chunk_as_a_tool_calls_arguments_does_not_cut_the_call(
     newline after a call in the delta that carries the call's last arguments: the call stays one whole
     tool_use block, and the text comes after it, as vLLM's entrypoint streams it."""
 
-    def call(index: int, arguments: str, name: str | None = None) -> dict[str, Any]:
-        named = {"id": f"call_{index}", "type": "function", "function": {"name": name}} if name else {"function": {}}
-        named["function"]["arguments"] = arguments
-        return {"index": index, **named}
-
-    def delta(**fields: Any) -> bytes:
-        return chunk({"index": 0, "delta": fields, "finish_reason": None})
-
     worker = ScriptedWorker()
-    worker.events = [
-        delta(role="assistant", tool_calls=[call(0, '{"city": ', "get_weather")]),
-        delta(content="\n", tool_calls=[call(0, '"Paris"}')]),  # the call's end and the text after it
-        delta(tool_calls=[call(1, '{"zone": "UTC"}', "get_time")]),
-        chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"}),
-        chunk(None, usage={"prompt_tokens": 9, "completion_tokens": 12}),
-        b"[DONE]",
-    ]
+    worker.events = text_in_a_calls_last_chunk()
     ask = {"model": "m1", "max_tokens": 64, "tools": [WEATHER], "messages": [{"role": "user", "content": "Weather?"}]}
     with (
         ServerThread(worker) as server,

@@ -20,7 +20,7 @@ import redis
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
 from tests.support.metrics import admin_metrics
-from tests.support.scripted_worker import ScriptedWorker, chunk
+from tests.support.scripted_worker import ScriptedWorker, text_in_a_calls_last_chunk
 
 TOOL = {
     "type": "function",
@@ -213,23 +213,8 @@ def test_text_in_the_same_chunk_as_a_calls_arguments_does_not_cut_the_call(
     function_call item, and the text is a message item after it, as vLLM's entrypoint streams it; the
     stored Response holds the same items."""
 
-    def call(index: int, arguments: str, name: str | None = None) -> dict[str, Any]:
-        named = {"id": f"call_{index}", "type": "function", "function": {"name": name}} if name else {"function": {}}
-        named["function"]["arguments"] = arguments
-        return {"index": index, **named}
-
-    def delta(**fields: Any) -> bytes:
-        return chunk({"index": 0, "delta": fields, "finish_reason": None})
-
     worker = ScriptedWorker()
-    worker.events = [
-        delta(role="assistant", tool_calls=[call(0, '{"city": ', "get_weather")]),
-        delta(content="\n", tool_calls=[call(0, '"Paris"}')]),  # the call's end and the text after it
-        delta(tool_calls=[call(1, '{"zone": "UTC"}', "get_time")]),
-        chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"}),
-        chunk(None, usage={"prompt_tokens": 9, "completion_tokens": 12}),
-        b"[DONE]",
-    ]
+    worker.events = text_in_a_calls_last_chunk()
     with (
         ServerThread(worker) as upstream,
         gateway_factory(base_config([upstream.url], responses={"redis_prefix": prefix})) as (_, gateway),

@@ -51,3 +51,30 @@ def chunk(choice: Any = None, **members: Any) -> bytes:
     """A chat completion chunk with the one ``choice`` (none: ``choices`` is empty), ``members`` replaced."""
     choices = [choice] if choice is not None else []
     return orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": choices, **members})
+
+
+def _call(index: int, arguments: str, name: str | None = None) -> dict[str, Any]:
+    """A tool call's delta: its first (with its id and ``name``) or a later one (arguments only)."""
+    named: dict[str, Any] = (
+        {"id": f"call_{index}", "type": "function", "function": {"name": name}} if name else {"function": {}}
+    )
+    named["function"]["arguments"] = arguments
+    return {"index": index, **named}
+
+
+def _delta(**fields: Any) -> bytes:
+    return chunk({"index": 0, "delta": fields, "finish_reason": None})
+
+
+def text_in_a_calls_last_chunk() -> list[bytes]:
+    """A stream whose second chunk carries both the end of call 0's arguments and the text after the call
+    (a worker sending several tokens per chunk: speculative decoding, ``--stream-interval``), then call 1:
+    ``get_weather {"city": "Paris"}``, the text ``"\n"``, ``get_time {"zone": "UTC"}``."""
+    return [
+        _delta(role="assistant", tool_calls=[_call(0, '{"city": ', "get_weather")]),
+        _delta(content="\n", tool_calls=[_call(0, '"Paris"}')]),  # the call's end and the text after it
+        _delta(tool_calls=[_call(1, '{"zone": "UTC"}', "get_time")]),
+        chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"}),
+        chunk(None, usage={"prompt_tokens": 9, "completion_tokens": 12}),
+        b"[DONE]",
+    ]
