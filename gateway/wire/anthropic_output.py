@@ -11,7 +11,7 @@ with ``stop_reason`` and usage, and ``message_stop``. Each SSE event carries its
 A reasoning model's thinking (the chat answer's ``reasoning``/``reasoning_content``) is a ``thinking``
 block before the text and tool calls, as vLLM's own Messages endpoint gives it. Its ``signature`` (sent
 last, as a ``signature_delta``, when streamed) is a random token: the SDKs require one, but nothing checks
-it, since thinking blocks a client sends back are dropped (``gateway.wire.anthropic_request``).
+it, since thinking blocks a client sends back are dropped (``gateway.wire.anthropic_turns``).
 
 A worker's answer that does not have the shape the translation reads (no ``choices`` list, a choice
 without its ``message``, a ``finish_reason`` or ``content`` that is not a string, a tool call that is not
