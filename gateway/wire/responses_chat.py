@@ -2,9 +2,13 @@
 the way back from what they saw to what the store keeps.
 
 ``chat_request`` builds the chat body for the expanded conversation (instructions, earlier turns'
-items, this request's input items). Plugins may rewrite that body on its way (safety redacts a secret
-into ``[SECRET]``); ``items_as_seen`` reads this request's input items back from the body the worker was
-given, so what is stored and listed later is what the worker saw, never the raw input. Pure: no I/O.
+items, this request's input items). An assistant turn is one chat message, as vLLM's Responses entrypoint
+builds it (``construct_chat_messages_with_tool_call``): calls join the assistant message before them, and
+assistant text joins the message its turn's calls opened; a text after a text is a message of its own.
+
+Plugins may rewrite that body on its way (safety redacts a secret into ``[SECRET]``); ``items_as_seen``
+reads this request's input items back from the body the worker was given, so what is stored and listed
+later is what the worker saw, never the raw input. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -73,8 +77,14 @@ def _append_message(messages: list[dict[str, Any]], item: dict[str, Any]) -> Slo
         return len(messages) - 1, 0
     if kind == "function_call_output":
         messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-    else:  # a message
-        role = "system" if item["role"] == "developer" else item["role"]
+        return len(messages) - 1, None
+    role = "system" if item["role"] == "developer" else item["role"]
+    last = messages[-1] if messages else None
+    if role == "assistant" and last is not None and last["role"] == "assistant" and last.get("content") is None:
+        # the text of a turn whose calls came first: one assistant message holds the turn's text and its
+        # calls, as vLLM's Responses entrypoint replays one and the chat templates render a tool-calling turn
+        last["content"] = text_of(item["content"])
+    else:
         messages.append({"role": role, "content": text_of(item["content"])})
     return len(messages) - 1, None
 

@@ -20,7 +20,7 @@ import redis
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
 from tests.support.metrics import admin_metrics
-from tests.support.scripted_worker import ScriptedWorker, text_in_a_calls_last_chunk
+from tests.support.scripted_worker import ScriptedWorker, completion, text_in_a_calls_last_chunk
 
 TOOL = {
     "type": "function",
@@ -259,6 +259,52 @@ def test_text_in_the_same_chunk_as_a_calls_arguments_does_not_cut_the_call(
     ]
     assert all(status == "completed" for _, _, status, *_ in accumulated) and final.status == "completed"
     assert items(events[-1].response.output) == items(stored.output) == accumulated  # type: ignore[union-attr]
+
+
+def test_a_turn_of_calls_and_text_is_replayed_as_one_assistant_message(
+    gateway_factory: GatewayFactory, prefix: str
+) -> None:
+    """A stored output of [function_call, message, function_call] reaches the worker's next chat request as
+    one assistant message holding the text and both calls, whether the turn is continued by
+    previous_response_id or its items are sent back as input: as vLLM's own Responses entrypoint builds
+    it (construct_chat_messages_with_tool_call), and as the chat templates expect a tool-calling turn."""
+
+    worker = ScriptedWorker()
+    worker.events = text_in_a_calls_last_chunk()
+    worker.body = completion()
+    question = "Weather and time in Paris?"
+    outputs = [
+        {"type": "function_call_output", "call_id": "call_0", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+    ]
+    with (
+        ServerThread(worker) as upstream,
+        gateway_factory(base_config([upstream.url], responses={"redis_prefix": prefix})) as (_, gateway),
+    ):
+        client = sdk(gateway)
+        with client.responses.stream(model="m1", input=question, tools=[TOOL]) as stream:
+            first = stream.get_final_response()
+        assert [item.type for item in first.output] == ["function_call", "message", "function_call"]
+        client.responses.create(model="m1", previous_response_id=first.id, input=outputs, tools=[TOOL])  # type: ignore[arg-type]
+        sent_back = [item.model_dump(exclude_none=True) for item in first.output]
+        client.responses.create(
+            model="m1",
+            input=[{"role": "user", "content": question}, *sent_back, *outputs],  # type: ignore[list-item]
+            tools=[TOOL],
+            store=False,
+        )
+    chained, resent = (request["messages"] for request in worker.requests[-2:])
+    calls = [
+        {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}},
+    ]
+    turn = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "\n", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    assert chained == resent == turn
 
 
 def test_text_format_json_schema_becomes_response_format(server: ServerThread, upstream: FakeUpstream) -> None:

@@ -244,3 +244,38 @@ def test_items_as_seen_take_every_text_from_what_the_worker_was_given() -> None:
     # a plugin that added a message: every text comes from the messages' tail, none from the raw input
     seen["messages"].insert(1, {"role": "system", "content": "added"})
     assert "sk-1" not in str(items_as_seen(req, history, seen))
+
+
+def test_text_between_calls_is_read_back_from_the_one_assistant_message() -> None:
+    """[call, text, call, text, text] of assistant items: the first text joins the message its call opened
+    (as vLLM's entrypoint builds it), a text after a text is a message of its own (as vLLM's too); each item,
+    a redaction applied, is read back from where it went."""
+    call = {"type": "function_call", "name": "f", "arguments": '{"k": "sk-1"}'}
+    req = parse_request(
+        {
+            "model": "m",
+            "input": [
+                {**call, "call_id": "c1"},
+                {"role": "assistant", "content": "between sk-1"},
+                {**call, "call_id": "c2"},
+                {"role": "assistant", "content": "after"},
+                {"role": "assistant", "content": "more"},
+            ],
+        }
+    )
+    body = chat_request(req, "m", [])
+    assert [(m["content"], [c["id"] for c in m.get("tool_calls", [])]) for m in body["messages"]] == [
+        ("between sk-1", ["c1", "c2"]),
+        ("after", []),
+        ("more", []),
+    ]
+    seen = orjson.loads(orjson.dumps(body).replace(b"sk-1", b"[SECRET]"))
+    items = items_as_seen(req, [], seen)
+    assert [i.get("arguments") or i["content"][0]["text"] for i in items] == [
+        '{"k": "[SECRET]"}',
+        "between [SECRET]",
+        '{"k": "[SECRET]"}',
+        "after",
+        "more",
+    ]
+    assert [i["id"] for i in items] == [i["id"] for i in req.input_items]
