@@ -188,12 +188,17 @@ class EventStream:
 
     ``start()`` gives response.created and response.in_progress; ``feed(chunk)`` the events of one chunk
     (output_item.added, content_part.added, reasoning_text.delta, output_text.delta,
-    function_call_arguments.delta); ``close()``
-    the ``.done`` events of every open item; ``completed()`` the final response.completed (or
+    function_call_arguments.delta, and the ``.done`` events of the item the next one ends); ``close()``
+    the ``.done`` events of the open item; ``completed()`` the final response.completed (or
     response.incomplete). ``response`` is the Response object being built, ready to store once closed.
 
-    Text that arrives while function calls are open is held, with its logprobs, and becomes a message
-    item of its own once those calls' items are done (as the next call starts, or the answer ends), as
+    One item is open at a time, as OpenAI streams them: each is done before the next is added. A function
+    call is done when the next call (another chat tool call index) or reasoning begins, or the answer
+    ends; the chat API streams calls one after another, so a call's arguments after its item was done are
+    the worker's failure (``BadGateway``): the client was already given the call whole.
+
+    Text that arrives while a function call is open is held, with its logprobs, and becomes a message
+    item of its own once the call's item is done (as the next call starts, or the answer ends), as
     vLLM's entrypoint does: a worker that sends several tokens per chunk (speculative decoding,
     ``--stream-interval``) can put the text after a call (the newline after ``</tool_call>``) in the same
     delta as the call's last arguments, and closing the call there would cut it in two items, the second
@@ -205,8 +210,10 @@ class EventStream:
         self._seq = 0
         self._reasoning: dict[str, Any] | None = None  # the open reasoning item
         self._message: dict[str, Any] | None = None  # the open message item
-        self._calls: dict[int, dict[str, Any]] = {}  # tool call index -> its open function_call item
-        self._held_text: list[str] = []  # text that came while function calls were open
+        self._call: dict[str, Any] | None = None  # the open function_call item
+        self._call_index: int | None = None  # and its chat tool call index
+        self._calls_done: set[int] = set()  # the chat tool call indexes whose items are done
+        self._held_text: list[str] = []  # text that came while a function call was open
         self._held_logprobs: list[dict[str, Any]] = []  # and its logprobs
         self._finish_reason: str | None = None
         self._usage: object = None
@@ -254,7 +261,7 @@ class EventStream:
     def _reasoning_delta(self, text: str) -> list[bytes]:
         out: list[bytes] = []
         if self._reasoning is None:
-            out += self._close_calls() + self._close_message()  # the calls' held text is a message, closed too
+            out += self._close_call() + self._close_message()  # the call's held text is a message, closed too
             item = reasoning_item("", status="in_progress")
             self._reasoning = item
             index = len(self.response["output"])
@@ -287,7 +294,7 @@ class EventStream:
         return [] if item is None else self._close_part(item, "response.reasoning_text.done")
 
     def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
-        if self._calls:  # the calls may not be whole yet: the text waits for their items to be done
+        if self._call is not None:  # the call may not be whole yet: the text waits for its item to be done
             self._held_text.append(text)
             self._held_logprobs += logprobs
             return []
@@ -326,14 +333,16 @@ class EventStream:
     def _tool_delta(self, call: dict[str, Any], function: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
         index = call.get("index", 0)
-        item = self._calls.get(index)
+        item = self._call if index == self._call_index else None
         if item is None:
-            out += self._close_reasoning()
-            if self._held_text:  # text came after the open calls: their items and its message come first
-                out += self._close_calls()
-            out += self._close_message()
+            if index in self._calls_done:
+                if function.get("name") or function.get("arguments"):
+                    raise malformed(f"tool call {index} went on after the next output item began")
+                return out  # an empty delta of a call that is done changes nothing
+            # the open call's item (and the message of the text held while it was open) is done first
+            out += self._close_reasoning() + self._close_call() + self._close_message()
             item = _function_call(call.get("id"), function.get("name") or "", "", status="in_progress")
-            self._calls[index] = item
+            self._call, self._call_index = item, index
             self.response["output"].append(item)
             out.append(
                 self._event(
@@ -375,24 +384,26 @@ class EventStream:
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 
-    def _close_calls(self) -> list[bytes]:
-        """The events that end the open function call items, then open the message of the text held while
-        they were open (left open: text that follows goes on in it)."""
-        out: list[bytes] = []
-        for item in self._calls.values():
-            index = self.response["output"].index(item)
-            item["status"] = self._item_status
-            out.append(
-                self._event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-            )
-            out.append(self._event("response.output_item.done", output_index=index, item=item))
-        self._calls = {}
+    def _close_call(self) -> list[bytes]:
+        """The events that end the open function call item, then open the message of the text held while
+        it was open (left open: text that follows goes on in it)."""
+        item, self._call = self._call, None
+        if item is None:
+            return []
+        assert self._call_index is not None
+        self._calls_done.add(self._call_index)
+        index = self.response["output"].index(item)
+        item["status"] = self._item_status
+        out = [
+            self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            ),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
         if self._held_text:
             text, logprobs = "".join(self._held_text), self._held_logprobs
             self._held_text, self._held_logprobs = [], []
@@ -403,7 +414,7 @@ class EventStream:
         """The ``.done`` events of the open items; the Response then holds its final status and usage."""
         if _INCOMPLETE.get(self._finish_reason or ""):
             self._item_status = "incomplete"
-        out = self._close_reasoning() + self._close_calls() + self._close_message()
+        out = self._close_reasoning() + self._close_call() + self._close_message()
         finish(self.response, self._finish_reason, self._usage)
         return out
 

@@ -205,6 +205,42 @@ def test_tool_round_trip_plain_and_streamed(server: ServerThread, upstream: Fake
     assert final.output[0].call_id == "call_xyz" and final.output[0].status == "completed"
 
 
+def test_a_call_is_done_when_the_next_call_starts(server: ServerThread, upstream: FakeUpstream) -> None:
+    """Two calls streamed one after the other: the first call's arguments.done and output_item.done come
+    as the second starts, as OpenAI streams them (an item is done before the next is added), each at its
+    own output_index; the stored Response holds the same two calls the SDK accumulated."""
+    upstream.behavior.tool_calls = [
+        {"id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"id": "call_b", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+    ]
+    client = sdk(server)
+    with client.responses.stream(model="m1", input="Paris and Rome?", tools=[TOOL]) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    stored = client.responses.retrieve(final.id)
+    placed = [(e.type, e.output_index) for e in events if hasattr(e, "output_index")]
+    one_call = [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    assert placed == [(kind, 0) for kind in one_call] + [(kind, 1) for kind in one_call]
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [(e.item.call_id, e.item.arguments, e.item.status) for e in done] == [  # type: ignore[union-attr]
+        ("call_a", '{"city": "Paris"}', "completed"),
+        ("call_b", '{"city": "Rome"}', "completed"),
+    ]
+    assert [e.sequence_number for e in events] == sorted(e.sequence_number for e in events)
+
+    def calls(output: Any) -> list[tuple[Any, ...]]:
+        return [(item.id, item.status, item.call_id, item.name, item.arguments) for item in output]
+
+    streamed = calls(e.item for e in done)  # type: ignore[union-attr]
+    assert calls(final.output) == calls(stored.output) == calls(events[-1].response.output) == streamed  # type: ignore[union-attr]
+
+
 def test_text_in_the_same_chunk_as_a_calls_arguments_does_not_cut_the_call(
     gateway_factory: GatewayFactory, prefix: str
 ) -> None:

@@ -208,3 +208,29 @@ def test_the_events_of_the_chunks_before_a_malformed_one_come_before_the_error(s
     kinds = [event["type"] for event in events]
     assert kinds[-1] == "error" and "response.completed" not in kinds
     assert [event["delta"] for event in events if event["type"] == "response.output_text.delta"] == ["Hello"]
+
+
+def test_arguments_of_a_call_after_the_next_call_began_are_the_workers_failure(scripted: Scripted) -> None:
+    """A call's item is done once the next call begins (its arguments.done already gave the client the call
+    whole): more arguments for it afterwards end the stream with the worker's error, and nothing is stored,
+    rather than a second item for the same call without its id and name. An empty delta of that call changes
+    nothing and is let through."""
+    second = {**call_delta(arguments="{}", name="get_time"), "index": 1, "id": "call_2"}
+    first_again: dict[str, Any] = {"index": 0, "function": {}}
+    opening = [delta(tool_calls=[call_delta(arguments='{"city": ')]), delta(tool_calls=[second])]
+    ending = [chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"}), b"[DONE]"]
+    client = scripted.sdk()
+
+    scripted.worker.events = [*opening, delta(tool_calls=[first_again]), *ending]
+    with client.responses.stream(**ASK, store=False) as stream:
+        final = stream.get_final_response()
+    assert [(item.call_id, item.arguments) for item in final.output] == [("call_1", '{"city": '), ("call_2", "{}")]  # type: ignore[union-attr]
+
+    late = {**first_again, "function": {"arguments": '"Paris"}'}}
+    scripted.worker.events = [*opening, delta(tool_calls=[late]), *ending]
+    with pytest.raises(openai.APIError) as caught, client.responses.stream(**ASK) as stream:
+        for _ in stream:
+            pass
+    assert caught.value.body["code"] == "upstream_error"  # type: ignore[index]
+    assert "tool call 0" in caught.value.message
+    assert scripted.stored() == []
