@@ -21,6 +21,12 @@ replay what the worker still buffers, then apply each batch. What real streams d
   event loop for seconds): it is taken as a clear of the worker's entries in its place in the sequence
   (what it stored or evicted is unknown), and the worker is followed on from the next batch, on the same
   connection.
+- A message with a frame over ``FeedSettings.max_frame_bytes`` (four times ``max_message_bytes``) is never
+  taken in: ZMQ itself (``zmq.MAXMSGSIZE`` on both sockets) drops the connection on reading the frame's
+  size, so a publisher cannot make the gateway allocate what it likes. ZMQ takes that for a protocol
+  error and never connects again by itself (libzmq 4.3), so the feed watches its connection and makes a
+  new one when it is dropped. The batch is then a gap: its replay is refused the same way, so the worker
+  is resynchronised (its entries dropped, as for a batch not decoded) and followed on from the next batch.
 
 State lives in the worker table (``WorkerTable.kv``) so it survives config reloads; routing's
 ``follow`` says which workers to follow and how.
@@ -58,6 +64,7 @@ log = logging.getLogger("gateway.kv_events")
 #: ``async (url, timeout_s) -> (status, body)``: a bounded GET (the upstream client's).
 Fetch = Callable[[str, float], Awaitable[tuple[int, bytes]]]
 _DUPLICATE_WINDOW_S = 5.0  # batches re-read from the live socket right after a replay are duplicates
+_RECONNECT_S = 0.1  # as ZMQ's own reconnect interval: a publisher that drops each connection gets ten a second
 _HIT_ALPHA = 0.1  # the hit rate's moving average weighs about the last 20 responses
 
 
@@ -81,6 +88,14 @@ class FeedSettings:
     #: ``BlockRemoved``, so ~9.5 bytes a token with 16-token blocks. 16 MiB holds a whole 1M-token prompt
     #: stored and evicted in one step; a larger payload is not decoded (25 MB took 2.3 s to decode).
     max_message_bytes: int = 16 << 20
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame ZMQ takes in at all (``zmq.MAXMSGSIZE``): four times ``max_message_bytes``
+        (64 MiB by default), so a batch a few times over the limit still stands as a clear in its place on
+        the same connection, while what one message can cost stays bounded (a bigger frame drops the
+        connection before it is allocated)."""
+        return 4 * self.max_message_bytes
 
 
 def source_from_discovery(worker_url: str, body: object) -> KvSource | None:
@@ -130,6 +145,7 @@ class WorkerKv:
     removals: int = 0  # blocks the worker evicted
     received: int = 0  # read from the live socket
     unread: int = 0  # batches over max_message_bytes, taken as clears without being decoded
+    reconnects: int = 0  # live connections dropped (a frame over max_frame_bytes, the worker gone) and made again
     first_stored: Stored | None = None  # for routing's check of its own hashes against the worker's
     hit_rate: float | None = None  # recent share of prompt tokens the worker reported cached (moving average)
     _dup_window: tuple[int, int, float] | None = field(default=None, repr=False)
@@ -240,18 +256,38 @@ class KvFeed:
 
     async def _subscribe(self, url: str, given: KvSource | None) -> None:
         source = given or await self._discover(url)
-        self.workers[url].source = source
+        state = self.workers[url]
+        state.source = source
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        log.info("following KV events of %s at %s", url, source.endpoint)
+        await self._listen(url, source, first=True)
+        while True:  # ZMQ never makes again a connection it dropped for a frame over the bound: make it here
+            state.reconnects += 1
+            log.warning("the KV event connection to %s was dropped (a frame over %d bytes, or the worker "
+                        "went away); connecting again", source.endpoint, self.settings.max_frame_bytes)  # fmt: skip
+            await asyncio.sleep(_RECONNECT_S)
+            await self._listen(url, source, first=False)
+
+    async def _listen(self, url: str, source: KvSource, first: bool) -> None:
+        """Apply the live batches of one connection to ``source`` until it is dropped (then return). On
+        the ``first``, what the worker buffered from before comes first; after a drop, the batches lost
+        meanwhile are a gap like any other, found by the next batch."""
+        sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        dropped = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(dropped, zmq.POLLIN)
         try:
             sub.connect(source.endpoint)
             sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
-            log.info("following KV events of %s at %s", url, source.endpoint)
-            await self._catch_up(url, 0, None)  # what the worker still buffers from before we came
+            if first:
+                await self._catch_up(url, 0, None)  # what the worker still buffers from before we came
             while True:
+                ready = dict(await poller.poll())
+                if sub not in ready:
+                    return  # dropped, and all it queued read: what was lost with it is a gap for the next batch
                 frames = await sub.recv_multipart(copy=False)
                 try:
                     batch = self._unread(url, frames) or decode_message([frame.bytes for frame in frames])
@@ -260,7 +296,17 @@ class KvFeed:
                     continue
                 await self.receive(url, batch)
         finally:
+            sub.disable_monitor()
+            dropped.close(linger=0)
             sub.close(linger=0)
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        """A socket of the feed's context that takes in no frame over ``max_frame_bytes``."""
+        assert self._ctx is not None
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes)
+        return sock
 
     async def _discover(self, url: str) -> KvSource:
         """Ask the worker where it publishes until it says (it may still be starting)."""
@@ -342,8 +388,7 @@ class KvFeed:
         source = state.source
         if source is None or source.replay_endpoint is None or self._ctx is None:
             return None
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = self._socket(zmq.DEALER)
         out: list[Batch] = []
         try:
             dealer.connect(source.replay_endpoint)

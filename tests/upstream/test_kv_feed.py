@@ -1,15 +1,18 @@
 """Following KV cache events over real ZMQ sockets into the index: stores and evictions, duplicate
 copies, gaps replayed, gaps older than the buffer resynchronised, restarts, AllBlocksCleared, a worker
-that goes silent, a worker that fails its health check, a feed cancelled in discovery, and vLLM's own
-encoding of the events."""
+that goes silent, a worker that fails its health check, a feed cancelled in discovery, batches over the
+decoding limit and over ZMQ's frame bound, and vLLM's own encoding of the events."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 
 from gateway.upstream import kv_feed
 from gateway.upstream.kv_feed import FeedSettings, KvFeed, KvSource, source_from_discovery
@@ -59,9 +62,16 @@ async def publisher() -> AsyncIterator[FakePublisher]:
     await pub.aclose()
 
 
-async def followed(pub: FakePublisher, clock: Callable[[], float] | None = None, **settings: float) -> KvFeed:
-    """A feed following ``pub``, with its live socket connected (a batch came through it)."""
+async def followed(
+    pub: FakePublisher,
+    clock: Callable[[], float] | None = None,
+    context: zmq.asyncio.Context | None = None,
+    **settings: float,
+) -> KvFeed:
+    """A feed following ``pub`` (with its sockets from ``context`` when given), with its live socket
+    connected (a batch came through it)."""
     feed = KvFeed(clock=clock) if clock else KvFeed()
+    feed._ctx = context
     await feed.follow([URL], {URL: pub.source}, no_fetch, FeedSettings(**settings))  # type: ignore[arg-type]
     state = feed.workers[URL]
     while state.received == 0:
@@ -301,6 +311,70 @@ async def test_an_oversized_batch_in_the_replay_is_not_decoded_and_clears_in_its
         assert publisher.replays >= 2 and state.gaps == 1 and state.unread == 1
         assert feed.index.copies(URL, 140) == 0  # the unread batch cleared the entries before it
         assert feed.trusted(URL)
+    finally:
+        await feed.aclose()
+
+
+class NotingContext(zmq.asyncio.Context):
+    """The feed's ZMQ context, keeping its sockets and the frame bound ZMQ held for each as it closed."""
+
+    sockets: dict[int, zmq.asyncio.Socket]  # declared: pyzmq takes other attributes for socket options
+    bounds: list[tuple[int, int]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sockets = {}
+        self.bounds = []
+
+    def socket(self, socket_type: int, **kwargs: Any) -> Any:
+        sock = super().socket(socket_type, **kwargs)
+        self.sockets[socket_type] = sock
+        close = sock.close
+
+        def noted(linger: int | None = None) -> None:
+            if not sock.closed:
+                self.bounds.append((socket_type, sock.getsockopt(zmq.MAXMSGSIZE)))
+            close(linger)
+
+        sock.close = noted  # type: ignore[method-assign]
+        return sock
+
+
+async def test_a_message_over_the_frame_bound_is_never_taken_in_and_the_worker_resynchronises(
+    publisher: FakePublisher,
+) -> None:
+    context = NotingContext()
+    feed = await followed(publisher, context=context, max_message_bytes=4096, replay_timeout_s=0.2)
+    try:
+        bound = feed.settings.max_frame_bytes
+        assert bound == 4 * 4096 and context.sockets[zmq.SUB].getsockopt(zmq.MAXMSGSIZE) == bound
+        sizes: list[int] = []
+        unread = feed._unread
+
+        def seen(url: str, frames: list[zmq.Frame]) -> Batch | None:
+            sizes.append(max(len(frame) for frame in frames))
+            return unread(url, frames)
+
+        feed._unread = seen  # type: ignore[method-assign]
+        await publisher.publish([stored([150])])
+        await until(lambda: feed.index.copies(URL, 150) == 1, "stored")
+        huge = [stored(list(range(1 << 40, (1 << 40) + 4000)))]  # ~36 kB: over the bound, live and replayed
+        await publisher.publish(huge)
+        for _ in range(200):  # ZMQ dropped the connection: batches are lost until it is made again
+            if feed.index.copies(URL, 151):
+                break
+            await publisher.publish([stored([151])])
+            await asyncio.sleep(0.05)
+        state = feed.workers[URL]
+        assert state.unread == 0 and max(sizes) <= bound  # never received, on either socket
+        assert state.resyncs >= 1 and feed.index.copies(URL, 150) == 0  # cleared, as a batch not decoded is
+        assert feed.index.copies(URL, 151) >= 1 and feed.trusted(URL)
+        assert state.reconnects >= 1 and publisher.replays >= 2  # a new connection, and the gap asked for
+        closed = [(kind, size) for kind, size in context.bounds if kind != zmq.PAIR]  # the monitor's pair aside
+        assert {kind for kind, _ in closed} == {zmq.SUB, zmq.DEALER}  # the dropped one, the replays
+        assert all(size == bound for _, size in closed)
+        await publisher.publish([stored([152])])
+        await until(lambda: feed.index.copies(URL, 152) == 1, "later batches applied")
     finally:
         await feed.aclose()
 
