@@ -96,6 +96,7 @@ class Metrics:
             self.adapter_loads,
             self.adapter_evictions,
             self.adapter_load_seconds,
+            self.adapter_retries,
         ]
 
     def _declare_requests(self, r: CollectorRegistry) -> None:
@@ -211,7 +212,17 @@ class Metrics:
         self.adapter_load_seconds = Histogram(
             "gateway_adapter_load_seconds", "Time to load a LoRA adapter on a worker", ["worker"], registry=r
         )
-        self.mark_private(self.adapter_loads, self.adapter_evictions, labels=("adapter",))
+        # Not in gateway_upstream_retries: that one says workers fail; this one that replicas sharing
+        # workers unload each other's adapters (or a worker restarted unseen), which the worker is not
+        # to blame for.
+        self.adapter_retries = Counter(
+            "gateway_adapter_retries",
+            "Requests retried on the same worker after it answered that it did not hold their LoRA adapter, "
+            "which the gateway believed it held (the adapter loaded there again first), by worker and adapter",
+            ["worker", "adapter"],
+            registry=r,
+        )
+        self.mark_private(self.adapter_loads, self.adapter_evictions, self.adapter_retries, labels=("adapter",))
 
     # The pipeline's HookObserver (gateway.ops.tracing): gateway_plugin_hook_duration_seconds.
     def observe_hook(self, plugin: str, hook: str, outcome: str, seconds: float) -> None:

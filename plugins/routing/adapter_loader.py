@@ -115,7 +115,13 @@ class AdapterLoader:
 
     def _forget(self, url: str) -> None:
         self._locks.pop(url, None)
-        for metric in (self.metrics.adapter_loads, self.metrics.adapter_evictions, self.metrics.adapter_load_seconds):
+        metrics = self.metrics
+        for metric in (
+            metrics.adapter_loads,
+            metrics.adapter_evictions,
+            metrics.adapter_load_seconds,
+            metrics.adapter_retries,
+        ):
             remove_series(metric, "worker", url)
 
     async def _load(self, worker: Worker, adapter: AdapterConfig, settings: LoraSettings) -> None:

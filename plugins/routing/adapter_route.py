@@ -123,7 +123,8 @@ class AdapterPlan(Plan):
         """The core's optional step after ``worker`` answered that it does not know the request's model:
         the adapter this plan's ``prepare`` found there was unloaded behind this gateway (another replica
         made room). Forgotten, unless the worker's state changed since (a load or read that already put it
-        right), and the attempt is made there once more: ``prepare`` loads it again."""
+        right), and the attempt is made there once more: ``prepare`` loads it again. Counted in
+        ``gateway_adapter_retries`` (not the core's retries elsewhere, which say that workers fail)."""
         using = self._using.get(worker)
         if using is None:  # no adapter prepared there: the 404 stands
             return False
@@ -134,6 +135,7 @@ class AdapterPlan(Plan):
             log.warning("worker %s no longer holds adapter %s (unloaded by another gateway?)", worker.url, name)
         if self._gate is not None:
             self._gate.reacquire()  # the failed attempt's finished() releases the slot it held
+        self._loader.metrics.adapter_retries.labels(worker.url, name).inc()  # True: the core retries there
         return True
 
     def finished(self, worker: Worker, *, ok: bool, error: GatewayError | None = None) -> None:

@@ -1,6 +1,7 @@
 """LoRA adapters through the real gateway, on fake vLLM workers over loopback sockets that list, load and
 unload adapters as vLLM does: placement by affinity, one load for concurrent first requests, LRU eviction,
-a restarted worker noticed, load errors, failover of a cut stream, a reload that adds an adapter."""
+a restarted worker noticed, load errors, failover of a cut stream, a reload that adds an adapter, an
+adapter unloaded behind the gateway loaded again and the request retried there (and counted apart)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from plugins.routing.telemetry import RoutingShared
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.faults import wait_for
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.metrics import admin_metrics
 
 Fleet = list[tuple[FakeUpstream, ServerThread]]
 ADMIN_TOKEN = "lora-admin"
@@ -541,6 +543,33 @@ def test_an_adapter_another_gateway_evicted_is_loaded_again_instead_of_a_404(gat
             assert "sql" in fake.adapters
             ask(gw_b, "sql")  # held again: no further load
             assert loads(fake) == ["sql", "sql", "support", "sql"]
+
+
+def samples(server: ServerThread, name: str) -> dict[str, float]:
+    """The admin view's samples of ``name``: label set (as /metrics writes it) -> value."""
+    found = {}
+    for line in admin_metrics(server).splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) :].rsplit(" ", 1)
+            found[labels] = float(value)
+    return found
+
+
+def test_a_retry_on_the_same_worker_after_loading_its_adapter_again_is_counted_by_worker_and_adapter(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """gateway_upstream_retries says workers fail (a request retried on another worker); a request tried
+    once more on its own worker, after loading there again the adapter another replica unloaded, is
+    gateway_adapter_retries, so an operator tells the two apart and sees which adapter churns where."""
+    with fleet(2) as workers, gateway_factory(lora_config(workers, **STALE)) as (_, gw):
+        ask(gw, "sql")
+        fake, server = next((f, s) for f, s in workers if "sql" in f.adapters)
+        evict_at_the_worker(server, "sql")
+        assert ask(gw, "sql") == "Hello from the fake worker."
+        assert loads(fake) == ["sql", "sql"] and [r.body["model"] for r in fake.requests] == ["sql"] * 3
+        assert ask(gw, "sql")  # held again: no retry
+        assert samples(gw, "gateway_adapter_retries_total") == {f'{{adapter="sql",worker="{server.url}"}}': 1.0}
+        assert samples(gw, "gateway_upstream_retries_total") == {}  # no worker failed
 
 
 #: sql admits one request at a time: a request tried twice on its worker must still hold exactly one slot.

@@ -36,14 +36,15 @@ async def services() -> AsyncIterator[Services]:
 
 
 def serve(services: Services) -> None:
-    """What traffic leaves in each live worker's series: a failure, an adapter loaded and evicted, its
-    health exported (as ``GET /health`` does)."""
+    """What traffic leaves in each live worker's series: a failure, an adapter loaded, evicted and found
+    unloaded behind the gateway (a retry there), its health exported (as ``GET /health`` does)."""
     metrics = services.metrics
     for worker in services.workers.all():
         metrics.upstream_errors.labels(worker.url, "connect").inc()
         metrics.adapter_loads.labels(worker.url, "sql-lora", "ok").inc()
         metrics.adapter_evictions.labels(worker.url, "sql-lora", "lru").inc()
         metrics.adapter_load_seconds.labels(worker.url).observe(0.2)
+        metrics.adapter_retries.labels(worker.url, "sql-lora").inc()
     metrics.set_worker_health({w.url: w.available() for w in services.workers.all()})
 
 
