@@ -305,7 +305,8 @@ def placement_view(
                         "following": state.source is not None, "trusted": feed.trusted(worker.url),
                         "last_seq": state.last_seq, "block_size": state.block_size, "batches": state.batches,
                         "gaps": state.gaps, "resyncs": state.resyncs, "restarts": state.restarts,
-                        "removals": state.removals,
+                        "removals": state.removals, "received": state.received, "unread": state.unread,
+                        "reconnects": state.reconnects,
                     },
                     "load": None if sample is None else {
                         "running": sample.running, "waiting": sample.waiting, "kv_usage": sample.kv_usage,
