@@ -24,7 +24,7 @@ import orjson
 
 from gateway.batch.files import Files
 from gateway.batch.jobs import FINAL, Jobs
-from gateway.batch.lines import Parsed, error_line, parse_input, unnamed_line
+from gateway.batch.lines import Parsed, error_line, parse_input
 from gateway.batch.work import Work
 from gateway.pipeline.batch_config import BatchesConfig
 
@@ -80,9 +80,8 @@ class Lifecycle:
             return
         await self.work.load_lines(batch_id, parsed.lines, parsed.run_order())
         for index, custom_id, code, message in parsed.malformed:
-            field = custom_id if custom_id is not None else unnamed_line(index)
             line = error_line(custom_id, code, f"Line {index + 1}: {message}")
-            await self.work.record(batch_id, index, field, line, ok=False, tokens=(0, 0), owner="")
+            await self.work.record(batch_id, index, line, ok=False, tokens=(0, 0), owner="")
         moved = await self.jobs.move(
             batch_id,
             ("validating",),
@@ -117,15 +116,15 @@ class Lifecycle:
             for index, raw in await self.work.remaining(batch_id):
                 custom_id = orjson.loads(raw)["custom_id"]
                 line = error_line(custom_id, code, message)
-                await self.work.record(batch_id, index, custom_id, line, ok=False, tokens=(0, 0), owner="")
+                await self.work.record(batch_id, index, line, ok=False, tokens=(0, 0), owner="")
         scope = record["_scope"]
         fields: dict[str, Any] = {f"{final}_at": int(time.time())}
         for part, name in (("out", "output"), ("err", "error")):
-            lines = await self.work.results(batch_id, part)
-            if lines:
+            if await self.work.count(batch_id, part):  # nothing replaces a result from here: the count holds
                 file_id = result_file_id(batch_id, part)
                 filename = f"{batch_id}_{name}.jsonl"
-                await self.files.create(scope, filename, "batch_output", _jsonl(lines), file_id=file_id)
+                pieces = _jsonl(self.work.results(batch_id, part))
+                await self.files.create(scope, filename, "batch_output", pieces, file_id=file_id)
                 fields[f"{name}_file_id"] = file_id
         allowed = ("validating", "in_progress", "finalizing", "cancelling")
         await self.work.expire(batch_id, self.config.output_ttl_s)  # a final batch's work is nobody's to drop
@@ -145,6 +144,13 @@ def _errors(data: list[dict[str, Any]]) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-async def _jsonl(lines: list[bytes]) -> AsyncIterator[bytes]:
-    for start in range(0, len(lines), 1000):
-        yield b"".join(line + b"\n" for line in lines[start : start + 1000])
+async def _jsonl(lines: AsyncIterator[bytes], per_piece: int = 256) -> AsyncIterator[bytes]:
+    """The lines as JSONL, ``per_piece`` lines to a write."""
+    piece: list[bytes] = []
+    async for line in lines:
+        piece.append(line + b"\n")
+        if len(piece) >= per_piece:
+            yield b"".join(piece)
+            piece = []
+    if piece:
+        yield b"".join(piece)

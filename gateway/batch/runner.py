@@ -331,9 +331,7 @@ class Runner:
         ok = outcome.status == 200
         result = output_line(custom_id, outcome.status, outcome.request_id, outcome.body)
         try:
-            written = await self.work.record(
-                batch_id, index, custom_id, result, ok=ok, tokens=outcome.tokens, owner=self.owner
-            )
+            written = await self.work.record(batch_id, index, result, ok=ok, tokens=outcome.tokens, owner=self.owner)
         except REDIS_ERRORS as exc:  # the lease lapses and the line runs again, here or elsewhere
             log.warning("batch %s: line %d's result could not be recorded (%s)", batch_id, index, exc)
             return False

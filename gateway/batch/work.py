@@ -7,10 +7,13 @@ Per batch ``<prefix>:b:<id>:``
 - ``leases`` (index -> expiry in ms) and ``owners`` (index -> replica): a replica that claims a line
   holds it until the expiry, renewing while it runs; a replica killed midway stops renewing and its
   lines are claimed again by whoever looks next.
-- ``out`` and ``err``: hash, ``custom_id`` -> ``<index> <output line>``, until the batch is final and
-  its files hold them (then the batch's work is dropped, results too: Redis holds the lines and results
-  of unfinished batches only). ``record`` writes a result only while the batch is not final, and
-  only when neither hash has that ``custom_id`` yet, in one Lua script with the counters: two replicas
+- ``out`` and ``err``: hash, line index -> output line, until the batch is final and its files hold them
+  (then the batch's work is dropped, results too: Redis holds the lines and results of unfinished
+  batches only). Keyed by index, not ``custom_id``: a batch's ``custom_id``s are unique (validation
+  fails a batch that repeats one), so the two name the same line, but a malformed line may have no
+  ``custom_id`` at all, and indexes let the files be read in input order a chunk at a time
+  (``results``). ``record`` writes a result only while the batch is not final, and
+  only when neither hash has that line yet, in one Lua script with the counters: two replicas
   that both ran a line (a lease taken over from a slow one) produce one output line, counted once. The
   one exception: a success replaces an error, so a line whose first answer was a failure (the slow
   replica's worker gave up) and whose second run succeeded ends completed, as a lone run's retry would;
@@ -24,6 +27,7 @@ Per batch ``<prefix>:b:<id>:``
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -60,8 +64,8 @@ end
 return got
 """
 
-# KEYS out, err, todo, leases, owners, batch; ARGV custom_id, index, value, "out"|"err", input tokens,
-# output tokens (an answer's; an error's are not counted), owner. 1 when this call wrote the result; 0
+# KEYS out, err, todo, leases, owners, batch; ARGV index, value, "out"|"err", input tokens, output tokens
+# (an answer's; an error's are not counted), owner. 1 when this call wrote the result; 0
 # when one was written before, or the batch is final or gone (its work dropped: nothing is written under
 # its keys again). A success replaces an error while the batch is in progress and not sealed
 # (``Jobs.seal``), taking the error's count back. The lease is removed when it is the caller's or the
@@ -76,29 +80,29 @@ local done_ok = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
 local done_err = redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1
 local replaceable = status == '"in_progress"'
 replaceable = replaceable and redis.call('HEXISTS', KEYS[6], '_sealed') == 0
-if ARGV[4] == 'out' and done_err and not done_ok and replaceable then
+if ARGV[3] == 'out' and done_err and not done_ok and replaceable then
   redis.call('HDEL', KEYS[2], ARGV[1])
   redis.call('HINCRBY', KEYS[6], 'n_failed', -1)
   done_err = false
 end
 if not done_ok and not done_err then
-  if ARGV[4] == 'out' then
-    redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+  if ARGV[3] == 'out' then
+    redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
     redis.call('HINCRBY', KEYS[6], 'n_completed', 1)
-    redis.call('HINCRBY', KEYS[6], 'n_input_tokens', tonumber(ARGV[5]))
-    redis.call('HINCRBY', KEYS[6], 'n_output_tokens', tonumber(ARGV[6]))
+    redis.call('HINCRBY', KEYS[6], 'n_input_tokens', tonumber(ARGV[4]))
+    redis.call('HINCRBY', KEYS[6], 'n_output_tokens', tonumber(ARGV[5]))
   else
-    redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+    redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
     redis.call('HINCRBY', KEYS[6], 'n_failed', 1)
   end
   written = 1
 end
-redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
 -- another run's lease stays while its success may still replace this error; once a success is written
 -- nothing replaces it, and the batch need not wait for that run
-if redis.call('HGET', KEYS[5], ARGV[2]) == ARGV[7] or (written == 1 and ARGV[4] == 'out') then
-  redis.call('ZREM', KEYS[4], ARGV[2])
-  redis.call('HDEL', KEYS[5], ARGV[2])
+if redis.call('HGET', KEYS[5], ARGV[1]) == ARGV[6] or (written == 1 and ARGV[3] == 'out') then
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  redis.call('HDEL', KEYS[5], ARGV[1])
 end
 return written
 """
@@ -116,6 +120,9 @@ return n
 """
 
 
+#: How many results ``Work.results`` reads in one reply.
+READ_CHUNK = 256
+
 #: Every key of a batch's work.
 _PARTS = ("lines", "todo", "leases", "owners", "out", "err")
 
@@ -123,8 +130,10 @@ _PARTS = ("lines", "todo", "leases", "owners", "out", "err")
 class Work:
     """The lines of every batch, as claims, renewals and results."""
 
-    def __init__(self, redis: aioredis.Redis, config: BatchesConfig, batch_key: Any) -> None:
-        self.redis, self.config = redis, config
+    def __init__(
+        self, redis: aioredis.Redis, config: BatchesConfig, batch_key: Any, *, read_chunk: int = READ_CHUNK
+    ) -> None:
+        self.redis, self.config, self.read_chunk = redis, config, read_chunk
         self._batch_key = batch_key  # batch id -> the batch hash's key (``Jobs.key``)
         self._claim = redis.register_script(_CLAIM)
         self._record = redis.register_script(_RECORD)
@@ -172,7 +181,6 @@ class Work:
         self,
         batch_id: str,
         idx: int,
-        custom_id: str,
         line: dict[str, Any],
         *,
         ok: bool,
@@ -184,9 +192,8 @@ class Work:
         when it is still ``owner``'s."""
         keys = [self.key(batch_id, p) for p in ("out", "err", "todo", "leases", "owners")]
         keys.append(self._batch_key(batch_id))
-        value = b"%d " % idx + orjson.dumps(line)
         kind = "out" if ok else "err"
-        args: list[bytes | str | int] = [custom_id, idx, value, kind, tokens[0], tokens[1], owner]
+        args: list[bytes | str | int] = [idx, orjson.dumps(line), kind, tokens[0], tokens[1], owner]
         return bool(await self._record(keys=keys, args=args))
 
     async def remaining(self, batch_id: str) -> list[tuple[int, bytes]]:
@@ -203,12 +210,21 @@ class Work:
         now_ms = int(time.time() * 1000)
         return int(await self.redis.zcount(self.key(batch_id, "leases"), f"({now_ms}", "+inf"))
 
-    async def results(self, batch_id: str, part: str) -> list[bytes]:
-        """The output (``out``) or error (``err``) lines, in input order."""
-        raw: list[Any] = await self.redis.hvals(self.key(batch_id, part))
-        entries = [bytes(value).split(b" ", 1) for value in raw]
-        entries.sort(key=lambda e: int(e[0]))
-        return [e[1] for e in entries]
+    async def count(self, batch_id: str, part: str) -> int:
+        """How many output (``out``) or error (``err``) lines the batch has."""
+        return int(await self.redis.hlen(self.key(batch_id, part)))
+
+    async def results(self, batch_id: str, part: str) -> AsyncIterator[bytes]:
+        """The output (``out``) or error (``err``) lines, in input order, read ``read_chunk`` at a time:
+        a batch of many long answers is written to its file without ever being in memory whole (only
+        its line indexes are, a few bytes each)."""
+        key = self.key(batch_id, part)
+        idxs = sorted(int(i) for i in await self.redis.hkeys(key))
+        for start in range(0, len(idxs), self.read_chunk):
+            raws: list[Any] = await self.redis.hmget(key, idxs[start : start + self.read_chunk])
+            for raw in raws:
+                if raw is not None:  # replaced since (a success for an error): the output has it
+                    yield bytes(raw)
 
     async def expire(self, batch_id: str, seconds: int) -> None:
         """Let the batch's work expire in ``seconds`` unless ``drop`` deletes it first: set before the batch

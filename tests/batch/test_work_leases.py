@@ -1,6 +1,6 @@
 """The shared work of a batch in the real Redis: a lease keeps a line from a second replica until it
 lapses, a renewal by a replica that lost its lease changes nothing, and a result is written once per
-custom_id however many replicas report one."""
+line however many replicas report one."""
 
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ async def batch_in_progress(jobs: Jobs, work: Work, lines: list[bytes]) -> str:
     return str(batch["id"])
 
 
+async def read_all(work: Work, batch_id: str, part: str) -> list[bytes]:
+    """All of the batch's output (``out``) or error (``err``) lines, in the order ``Work.results`` gives."""
+    return [line async for line in work.results(batch_id, part)]
+
+
 def test_leases_and_exactly_once_results(batch_names: dict[str, Any]) -> None:
     async def scenario() -> None:
         config = BatchesConfig(redis_prefix=batch_names["prefix"], lease_s=0.3)
@@ -53,17 +58,17 @@ def test_leases_and_exactly_once_results(batch_names: dict[str, Any]) -> None:
             assert await work.renew(batch["id"], "replica-2", [1, 0]) == 2
             results = await asyncio.gather(
                 *(
-                    work.record(batch["id"], 1, "b", {"by": who}, ok=True, tokens=(5, 3), owner=who)
+                    work.record(batch["id"], 1, {"by": who}, ok=True, tokens=(5, 3), owner=who)
                     for who in ("replica-1", "replica-2")
                 )
             )
             assert sorted(results) == [False, True]
             late = {"by": "late"}
-            assert not await work.record(batch["id"], 1, "b", late, ok=False, tokens=(1, 1), owner="replica-1")
+            assert not await work.record(batch["id"], 1, late, ok=False, tokens=(1, 1), owner="replica-1")
             record = await jobs.load(batch["id"])
             assert record is not None
             assert (record["n_completed"], record["n_failed"], record["n_output_tokens"]) == (1, 0, 3)
-            assert len(await work.results(batch["id"], "out")) == 1 and await work.results(batch["id"], "err") == []
+            assert len(await read_all(work, batch["id"], "out")) == 1 and await read_all(work, batch["id"], "err") == []
             assert await work.pending(batch["id"]) == 1
             assert await work.running(batch["id"]) == 1  # line 0, still replica-2's
             await work.release(batch["id"], "replica-2", [0])
@@ -93,8 +98,7 @@ def test_a_success_replaces_an_error_while_the_batch_is_in_progress(batch_names:
             assert [i for i, _ in await work.claim(batch_id, "taker", 2)] == [0]
 
             async def record(index: int, ok: bool, tokens: tuple[int, int], owner: str) -> bool:
-                custom_id = "ab"[index]
-                return await work.record(batch_id, index, custom_id, {"by": owner}, ok=ok, tokens=tokens, owner=owner)
+                return await work.record(batch_id, index, {"by": owner}, ok=ok, tokens=tokens, owner=owner)
 
             async def counts() -> tuple[int, ...]:
                 loaded = await jobs.load(batch_id)
@@ -107,8 +111,8 @@ def test_a_success_replaces_an_error_while_the_batch_is_in_progress(batch_names:
             assert await counts() == (0, 1, 0, 0)
             assert await record(0, True, (5, 3), "taker")
             assert await counts() == (1, 0, 5, 3)
-            assert await work.results(batch_id, "err") == []
-            assert await work.results(batch_id, "out") == [b'{"by":"taker"}']
+            assert await read_all(work, batch_id, "err") == []
+            assert await read_all(work, batch_id, "out") == [b'{"by":"taker"}']
             assert await work.running(batch_id) == 1  # line 1, the slow replica's
             assert not await record(0, True, (5, 3), "slow")  # a success stays the first one written
             assert not await record(0, False, (1, 1), "slow")
@@ -117,7 +121,7 @@ def test_a_success_replaces_an_error_while_the_batch_is_in_progress(batch_names:
             assert await jobs.move(batch_id, ("in_progress",), "finalizing")
             assert not await record(1, True, (1, 1), "late")  # the batch's files are being written
             assert await counts() == (1, 1, 5, 3)
-            assert len(await work.results(batch_id, "err")) == 1
+            assert len(await read_all(work, batch_id, "err")) == 1
         finally:
             await client.aclose()
 
@@ -207,13 +211,13 @@ def test_a_run_ending_after_its_batch_is_final_records_nothing(batch_names: dict
             batch_id = await batch_in_progress(jobs, work, [orjson.dumps(chat_line("a", "x"))])
             assert [i for i, _ in await work.claim(batch_id, "taker", 1)] == [0]
             line = {"custom_id": "a", "error": None}
-            assert await work.record(batch_id, 0, "a", line, ok=True, tokens=(5, 3), owner="taker")
+            assert await work.record(batch_id, 0, line, ok=True, tokens=(5, 3), owner="taker")
             record = await jobs.load(batch_id)
             assert record is not None
             assert await lifecycle.finalize(batch_id, record, "completed")
             assert [k async for k in client.scan_iter(match=f"{batch_names['prefix']}:b:{batch_id}:*")] == []
             for ok in (True, False):
-                assert not await work.record(batch_id, 0, "a", line, ok=ok, tokens=(5, 3), owner="slow")
+                assert not await work.record(batch_id, 0, line, ok=ok, tokens=(5, 3), owner="slow")
             assert [k async for k in client.scan_iter(match=f"{batch_names['prefix']}:b:{batch_id}:*")] == []
             final = await jobs.get("shared", batch_id)
             assert final is not None and final["status"] == "completed"
@@ -305,11 +309,11 @@ def test_a_success_written_first_does_not_wait_for_the_other_run(batch_names: di
             assert [i for i, _ in await work.claim(batch_id, "slow", 1)] == [0]
             await client.zadd(work.key(batch_id, "leases"), {"0": 0})  # its lease lapses
             assert [i for i, _ in await work.claim(batch_id, "taker", 1)] == [0]
-            assert await work.record(batch_id, 0, "a", {"by": "slow"}, ok=True, tokens=(5, 3), owner="slow")
+            assert await work.record(batch_id, 0, {"by": "slow"}, ok=True, tokens=(5, 3), owner="slow")
             assert (await work.pending(batch_id), await work.running(batch_id)) == (0, 0)
             assert await work.renew(batch_id, "taker", [0]) == 0  # the taker's run goes on, holding nothing
-            assert not await work.record(batch_id, 0, "a", {"by": "taker"}, ok=True, tokens=(5, 3), owner="taker")
-            assert await work.results(batch_id, "out") == [b'{"by":"slow"}']
+            assert not await work.record(batch_id, 0, {"by": "taker"}, ok=True, tokens=(5, 3), owner="taker")
+            assert await read_all(work, batch_id, "out") == [b'{"by":"slow"}']
         finally:
             await client.aclose()
 
@@ -340,16 +344,17 @@ def test_a_run_ending_while_an_expiry_is_written_changes_no_result(batch_names: 
             async def record(custom_id: str, ok: bool, owner: str) -> bool:
                 line = {"custom_id": custom_id, "by": owner, "error": None}
                 index = "ab".index(custom_id)
-                return await work.record(batch_id, index, custom_id, line, ok=ok, tokens=(5, 3), owner=owner)
+                return await work.record(batch_id, index, line, ok=ok, tokens=(5, 3), owner=owner)
 
             assert await record("b", False, "slow")  # the slow replica's worker refused line "b"
             answers: list[bool] = []
             read_results = work.results
 
-            async def results_as_runs_end(batch: str, part: str) -> list[bytes]:
+            async def results_as_runs_end(batch: str, part: str) -> AsyncIterator[bytes]:
                 if part == "err":  # the output lines were read: the other replica's runs end now
                     answers.extend([await record("a", True, "slow"), await record("b", True, "taker")])
-                return await read_results(batch, part)
+                async for line in read_results(batch, part):
+                    yield line
 
             work.results = results_as_runs_end  # type: ignore[method-assign]
             record_read = await jobs.load(batch_id)

@@ -1,0 +1,105 @@
+"""A batch's output and error files, written from its results in the real Redis: every result, in input
+order whatever order the lines ran in, read a chunk at a time (a batch of many long answers is never in
+the replica's memory whole)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from gateway.batch.blobs import DirectoryStore
+from gateway.batch.files import Files
+from gateway.batch.jobs import Jobs
+from gateway.batch.lifecycle import Lifecycle
+from gateway.batch.work import READ_CHUNK, Work
+from gateway.pipeline.batch_config import BatchesConfig, Caller
+from tests.support.batches import chat_line
+
+LINES = 3 * READ_CHUNK + 5  # more than one chunk of each file
+ANSWER = "x" * 4000
+
+
+class MeasuredRedis(aioredis.Redis):
+    """A client that keeps the size (bytes, all elements) of the largest reply it was sent."""
+
+    largest = 0
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        reply = await super().execute_command(*args, **options)
+        self.largest = max(self.largest, _size(reply))
+        return reply
+
+
+def _size(reply: Any) -> int:
+    if isinstance(reply, list | tuple):
+        return sum(_size(item) for item in reply)
+    return len(reply) if isinstance(reply, bytes | str) else 8
+
+
+async def _finished_batch(client: aioredis.Redis, config: BatchesConfig) -> tuple[Jobs, Files, str]:
+    """A batch of ``LINES`` lines run in a shuffled order, every third one failed, finalized: its jobs,
+    files and id."""
+    jobs = Jobs(client, config)
+    files = Files(client, DirectoryStore(config.files_dir), config)
+    work = Work(client, config, jobs.key)
+    batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
+    lines = [orjson.dumps(chat_line(f"c-{i}", f"q{i}")) for i in range(LINES)]
+    order = list(range(LINES))
+    random.Random(7).shuffle(order)
+    await work.load_lines(batch["id"], lines, order)
+    assert await jobs.move(batch["id"], ("validating",), "in_progress", n_total=LINES)
+    while claimed := await work.claim(batch["id"], "replica-1", 100):
+        for index, _ in claimed:
+            ok = index % 3 != 0
+            line = {"custom_id": f"c-{index}", "answer": ANSWER if ok else None}
+            assert await work.record(batch["id"], index, line, ok=ok, tokens=(1, 1), owner="replica-1")
+    record = await jobs.load(batch["id"])
+    assert record is not None
+    assert await Lifecycle(jobs, files, work, config, "replica-1").finalize(batch["id"], record, "completed")
+    return jobs, files, str(batch["id"])
+
+
+async def _file_ids(jobs: Jobs, files: Files, batch_id: str) -> dict[str, list[str]]:
+    final = await jobs.load(batch_id)
+    assert final is not None and final["status"] == "completed"
+    ids = {}
+    for name in ("output", "error"):
+        content = b"".join([piece async for piece in files.content(final[f"{name}_file_id"])])
+        ids[name] = [orjson.loads(line)["custom_id"] for line in content.splitlines()]
+    return ids
+
+
+def test_every_result_is_written_in_input_order(batch_names: dict[str, Any]) -> None:
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"], lease_s=30)
+        client = aioredis.Redis()
+        try:
+            ids = await _file_ids(*await _finished_batch(client, config))
+        finally:
+            await client.aclose()
+        assert ids["output"] == [f"c-{i}" for i in range(LINES) if i % 3 != 0]
+        assert ids["error"] == [f"c-{i}" for i in range(LINES) if i % 3 == 0]
+
+    asyncio.run(scenario())
+
+
+def test_the_results_are_read_a_chunk_at_a_time(batch_names: dict[str, Any]) -> None:
+    """No reply from Redis while the files are written holds more than one chunk of answers: the
+    largest is bounded by ``READ_CHUNK`` lines, not by the batch's ``LINES``."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"], lease_s=30)
+        client = MeasuredRedis()
+        try:
+            await _finished_batch(client, config)
+        finally:
+            await client.aclose()
+        bound = READ_CHUNK * (len(ANSWER) + 100)
+        assert bound < (LINES * 2 // 3) * len(ANSWER)  # the answers, read at once, would be over it
+        assert 0 < client.largest <= bound
+
+    asyncio.run(scenario())
