@@ -96,11 +96,6 @@ def check_line(raw: bytes, endpoint: str) -> tuple[str | None, str, str] | dict[
     return line
 
 
-def unnamed_line(index: int) -> str:
-    """What the result of the line at ``index`` (0-based) that has no ``custom_id`` is recorded under."""
-    return f"#line-{index + 1}"
-
-
 async def parse_input(pieces: AsyncIterator[bytes], endpoint: str, max_lines: int) -> Parsed:
     parsed = Parsed()
     seen: set[str] = set()
@@ -115,14 +110,15 @@ async def parse_input(pieces: AsyncIterator[bytes], endpoint: str, max_lines: in
             return parsed
         checked = check_line(raw, endpoint)
         custom_id = checked[0] if isinstance(checked, tuple) else checked["custom_id"]
-        # Every line's result is recorded under its custom_id (a malformed one's too), or the placeholder
-        # of a line that has none: two lines with one of these would have one result between them.
-        result_id = custom_id if custom_id is not None else unnamed_line(index)
-        if result_id in seen:
-            message = f"The custom_id '{result_id}' is used by more than one line; each must be unique."
+        # A result names its line by custom_id (a malformed one's too): two lines with one would be
+        # one line to whoever reads the files. A line without one is named by its place in the file
+        # (its error's message), which no custom_id can take.
+        if custom_id in seen:
+            message = f"The custom_id '{custom_id}' is used by more than one line; each must be unique."
             parsed.errors.append(_batch_error("duplicate_custom_id", message, index + 1))
             return parsed
-        seen.add(result_id)
+        if custom_id is not None:
+            seen.add(custom_id)
         if isinstance(checked, tuple):
             parsed.malformed.append((index, *checked))
             parsed.lines.append(b"")

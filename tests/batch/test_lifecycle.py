@@ -371,14 +371,33 @@ def test_a_custom_id_used_by_a_malformed_line_and_another_line_fails_the_batch(
             [{**chat_line("same", "a"), "method": "GET"}, chat_line("same", "b")],  # malformed first
             [chat_line("same", "a"), {**chat_line("same", "b"), "url": "/v1/embeddings"}],  # malformed second
             [{**chat_line("same", "a"), "method": "GET"}, {**chat_line("same", "b"), "method": "GET"}],
-            # a line without a custom_id is recorded as "#line-<n>": a line that names itself so collides
-            [{"method": "POST", "url": "/v1/chat/completions"}, chat_line("#line-1", "b")],
-            [chat_line("#line-2", "a"), {"method": "POST", "url": "/v1/chat/completions"}],
         ):
             failed = wait_for(client, start(client, lines).id, ("failed", "completed"))
             assert failed.status == "failed" and failed.errors is not None, failed
             assert [(e.code, e.line) for e in failed.errors.data or []] == [("duplicate_custom_id", 2)]
     assert upstream.requests == []  # no line ran only to lose its answer
+
+
+def test_a_line_without_a_custom_id_is_named_by_its_place_which_no_custom_id_takes(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """Line 2 has no custom_id: its error line says which line it was, and lines whose custom_ids read
+    like a line's place ("#line-2", "line 2", "2") are lines of their own, answered."""
+    config = base_config([upstream_url], batches=batches_section(batch_names))
+    names = ["#line-2", "line 2", "2"]
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        lines = [chat_line(names[0], "a"), {"method": "POST", "url": "/v1/chat/completions", "body": {}}]
+        lines += [chat_line(name, "b") for name in names[1:]]
+        done = wait_for(client, start(client, lines).id, ("failed", "completed"))
+        assert done.status == "completed", done
+        answered = parse_jsonl(client.files.content(done.output_file_id).content)
+        errors = parse_jsonl(client.files.content(done.error_file_id).content)
+    assert [line["custom_id"] for line in answered] == names  # in input order
+    assert all(line["response"]["status_code"] == 200 for line in answered)
+    assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in errors] == [(None, None, "missing_custom_id")]
+    assert errors[0]["error"]["message"].startswith("Line 2: ")
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (4, 3, 1)  # type: ignore[union-attr]
 
 
 def test_batches_past_their_ttl_neither_hide_the_others_nor_stay_listed(
