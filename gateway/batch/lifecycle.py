@@ -25,6 +25,7 @@ import orjson
 from gateway.batch.files import Files
 from gateway.batch.jobs import FINAL, Jobs
 from gateway.batch.lines import Parsed, error_line, parse_input
+from gateway.batch.metrics import BatchMetrics
 from gateway.batch.work import Work
 from gateway.pipeline.batch_config import BatchesConfig
 
@@ -41,8 +42,11 @@ def result_file_id(batch_id: str, part: str) -> str:
 
 
 class Lifecycle:
-    def __init__(self, jobs: Jobs, files: Files, work: Work, config: BatchesConfig, owner: str) -> None:
+    def __init__(
+        self, jobs: Jobs, files: Files, work: Work, config: BatchesConfig, owner: str, metrics: BatchMetrics
+    ) -> None:
         self.jobs, self.files, self.work, self.config, self.owner = jobs, files, work, config, owner
+        self.metrics = metrics
 
     async def _lock(self, batch_id: str, step: str) -> bool:
         key = self.work.key(batch_id, step + "-lock")
@@ -129,7 +133,8 @@ class Lifecycle:
         allowed = ("validating", "in_progress", "finalizing", "cancelling")
         await self.work.expire(batch_id, self.config.output_ttl_s)  # a final batch's work is nobody's to drop
         moved = await self.jobs.move(batch_id, allowed, final, **fields)
-        if moved:
+        if moved:  # once final, no run replaces an error any more: the ones a run could have are final now
+            self.metrics.line_final("failed", await self.work.unsettled(batch_id))
             await self.work.drop(batch_id)
         return moved
 

@@ -1,4 +1,5 @@
-"""The batch lane's Prometheus metrics, on the app's registry: lines done and failed, lines waiting,
+"""The batch lane's Prometheus metrics, on the app's registry: lines done and failed (each line once, with
+its final outcome, on the replica whose run or step made it final), lines waiting,
 lines running on this replica, and tokens (a rate of ``gateway_batch_tokens_total`` is tokens/s)."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ class BatchMetrics:
         r = metrics.registry
         self.lines = Counter(
             "gateway_batch_lines",
-            "Batch lines this replica finished, by outcome (completed: answered; failed: refused or errored)",
+            "Batch lines run to their final outcome on this replica, each line once (completed: answered;"
+            " failed: refused or errored)",
             ["outcome"],
             registry=r,
         )
@@ -34,8 +36,15 @@ class BatchMetrics:
         self.running = Gauge("gateway_batch_running_lines", "Batch lines in flight on this replica", registry=r)
         self.batches = Gauge("gateway_batch_active", "Batches not in a final state (all replicas)", registry=r)
 
-    def line_done(self, ok: bool, tokens: tuple[int, int]) -> None:
-        self.lines.labels("completed" if ok else "failed").inc()
+    def line_final(self, outcome: str, n: int = 1) -> None:
+        """``n`` lines whose outcome is final: counted once each, whichever run or step made it so (see
+        ``gateway.batch.work.Recorded``). A line whose first run's error a second run's success replaced
+        is one completed line, not a failed one and a completed one."""
+        if n:
+            self.lines.labels(outcome).inc(n)
+
+    def run_tokens(self, tokens: tuple[int, int]) -> None:
+        """The tokens of a run whose result was written."""
         if tokens[0]:
             self.tokens.labels("input").inc(tokens[0])
         if tokens[1]:

@@ -331,13 +331,17 @@ class Runner:
         ok = outcome.status == 200
         result = output_line(custom_id, outcome.status, outcome.request_id, outcome.body)
         try:
-            written = await self.work.record(batch_id, index, result, ok=ok, tokens=outcome.tokens, owner=self.owner)
+            recorded = await self.work.record_outcome(
+                batch_id, index, result, ok=ok, tokens=outcome.tokens, owner=self.owner
+            )
         except REDIS_ERRORS as exc:  # the lease lapses and the line runs again, here or elsewhere
             log.warning("batch %s: line %d's result could not be recorded (%s)", batch_id, index, exc)
             return False
-        if written:
-            self.metrics.line_done(ok, outcome.tokens)
-        return written
+        if recorded.written:
+            self.metrics.run_tokens(outcome.tokens)
+        if recorded.final is not None:
+            self.metrics.line_final(recorded.final)
+        return recorded.written
 
     async def _renew_loop(self) -> None:
         while True:

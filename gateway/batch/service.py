@@ -46,8 +46,8 @@ class BatchService:
         self.files = Files(redis, blobs or DirectoryStore(config.files_dir), config)
         self.jobs = Jobs(redis, config)
         self.work = Work(redis, config, self.jobs.key)
-        self.lifecycle = Lifecycle(self.jobs, self.files, self.work, config, replica_id())
         self.metrics = BatchMetrics(services.metrics)
+        self.lifecycle = Lifecycle(self.jobs, self.files, self.work, config, replica_id(), self.metrics)
         submitter = Submitter(holder, Proxy(services), services.metrics, config.engine_priority)
         self.runner = Runner(holder, services, self.jobs, self.work, self.lifecycle, submitter, self.metrics)
 

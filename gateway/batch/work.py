@@ -22,12 +22,17 @@ Per batch ``<prefix>:b:<id>:``
   line has no usage), so a replaced error leaves nothing to take back but its count. A run that wrote
   an error leaves a lease that is no longer its own, and the batch is finalized only once no lease is
   live (``running``); a success, which nothing replaces, takes the line's lease whoever holds it.
+- ``unsettled``: set of the indexes whose error was written while another run held the line, so that
+  run's success may still replace it: ``record_outcome`` says when a line's outcome is final (each
+  line's once: that is when ``gateway_batch_lines_total`` counts it), and these are final when that
+  run records, or when the batch is final (``Lifecycle.finalize`` counts the ones left).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -64,13 +69,17 @@ end
 return got
 """
 
-# KEYS out, err, todo, leases, owners, batch; ARGV index, value, "out"|"err", input tokens, output tokens
-# (an answer's; an error's are not counted), owner. 1 when this call wrote the result; 0
-# when one was written before, or the batch is final or gone (its work dropped: nothing is written under
-# its keys again). A success replaces an error while the batch is in progress and not sealed
-# (``Jobs.seal``), taking the error's count back. The lease is removed when it is the caller's or the
-# caller wrote a success: a run whose lease was taken over and that wrote an error leaves the other
-# run's, so the batch waits for it.
+# KEYS out, err, todo, leases, owners, batch, unsettled; ARGV index, value, "out"|"err", input tokens,
+# output tokens (an answer's; an error's are not counted), owner. A success replaces an error while the
+# batch is in progress and not sealed (``Jobs.seal``), taking the error's count back. The lease is removed
+# when it is the caller's or the caller wrote a success: a run whose lease was taken over and that wrote
+# an error leaves the other run's, so the batch waits for it; that error is unsettled (another run's
+# success may still replace it) until the other run records, or the batch is final. Returns
+# 1: this call wrote the result, and the line's outcome is final;
+# 2: this call wrote an error another run may still replace (unsettled);
+# 3: this call wrote nothing, but settled the line's unsettled error: it is final now;
+# 0: nothing (a result was written and settled before, or the batch is final or gone: its work dropped,
+#    nothing is written under its keys again).
 _RECORD = """
 local status = redis.call('HGET', KEYS[6], 'status')
 local unfinished = {['"validating"'] = true, ['"in_progress"'] = true, ['"finalizing"'] = true, ['"cancelling"'] = true}
@@ -80,6 +89,8 @@ local done_ok = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
 local done_err = redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1
 local replaceable = status == '"in_progress"'
 replaceable = replaceable and redis.call('HEXISTS', KEYS[6], '_sealed') == 0
+-- whatever this call does, the line's unsettled error (if any) is final after it, or replaced
+local settles = redis.call('SREM', KEYS[7], ARGV[1]) == 1
 if ARGV[3] == 'out' and done_err and not done_ok and replaceable then
   redis.call('HDEL', KEYS[2], ARGV[1])
   redis.call('HINCRBY', KEYS[6], 'n_failed', -1)
@@ -100,11 +111,17 @@ end
 redis.call('ZREM', KEYS[3], ARGV[1])
 -- another run's lease stays while its success may still replace this error; once a success is written
 -- nothing replaces it, and the batch need not wait for that run
-if redis.call('HGET', KEYS[5], ARGV[1]) == ARGV[6] or (written == 1 and ARGV[3] == 'out') then
+local holder = redis.call('HGET', KEYS[5], ARGV[1])
+if holder == ARGV[6] or (written == 1 and ARGV[3] == 'out') then
   redis.call('ZREM', KEYS[4], ARGV[1])
   redis.call('HDEL', KEYS[5], ARGV[1])
+elseif written == 1 and holder and replaceable then
+  redis.call('SADD', KEYS[7], ARGV[1])
+  return 2
 end
-return written
+if written == 1 then return 1 end
+if settles then return 3 end
+return 0
 """
 
 # KEYS leases, owners; ARGV owner, expiry_ms, index... Extends the leases still held by ``owner``.
@@ -124,7 +141,17 @@ return n
 READ_CHUNK = 256
 
 #: Every key of a batch's work.
-_PARTS = ("lines", "todo", "leases", "owners", "out", "err")
+_PARTS = ("lines", "todo", "leases", "owners", "out", "err", "unsettled")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What ``Work.record_outcome`` did: whether it wrote the line's result, and the line's outcome
+    (``completed``, ``failed``) when the call made it final: a line's outcome is final once, so counting
+    it there counts each line once, however many runs it had (``gateway_batch_lines_total``)."""
+
+    written: bool
+    final: str | None
 
 
 class Work:
@@ -190,11 +217,35 @@ class Work:
         """Write line ``idx``'s result, run by ``owner``, unless one was written already (a success
         replaces an error another run wrote); whether this call wrote it. The line's lease goes with it
         when it is still ``owner``'s."""
+        recorded = await self.record_outcome(batch_id, idx, line, ok=ok, tokens=tokens, owner=owner)
+        return recorded.written
+
+    async def record_outcome(
+        self,
+        batch_id: str,
+        idx: int,
+        line: dict[str, Any],
+        *,
+        ok: bool,
+        tokens: tuple[int, int],
+        owner: str,
+    ) -> Recorded:
+        """``record``, saying also whether this call made the line's outcome final: a result nothing can
+        replace any more written, or an error another run could have replaced that now none will (that
+        run's result came second, or could not replace it). An error written while another run holds
+        the line is not final until that run records, or the batch is final (``unsettled``)."""
         keys = [self.key(batch_id, p) for p in ("out", "err", "todo", "leases", "owners")]
-        keys.append(self._batch_key(batch_id))
+        keys += [self._batch_key(batch_id), self.key(batch_id, "unsettled")]
         kind = "out" if ok else "err"
         args: list[bytes | str | int] = [idx, orjson.dumps(line), kind, tokens[0], tokens[1], owner]
-        return bool(await self._record(keys=keys, args=args))
+        done = int(await self._record(keys=keys, args=args))
+        outcome = "completed" if ok else "failed"
+        return Recorded(written=done in (1, 2), final={1: outcome, 3: "failed"}.get(done))
+
+    async def unsettled(self, batch_id: str) -> int:
+        """How many errors another run could still have replaced: read once the batch is final, when
+        none will be, their count is the finalization's to add (``Lifecycle.finalize``)."""
+        return int(await self.redis.scard(self.key(batch_id, "unsettled")))
 
     async def remaining(self, batch_id: str) -> list[tuple[int, bytes]]:
         """The lines not done yet (expiry and cancellation write them off)."""

@@ -15,7 +15,9 @@ from gateway.batch.blobs import DirectoryStore
 from gateway.batch.files import Files
 from gateway.batch.jobs import Jobs
 from gateway.batch.lifecycle import Lifecycle
+from gateway.batch.metrics import BatchMetrics
 from gateway.batch.work import READ_CHUNK, Work
+from gateway.ops.metrics import Metrics
 from gateway.pipeline.batch_config import BatchesConfig, Caller
 from tests.support.batches import chat_line
 
@@ -59,7 +61,9 @@ async def _finished_batch(client: aioredis.Redis, config: BatchesConfig) -> tupl
             assert await work.record(batch["id"], index, line, ok=ok, tokens=(1, 1), owner="replica-1")
     record = await jobs.load(batch["id"])
     assert record is not None
-    assert await Lifecycle(jobs, files, work, config, "replica-1").finalize(batch["id"], record, "completed")
+    assert await Lifecycle(jobs, files, work, config, "replica-1", BatchMetrics(Metrics())).finalize(
+        batch["id"], record, "completed"
+    )
     return jobs, files, str(batch["id"])
 
 

@@ -17,7 +17,9 @@ from gateway.batch.blobs import DirectoryStore
 from gateway.batch.files import Files
 from gateway.batch.jobs import Jobs
 from gateway.batch.lifecycle import Lifecycle
+from gateway.batch.metrics import BatchMetrics
 from gateway.batch.work import Work
+from gateway.ops.metrics import Metrics
 from gateway.pipeline.batch_config import BatchesConfig, Caller
 from tests.support.batches import chat_line, jsonl
 
@@ -139,13 +141,13 @@ def test_a_validation_overtaken_by_a_cancellation_leaves_no_work_behind(batch_na
             jobs = Jobs(client, config)
             files = Files(client, DirectoryStore(config.files_dir), config)
             work = Work(client, config, jobs.key)
-            lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
+            lifecycle = Lifecycle(jobs, files, work, config, "replica-1", BatchMetrics(Metrics()))
             lines = [chat_line("a", "x"), {**chat_line("b", "y"), "method": "GET"}]  # one runs, one malformed
             source = await files.create("shared", "in.jsonl", "batch", _once(jsonl(lines)))
             batch = await jobs.create("shared", Caller(""), source["id"], "/v1/chat/completions", None)
             record = await jobs.load(batch["id"])
             assert record is not None and record["status"] == "validating"
-            other = Lifecycle(jobs, files, work, config, "replica-2")
+            other = Lifecycle(jobs, files, work, config, "replica-2", BatchMetrics(Metrics()))
             await jobs.move(batch["id"], ("validating",), "cancelling")
             assert await other.finalize(batch["id"], {**record, "status": "cancelling"}, "cancelled")
             await lifecycle.validate(batch["id"], record)
@@ -173,7 +175,7 @@ def test_a_batch_cancelled_while_it_was_validated_counts_the_lines_it_writes_off
             jobs = Jobs(client, config)
             files = Files(client, DirectoryStore(config.files_dir), config)
             work = Work(client, config, jobs.key)
-            lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
+            lifecycle = Lifecycle(jobs, files, work, config, "replica-1", BatchMetrics(Metrics()))
             lines = [chat_line("a", "x"), chat_line("b", "y"), {**chat_line("c", "z"), "method": "GET"}]
             source = await files.create("shared", "in.jsonl", "batch", _once(jsonl(lines)))
             batch = await jobs.create("shared", Caller(""), source["id"], "/v1/chat/completions", None)
@@ -207,7 +209,7 @@ def test_a_run_ending_after_its_batch_is_final_records_nothing(batch_names: dict
             jobs = Jobs(client, config)
             files = Files(client, DirectoryStore(config.files_dir), config)
             work = Work(client, config, jobs.key)
-            lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
+            lifecycle = Lifecycle(jobs, files, work, config, "replica-1", BatchMetrics(Metrics()))
             batch_id = await batch_in_progress(jobs, work, [orjson.dumps(chat_line("a", "x"))])
             assert [i for i, _ in await work.claim(batch_id, "taker", 1)] == [0]
             line = {"custom_id": "a", "error": None}
@@ -240,7 +242,7 @@ def test_a_finalized_batch_whose_work_was_not_dropped_leaves_none_of_it_for_good
             jobs = Jobs(client, config)
             files = Files(client, DirectoryStore(config.files_dir), config)
             work = Work(client, config, jobs.key)
-            lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
+            lifecycle = Lifecycle(jobs, files, work, config, "replica-1", BatchMetrics(Metrics()))
             source = await files.create("shared", "in.jsonl", "batch", _once(jsonl([chat_line("a", "x")])))
             batch = await jobs.create("shared", Caller(""), source["id"], "/v1/chat/completions", None)
             record = await jobs.load(batch["id"])
@@ -335,7 +337,7 @@ def test_a_run_ending_while_an_expiry_is_written_changes_no_result(batch_names: 
             jobs = Jobs(client, config)
             files = Files(client, DirectoryStore(config.files_dir), config)
             work = Work(client, config, jobs.key)
-            lifecycle = Lifecycle(jobs, files, work, config, "replica-1")
+            lifecycle = Lifecycle(jobs, files, work, config, "replica-1", BatchMetrics(Metrics()))
             batch_id = await batch_in_progress(jobs, work, [orjson.dumps(chat_line(c, c)) for c in "ab"])
             assert [i for i, _ in await work.claim(batch_id, "slow", 2)] == [0, 1]
             await client.zadd(work.key(batch_id, "leases"), {"1": 0})  # line 1's lease lapses
