@@ -7,21 +7,23 @@ Per batch ``<prefix>:b:<id>:``
 - ``leases`` (index -> expiry in ms) and ``owners`` (index -> replica): a replica that claims a line
   holds it until the expiry, renewing while it runs; a replica killed midway stops renewing and its
   lines are claimed again by whoever looks next.
-- ``out`` and ``err``: hash, line index -> output line, until the batch is final and its files hold them
-  (then the batch's work is dropped, results too: Redis holds the lines and results of unfinished
-  batches only). Keyed by index, not ``custom_id``: a batch's ``custom_id``s are unique (validation
-  fails a batch that repeats one), so the two name the same line, but a malformed line may have no
-  ``custom_id`` at all, and indexes let the files be read in input order a chunk at a time
-  (``results``). ``record`` writes a result only while the batch is not final, and
-  only when neither hash has that line yet, in one Lua script with the counters: two replicas
-  that both ran a line (a lease taken over from a slow one) produce one output line, counted once. The
-  one exception: a success replaces an error, so a line whose first answer was a failure (the slow
-  replica's worker gave up) and whose second run succeeded ends completed, as a lone run's retry would;
-  only while the batch is ``in_progress`` and not sealed (``Jobs.seal``: an expiry is writing its files
-  from the results as they are, the status still ``in_progress``). Only answers count tokens (an error
-  line has no usage), so a replaced error leaves nothing to take back but its count. A run that wrote
-  an error leaves a lease that is no longer its own, and the batch is finalized only once no lease is
-  live (``running``); a success, which nothing replaces, takes the line's lease whoever holds it.
+- ``out`` and ``err``: hash, the line's ``custom_id`` -> ``<index> <output line>``, until the batch is final
+  and its files hold them (then the batch's work is dropped, results too: Redis holds the lines and results
+  of unfinished batches only). Every version of the gateway writes and reads these entries alike (a rolling
+  upgrade mixes versions in one batch): a line's place in the files is the index its entry's value starts
+  with, whatever the field, and ``results`` reads them in that order a chunk at a time. A line without a
+  ``custom_id`` (a malformed one, recorded at validation) is keyed by the byte 0xff and its index, which no
+  ``custom_id`` (UTF-8 text) can be: a line whose own ``custom_id`` is ``#line-2`` is a line of its own
+  (earlier versions keyed the unnamed line 2 so; still read alike). ``record`` writes a result only while
+  the batch is not final, and only when neither hash has that line yet, in one Lua script with the counters:
+  two replicas that both ran a line (a lease taken over from a slow one) produce one output line, counted
+  once. The one exception: a success replaces an error, so a line whose first answer was a failure (the slow
+  replica's worker gave up) and whose second run succeeded ends completed, as a lone run's retry would; only
+  while the batch is ``in_progress`` and not sealed (``Jobs.seal``: an expiry is writing its files from the
+  results as they are, the status still ``in_progress``). Only answers count tokens (an error line has no
+  usage), so a replaced error leaves nothing to take back but its count. A run that wrote an error leaves a
+  lease that is no longer its own, and the batch is finalized only once no lease is live (``running``); a
+  success, which nothing replaces, takes the line's lease whoever holds it.
 - ``unsettled``: set of the indexes whose error was written while another run held the line, so that
   run's success may still replace it: ``record_outcome`` says when a line's outcome is final (each
   line's once: that is when ``gateway_batch_lines_total`` counts it), and these are final when that
@@ -70,7 +72,8 @@ return got
 """
 
 # KEYS out, err, todo, leases, owners, batch, unsettled; ARGV index, value, "out"|"err", input tokens,
-# output tokens (an answer's; an error's are not counted), owner. A success replaces an error while the
+# output tokens (an answer's; an error's are not counted), owner, the result's field (the line's custom_id,
+# as every version keys it: a line two versions ran has one result). A success replaces an error while the
 # batch is in progress and not sealed (``Jobs.seal``), taking the error's count back. The lease is removed
 # when it is the caller's or the caller wrote a success: a run whose lease was taken over and that wrote
 # an error leaves the other run's, so the batch waits for it; that error is unsettled (another run's
@@ -85,25 +88,25 @@ local status = redis.call('HGET', KEYS[6], 'status')
 local unfinished = {['"validating"'] = true, ['"in_progress"'] = true, ['"finalizing"'] = true, ['"cancelling"'] = true}
 if not unfinished[status] then return 0 end
 local written = 0
-local done_ok = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
-local done_err = redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1
+local done_ok = redis.call('HEXISTS', KEYS[1], ARGV[7]) == 1
+local done_err = redis.call('HEXISTS', KEYS[2], ARGV[7]) == 1
 local replaceable = status == '"in_progress"'
 replaceable = replaceable and redis.call('HEXISTS', KEYS[6], '_sealed') == 0
 -- whatever this call does, the line's unsettled error (if any) is final after it, or replaced
 local settles = redis.call('SREM', KEYS[7], ARGV[1]) == 1
 if ARGV[3] == 'out' and done_err and not done_ok and replaceable then
-  redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[7])
   redis.call('HINCRBY', KEYS[6], 'n_failed', -1)
   done_err = false
 end
 if not done_ok and not done_err then
   if ARGV[3] == 'out' then
-    redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+    redis.call('HSET', KEYS[1], ARGV[7], ARGV[2])
     redis.call('HINCRBY', KEYS[6], 'n_completed', 1)
     redis.call('HINCRBY', KEYS[6], 'n_input_tokens', tonumber(ARGV[4]))
     redis.call('HINCRBY', KEYS[6], 'n_output_tokens', tonumber(ARGV[5]))
   else
-    redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+    redis.call('HSET', KEYS[2], ARGV[7], ARGV[2])
     redis.call('HINCRBY', KEYS[6], 'n_failed', 1)
   end
   written = 1
@@ -140,8 +143,25 @@ return n
 #: How many results ``Work.results`` reads in one reply.
 READ_CHUNK = 256
 
+# KEYS a result hash; ARGV fields. Each field's line index, the number its value starts with (-1 for a field
+# gone since): every line's place, without its answer.
+_PLACES = """
+local places = {}
+for i, field in ipairs(ARGV) do
+  local value = redis.call('HGET', KEYS[1], field)
+  places[i] = value and tonumber(string.match(value, '^%d+')) or -1
+end
+return places
+"""
+
 #: Every key of a batch's work.
 _PARTS = ("lines", "todo", "leases", "owners", "out", "err", "unsettled")
+
+
+def result_field(idx: int, custom_id: str | None) -> str | bytes:
+    """The field a line's result is written under: its ``custom_id``, or for a line without one the byte
+    0xff and its index, which no ``custom_id`` (UTF-8 text) can be."""
+    return custom_id if custom_id is not None else b"\xff%d" % idx
 
 
 @dataclass(frozen=True)
@@ -165,6 +185,7 @@ class Work:
         self._claim = redis.register_script(_CLAIM)
         self._record = redis.register_script(_RECORD)
         self._renew = redis.register_script(_RENEW)
+        self._places = redis.register_script(_PLACES)
 
     def key(self, batch_id: str, part: str) -> str:
         return f"{self.config.redis_prefix}:b:{batch_id}:{part}"
@@ -216,7 +237,9 @@ class Work:
     ) -> bool:
         """Write line ``idx``'s result, run by ``owner``, unless one was written already (a success
         replaces an error another run wrote); whether this call wrote it. The line's lease goes with it
-        when it is still ``owner``'s."""
+        when it is still ``owner``'s. The result is written under ``result_field`` of the ``custom_id`` in
+        ``line``, where earlier versions write it too: a line that a replica of each ran during an upgrade
+        has one result, whichever came first."""
         recorded = await self.record_outcome(batch_id, idx, line, ok=ok, tokens=tokens, owner=owner)
         return recorded.written
 
@@ -237,7 +260,9 @@ class Work:
         keys = [self.key(batch_id, p) for p in ("out", "err", "todo", "leases", "owners")]
         keys += [self._batch_key(batch_id), self.key(batch_id, "unsettled")]
         kind = "out" if ok else "err"
-        args: list[bytes | str | int] = [idx, orjson.dumps(line), kind, tokens[0], tokens[1], owner]
+        value = b"%d " % idx + orjson.dumps(line)  # the prefix orders the files (``results``)
+        field = result_field(idx, line.get("custom_id"))
+        args: list[bytes | str | int] = [idx, value, kind, tokens[0], tokens[1], owner, field]
         done = int(await self._record(keys=keys, args=args))
         outcome = "completed" if ok else "failed"
         return Recorded(written=done in (1, 2), final={1: outcome, 3: "failed"}.get(done))
@@ -268,14 +293,25 @@ class Work:
     async def results(self, batch_id: str, part: str) -> AsyncIterator[bytes]:
         """The output (``out``) or error (``err``) lines, in input order, read ``read_chunk`` at a time:
         a batch of many long answers is written to its file without ever being in memory whole (only
-        its line indexes are, a few bytes each)."""
+        each line's field and index are)."""
         key = self.key(batch_id, part)
-        idxs = sorted(int(i) for i in await self.redis.hkeys(key))
-        for start in range(0, len(idxs), self.read_chunk):
-            raws: list[Any] = await self.redis.hmget(key, idxs[start : start + self.read_chunk])
+        fields = [field for _, field in await self._in_order(key)]
+        for start in range(0, len(fields), self.read_chunk):
+            raws: list[Any] = await self.redis.hmget(key, fields[start : start + self.read_chunk])
             for raw in raws:
                 if raw is not None:  # replaced since (a success for an error): the output has it
-                    yield bytes(raw)
+                    yield bytes(raw).split(b" ", 1)[1]
+
+    async def _in_order(self, key: str) -> list[tuple[int, bytes]]:
+        """The result hash's (index, field)s, by index: learnt from the values' prefixes, a chunk at a
+        time, in Redis (a field does not say its line: it is a ``custom_id``)."""
+        fields: list[Any] = await self.redis.hkeys(key)
+        places: list[tuple[int, bytes]] = []
+        for start in range(0, len(fields), self.read_chunk):
+            chunk = fields[start : start + self.read_chunk]
+            idxs = await self._places(keys=[key], args=chunk)
+            places += [(int(i), bytes(field)) for i, field in zip(idxs, chunk, strict=True) if int(i) >= 0]
+        return sorted(places)
 
     async def expire(self, batch_id: str, seconds: int) -> None:
         """Let the batch's work expire in ``seconds`` unless ``drop`` deletes it first: set before the batch
