@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from gateway.wire.chat_answer import count, first_choice, first_choice_deltas, reasoning_of
+from gateway.wire.chat_answer import count, first_choice, first_choice_deltas, malformed, reasoning_of
 from gateway.wire.errors import anthropic_sse
 
 
@@ -150,6 +150,12 @@ class MessageStream:
     the chat stream's pieces cannot be sent as they come, since which ones make an object is only known at
     the end, and a client cannot take back pieces it parsed.
 
+    One block is open at a time, as Anthropic streams them: a tool call's block ends when the next call
+    (another chat tool call index), thinking or the answer's end comes. The chat API streams calls one after
+    another, so arguments (or a name) for a call whose block ended are the worker's failure (``BadGateway``,
+    the stream's ``error`` event): the client was already given that call whole, and a second ``tool_use``
+    block for it would have no id and no name. An empty delta of such a call changes nothing.
+
     Text that arrives while a tool call's block is open is held too, and becomes a text block of its own
     once that block ends, as vLLM's entrypoint does: a worker that sends several tokens per chunk
     (speculative decoding, ``--stream-interval``) can put the text after a call (the newline after
@@ -163,6 +169,7 @@ class MessageStream:
         self._open: str | None = None  # "thinking", "text" or "tool:<chat tool call index>"
         self._arguments: list[str] = []  # the open tool call's arguments so far
         self._held_text: list[str] = []  # text that came while a tool call's block was open
+        self._tools_done: set[str] = set()  # the keys of the tool calls whose blocks ended
         self._used_tools = False
         self._calls_whole = True  # every closed tool call's arguments were a JSON object
         self._finish_reason: object = None
@@ -220,6 +227,10 @@ class MessageStream:
     def _tool_delta(self, call: dict[str, Any], function: dict[str, Any]) -> list[bytes]:
         key = f"tool:{call.get('index', 0)}"
         out: list[bytes] = []
+        if key in self._tools_done:
+            if function.get("name") or function.get("arguments"):
+                raise malformed(f"tool call {call.get('index', 0)} went on after the next content block began")
+            return []  # an empty delta of a call whose block ended changes nothing
         if self._open != key:
             self._used_tools = True
             block: dict[str, Any] = {
@@ -241,6 +252,7 @@ class MessageStream:
         if self._open == "thinking":
             out.append(self._delta({"type": "signature_delta", "signature": _signature()}))
         if self._open.startswith("tool:"):
+            self._tools_done.add(self._open)
             arguments = _arguments_object("".join(self._arguments))
             self._arguments = []
             if arguments is None:

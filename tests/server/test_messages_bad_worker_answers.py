@@ -171,3 +171,51 @@ def test_a_tokenize_answer_with_a_count_is_the_input_tokens(scripted: tuple[Scri
     worker.body = b'{"count": 7, "max_model_len": 2048, "tokens": [1, 2, 3, 4, 5, 6, 7]}'
     counted = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0).messages.count_tokens(**COUNT)  # type: ignore[arg-type]
     assert counted.input_tokens == 7
+
+
+def _calls(*calls: dict[str, object]) -> bytes:
+    return chunk({"index": 0, "delta": {"tool_calls": list(calls)}, "finish_reason": None})
+
+
+def _named(index: int, name: str, arguments: str) -> dict[str, object]:
+    """A tool call's first delta, with its id and name."""
+    return {
+        "index": index,
+        "id": f"call_{index}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def test_arguments_of_a_call_after_the_next_call_began_are_the_workers_failure(
+    scripted: tuple[ScriptedWorker, str],
+) -> None:
+    """A call's block ends once the next call begins (its ``input_json_delta`` already gave the client the
+    call whole): more arguments for it afterwards end the stream with the worker's error event, rather than
+    a third ``tool_use`` block for the same call without its id and name. An empty delta of that call
+    changes nothing and is let through."""
+    worker, url = scripted
+    first, second = _named(0, "get_weather", '{"city": "Paris"}'), _named(1, "get_time", "{}")
+    ending = [chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"}), b"[DONE]"]
+    client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+
+    worker.events = [_calls(first), _calls(second), _calls({"index": 0, "function": {}}), *ending]
+    with client.messages.stream(**ASK) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_message()
+    assert [(block.type, block.id, block.name, block.input) for block in final.content] == [  # type: ignore[union-attr]
+        ("tool_use", "call_0", "get_weather", {"city": "Paris"}),
+        ("tool_use", "call_1", "get_time", {}),
+    ]
+    assert final.stop_reason == "tool_use"
+
+    worker.events = [_calls(first), _calls(second), _calls({"index": 0, "function": {"arguments": " "}}), *ending]
+    with pytest.raises(anthropic.APIStatusError) as caught, client.messages.stream(**ASK) as stream:  # type: ignore[arg-type]
+        for _ in stream:
+            pass
+    assert caught.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+    assert "tool call 0" in caught.value.message
+    reply = httpx.post(url + "/v1/messages", json={**ASK, "stream": True})
+    events = [orjson.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+    starts = [event["content_block"]["name"] for event in events if event["type"] == "content_block_start"]
+    assert starts == ["get_weather", "get_time"] and events[-1]["type"] == "error"
+    assert "message_delta" not in [event["type"] for event in events]
