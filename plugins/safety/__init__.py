@@ -43,7 +43,7 @@ __all__ = ["OutputSafetyPlugin", "SafetyConfig", "SafetyPlugin"]
 log = logging.getLogger("gateway.safety")
 _STREAM = "safety.stream"
 _FIELDS = "safety.fields"  # per choice index: the reasoning/refusal fields held
-_TOOL_CALLS = "safety.tool_calls"  # per choice index: the indices of the tool calls whose arguments are held
+_TOOL_CALLS = "safety.tool_calls"  # per choice index: the indices of the tool calls that hold arguments back
 
 
 class SafetyPlugin(Plugin):
@@ -281,35 +281,30 @@ class OutputSafetyPlugin(SafetyPlugin):
     def _guard_tool_calls(
         ctx: RequestContext, guard: StreamGuard, index: int, delta: dict[str, Any], *, final: bool
     ) -> Hit | None:
-        """Hold back and check each tool call's streamed arguments like text (held per call); the chunk
-        that ends the choice releases what every call of it still holds. Returns a block hit, if any."""
-        seen: set[int] = ctx.state.setdefault(_TOOL_CALLS, {}).setdefault(index, set())
+        """Hold back and check each tool call's streamed arguments like text (held per call). The chat API
+        streams calls one after another, so a delta of another call first releases what the calls before it
+        still hold: each call reaches the client whole before the next begins, as the Messages and Responses
+        streams need (they end a call's block or item there, and take later arguments for it as the
+        worker's failure). The chunk that ends the choice releases what is still held. Returns a block hit,
+        if any (the deltas after it in the chunk are dropped: the stream ends there)."""
+        held: set[int] = ctx.state.setdefault(_TOOL_CALLS, {}).setdefault(index, set())
         calls = delta.get("tool_calls")
-        calls = calls if isinstance(calls, list) else []
-        in_chunk: set[int] = set()
-        for call in calls:
-            if not isinstance(call, dict) or not isinstance(call.get("index"), int):
-                continue
-            function = call.get("function")
-            piece = function.get("arguments") if isinstance(function, dict) else None
-            if not isinstance(piece, str):
-                continue
-            assert isinstance(function, dict)
-            seen.add(call["index"])
-            in_chunk.add(call["index"])
-            release = guard.feed((index, call["index"]), piece, final=final)
-            function["arguments"] = release.text
-            if release.blocked is not None:
-                return release.blocked
-        if final:
-            for tool_index in sorted(seen - in_chunk):
-                release = guard.feed((index, tool_index), "", final=True)
-                if release.text:
-                    calls.append({"index": tool_index, "function": {"arguments": release.text}})
-                    delta["tool_calls"] = calls
-                if release.blocked is not None:
-                    return release.blocked
-        return None
+        out: list[Any] = []
+        blocked: Hit | None = None
+        for call in calls if isinstance(calls, list) else ():
+            tool_index = call.get("index") if isinstance(call, dict) else None
+            if isinstance(tool_index, int):
+                blocked = _release_calls(guard, index, held, out, keep=tool_index)
+            if blocked is None:
+                out.append(call)
+                blocked = _feed_call(guard, index, call, held, final=final)
+            if blocked is not None:
+                break
+        if final and blocked is None:
+            blocked = _release_calls(guard, index, held, out, keep=None)
+        if isinstance(calls, list) or out:
+            delta["tool_calls"] = out
+        return blocked
 
     def _stream_guard(self, ctx: RequestContext) -> StreamGuard | None:
         """This stream's hold-back state, made on its first chunk (None: no output rules for the model)."""
@@ -326,3 +321,30 @@ class OutputSafetyPlugin(SafetyPlugin):
             )
         ctx.state[_STREAM] = guard
         return guard
+
+
+def _feed_call(guard: StreamGuard, choice: int, call: Any, held: set[int], *, final: bool) -> Hit | None:
+    """Screen a tool call delta's arguments, held per call (``held``: the calls that hold some); the delta
+    keeps what may be sent now. Returns a block hit, if any."""
+    function = call.get("function") if isinstance(call, dict) and isinstance(call.get("index"), int) else None
+    piece = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(piece, str):
+        return None
+    assert isinstance(function, dict)
+    held.add(call["index"])
+    release = guard.feed((choice, call["index"]), piece, final=final)
+    function["arguments"] = release.text
+    return release.blocked
+
+
+def _release_calls(guard: StreamGuard, choice: int, held: set[int], out: list[Any], *, keep: int | None) -> Hit | None:
+    """Release what the calls of ``held`` other than ``keep`` still hold, as deltas appended to ``out``, in
+    call order; they hold nothing afterwards. Returns a block hit, if any."""
+    for tool_index in sorted(held - {keep}):
+        held.discard(tool_index)
+        release = guard.feed((choice, tool_index), "", final=True)
+        if release.text:
+            out.append({"index": tool_index, "function": {"arguments": release.text}})
+        if release.blocked is not None:
+            return release.blocked
+    return None

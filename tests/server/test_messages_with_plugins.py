@@ -7,6 +7,7 @@ tenant's request from another tenant's entry."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -140,6 +141,35 @@ def test_safety_screens_what_the_model_reads_and_writes(server: ServerThread, up
         deltas = [e.delta.text for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
     for text in (plain.content[0].text, "".join(deltas)):  # type: ignore[union-attr]
         assert SECRET not in text and "[SECRET]" in text
+
+
+def test_calls_streamed_one_after_another_come_whole_through_safety(
+    server: ServerThread, upstream: FakeUpstream
+) -> None:
+    """Safety holds back the end of each call's streamed arguments to screen it; the next call's start
+    releases it, so each ``tool_use`` block ends whole before the next begins (the arguments are short
+    enough to be held whole until then), a secret in them redacted."""
+    upstream.behavior.tool_calls = [
+        {"id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"id": "call_b", "name": "lookup", "arguments": '{"key": "' + SECRET + '"}'},
+    ]
+    tool = {"name": "get_weather", "input_schema": {"type": "object"}}
+    with sdk(server, "acme-1").messages.stream(model="m1", max_tokens=64, messages=ASK, tools=[tool]) as stream:
+        final = stream.get_final_message()
+    assert [(block.type, block.id, block.name, block.input) for block in final.content] == [  # type: ignore[union-attr]
+        ("tool_use", "call_a", "get_weather", {"city": "Paris"}),
+        ("tool_use", "call_b", "lookup", {"key": "[SECRET]"}),
+    ]
+    assert final.stop_reason == "tool_use"
+    # the chat stream itself: every piece of call 0's arguments comes before call 1 begins
+    reply = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers={"authorization": "Bearer " + KEYS["acme-1"][1]},
+        json={"model": "m1", "messages": ASK, "stream": True},
+    )
+    chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    order = [call["index"] for c in chunks for choice in c["choices"] for call in choice["delta"].get("tool_calls", [])]
+    assert order == sorted(order) and set(order) == {0, 1}
 
 
 def test_cache_serves_a_tenant_its_own_entries_only(server: ServerThread, upstream: FakeUpstream) -> None:

@@ -165,6 +165,32 @@ def test_safety_screens_every_text_the_model_reads(
         assert len(chats(upstream)) == before
 
 
+def test_calls_streamed_one_after_another_come_whole_through_safety(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, names: dict[str, str]
+) -> None:
+    """Safety holds back the end of each call's streamed arguments to screen it; the next call's start
+    releases it, so each function call's item is done whole before the next is added (the arguments are
+    short enough to be held whole until then), a secret in them redacted, and stored as streamed."""
+    upstream.behavior.tool_calls = [
+        {"id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"id": "call_b", "name": "lookup", "arguments": '{"key": "AKIAIOSFODNN7EXAMPLE"}'},
+    ]
+    rules = [{"id": "secrets", "kind": "secrets", "action": "redact", "apply_to": ["output"]}]
+    config = base_config(
+        [upstream_url],
+        plugins=[{"name": "safety", "config": {"rules": rules}}, {"name": "routing"}],
+        responses={"redis_prefix": names["responses"]},
+    )
+    with gateway_factory(config) as (_, server):
+        client = sdk(server, "unused")
+        with client.responses.stream(model="m1", input="Paris?") as stream:
+            final = stream.get_final_response()
+        stored = client.responses.retrieve(final.id)
+    expected = [("call_a", "get_weather", '{"city": "Paris"}'), ("call_b", "lookup", '{"key": "[SECRET]"}')]
+    for output in (final.output, stored.output):
+        assert [(item.call_id, item.name, item.arguments) for item in output] == expected  # type: ignore[union-attr]
+
+
 def test_cache_answers_a_repeated_deterministic_request(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, names: dict[str, str]
 ) -> None:
