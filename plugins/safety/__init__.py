@@ -235,13 +235,16 @@ class OutputSafetyPlugin(SafetyPlugin):
             piece = (delta.get("content") if isinstance(delta, dict) else choice.get("text")) or ""
             final = choice.get("finish_reason") is not None
             index = choice.get("index", 0)
-            release = guard.feed(index, piece, final=final)
+            # The part that follows releases what the parts before it hold (thinking, then text, then
+            # calls): held back until the choice ends, they would reach the client after it, out of order.
+            calls = isinstance(delta, dict) and bool(delta.get("tool_calls"))
+            release = guard.feed(index, piece, final=final or calls)
             blocked = release.blocked
             if isinstance(delta, dict):
                 if "content" in delta or release.text:
                     delta["content"] = release.text
                 if blocked is None:
-                    blocked = self._guard_fields(ctx, guard, index, delta, final=final)
+                    blocked = self._guard_fields(ctx, guard, index, delta, final=final or calls or bool(piece))
                 if blocked is None:
                     blocked = self._guard_tool_calls(ctx, guard, index, delta, final=final)
                 keep = (

@@ -7,8 +7,9 @@ characters is still found) and scanned, and the hits are mapped back onto the or
 so any match of at most ``hold_back_chars`` characters is seen whole before any of its characters is
 released. On a ``block`` hit the text before the match is released and the stream ends
 (``finish_reason: "content_filter"``); ``redact`` rewrites the held text; ``log`` reports once. The
-chunk that carries ``finish_reason`` releases everything still held. Latency added: the text is late
-by at most ``hold_back_chars`` characters, and not at all once the choice has finished.
+chunk that carries ``finish_reason`` releases everything still held, and the plugin releases a text
+early (``final``) once the part of the answer after it begins. Latency added: the text is late by at
+most ``hold_back_chars`` characters, and not at all once the choice has finished.
 """
 
 from __future__ import annotations

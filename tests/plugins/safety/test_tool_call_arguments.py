@@ -7,11 +7,13 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import openai
 import orjson
 import pytest
 import yaml
 
+from tests.support import scripted_worker
 from tests.support.cache import namespace, redis_client
 from tests.support.fakes import ServerThread, running
 from tests.support.gateways import REPO, GatewayFactory, base_config
@@ -131,3 +133,40 @@ def test_the_default_plugin_stack_passes_every_tool_choice(
             sent = [s.body for s in fake.requests if s.path == "/v1/chat/completions"]
             assert sent and sent[0]["tools"] == TOOLS and sent[0]["tool_choice"] == choice
             assert json.loads(arguments) == {"city": "Paris", "days": 3}
+
+
+def _delta(**fields: Any) -> bytes:
+    return scripted_worker.chunk({"index": 0, "delta": fields, "finish_reason": None})
+
+
+def test_each_part_of_a_streamed_answer_comes_whole_before_the_next(gateway_factory: GatewayFactory) -> None:
+    """Output rules hold back the end of each part of a stream (thinking, text, each call's arguments); the
+    part that follows releases it, so a reasoning model's thinking, then its text, then its call reach the
+    Messages and Responses streams in the model's order (short parts are held whole until then): their
+    translations end a block or item as the next begins, and thinking after a call would cut it."""
+    worker = scripted_worker.ScriptedWorker()
+    call = {"index": 0, "id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": ""}}
+    worker.events = [
+        _delta(role="assistant", reasoning="The key is " + SECRET + "."),
+        _delta(content="Let me look it up."),
+        _delta(tool_calls=[call]),
+        _delta(tool_calls=[{"index": 0, "function": {"arguments": '{"key": "' + SECRET + '"}'}}]),
+        scripted_worker.chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"}),
+        b"[DONE]",
+    ]
+    ask: Any = [{"role": "user", "content": "look it up"}]
+    with running(worker) as upstream, gateway(gateway_factory, upstream.url, "redact") as (_, server):
+        claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        with claude.messages.stream(model="m1", max_tokens=64, messages=ask) as stream:
+            message = stream.get_final_message()
+        sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        with sdk.responses.stream(model="m1", input="look it up", store=False) as events:
+            response = events.get_final_response()
+    blocks = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None) or b.input) for b in message.content]  # type: ignore[union-attr]
+    assert blocks == [
+        ("thinking", "The key is [SECRET]."),
+        ("text", "Let me look it up."),
+        ("tool_use", {"key": "[SECRET]"}),
+    ]
+    assert [item.type for item in response.output] == ["reasoning", "message", "function_call"]
+    assert response.output[2].arguments == '{"key": "[SECRET]"}'  # type: ignore[union-attr]
