@@ -24,10 +24,13 @@ Per batch ``<prefix>:b:<id>:``
   usage), so a replaced error leaves nothing to take back but its count. A run that wrote an error leaves a
   lease that is no longer its own, and the batch is finalized only once no lease is live (``running``); a
   success, which nothing replaces, takes the line's lease whoever holds it.
-- ``unsettled``: set of the indexes whose error was written while another run held the line, so that
-  run's success may still replace it: ``record_outcome`` says when a line's outcome is final (each
-  line's once: that is when ``gateway_batch_lines_total`` counts it), and these are final when that
-  run records, or when the batch is final (``Lifecycle.finalize`` counts the ones left).
+- ``runs``: hash, index -> how many claims of the line are neither recorded nor given back: a run whose
+  lease was taken over (a stalled replica) may still record, whichever run wrote first.
+- ``unsettled``: set of the indexes whose error was written while another run of the line could still
+  record (one holding its lease, or one of its ``runs``), so that run's success may still replace it:
+  ``record_outcome`` says when a line's outcome is final (each line's once: that is when
+  ``gateway_batch_lines_total`` counts it), and these are final when the last such run records, or when
+  the batch is final (``Lifecycle.finalize`` counts the ones left).
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ import redis.asyncio as aioredis
 from gateway.batch.redis_errors import text
 from gateway.pipeline.batch_config import BatchesConfig
 
-# KEYS todo, leases, owners, batch; ARGV now_ms, lease_ms, n, owner. The indexes claimed, in run order; none
-# while the batch is not in progress, or sealed by an expiry being written.
+# KEYS todo, leases, owners, batch, runs; ARGV now_ms, lease_ms, n, owner. The indexes claimed, in run order;
+# none while the batch is not in progress, or sealed by an expiry being written. Each claim is a run of the
+# line until it records or gives the line back (``runs``): a lease taken over leaves the run it lapsed on.
 _CLAIM = """
 if redis.call('HGET', KEYS[4], 'status') ~= '"in_progress"' or redis.call('HEXISTS', KEYS[4], '_sealed') == 1 then
   return {}
@@ -62,6 +66,7 @@ while #got < want do
     if (not held) or tonumber(held) <= now then
       redis.call('ZADD', KEYS[2], expiry, idx)
       redis.call('HSET', KEYS[3], idx, ARGV[4])
+      redis.call('HINCRBY', KEYS[5], idx, 1)
       got[#got + 1] = idx
       if #got >= want then break end
     end
@@ -71,29 +76,35 @@ end
 return got
 """
 
-# KEYS out, err, todo, leases, owners, batch, unsettled; ARGV index, value, "out"|"err", input tokens,
-# output tokens (an answer's; an error's are not counted), owner, the result's field (the line's custom_id,
-# as every version keys it: a line two versions ran has one result). A success replaces an error while the
-# batch is in progress and not sealed (``Jobs.seal``), taking the error's count back. The lease is removed
-# when it is the caller's or the caller wrote a success: a run whose lease was taken over and that wrote
-# an error leaves the other run's, so the batch waits for it; that error is unsettled (another run's
-# success may still replace it) until the other run records, or the batch is final. Returns
+# KEYS out, err, todo, leases, owners, batch, unsettled, runs; ARGV index, value, "out"|"err", input tokens,
+# output tokens (an answer's; an error's are not counted), owner ("" for a step's write-off, not a run), the
+# result's field (the line's custom_id, as every version keys it: a line two versions ran has one result). A
+# success replaces an error while the batch is in progress and not sealed (``Jobs.seal``), taking the error's
+# count back. The lease is removed when it is the caller's or the caller wrote a success: a run whose lease
+# was taken over and that wrote an error leaves the other run's, so the batch waits for it. An error is
+# unsettled while another run of the line may still replace it (one holding its lease, or one whose claim
+# is neither recorded nor given back: a stalled run whose lease was taken over), until the last such run
+# records, or the batch is final. Returns
 # 1: this call wrote the result, and the line's outcome is final;
 # 2: this call wrote an error another run may still replace (unsettled);
 # 3: this call wrote nothing, but settled the line's unsettled error: it is final now;
-# 0: nothing (a result was written and settled before, or the batch is final or gone: its work dropped,
-#    nothing is written under its keys again).
+# 0: nothing (a result was written and settled before, another run may still replace the error, or the
+#    batch is final or gone: its work dropped, nothing is written under its keys again).
 _RECORD = """
 local status = redis.call('HGET', KEYS[6], 'status')
 local unfinished = {['"validating"'] = true, ['"in_progress"'] = true, ['"finalizing"'] = true, ['"cancelling"'] = true}
 if not unfinished[status] then return 0 end
+-- the runs of the line, other than this one, that may still record
+local others = tonumber(redis.call('HGET', KEYS[8], ARGV[1])) or 0
+if ARGV[6] ~= '' then
+  others = redis.call('HINCRBY', KEYS[8], ARGV[1], -1)
+  if others <= 0 then redis.call('HDEL', KEYS[8], ARGV[1]) end
+end
 local written = 0
 local done_ok = redis.call('HEXISTS', KEYS[1], ARGV[7]) == 1
 local done_err = redis.call('HEXISTS', KEYS[2], ARGV[7]) == 1
 local replaceable = status == '"in_progress"'
 replaceable = replaceable and redis.call('HEXISTS', KEYS[6], '_sealed') == 0
--- whatever this call does, the line's unsettled error (if any) is final after it, or replaced
-local settles = redis.call('SREM', KEYS[7], ARGV[1]) == 1
 if ARGV[3] == 'out' and done_err and not done_ok and replaceable then
   redis.call('HDEL', KEYS[2], ARGV[7])
   redis.call('HINCRBY', KEYS[6], 'n_failed', -1)
@@ -118,12 +129,21 @@ local holder = redis.call('HGET', KEYS[5], ARGV[1])
 if holder == ARGV[6] or (written == 1 and ARGV[3] == 'out') then
   redis.call('ZREM', KEYS[4], ARGV[1])
   redis.call('HDEL', KEYS[5], ARGV[1])
-elseif written == 1 and holder and replaceable then
-  redis.call('SADD', KEYS[7], ARGV[1])
-  return 2
+  holder = false
 end
-if written == 1 then return 1 end
-if settles then return 3 end
+if written == 1 and ARGV[3] == 'out' then
+  redis.call('SREM', KEYS[7], ARGV[1])  -- the error it replaced, if unsettled, is settled by this success
+  return 1
+end
+local pending = replaceable and (others > 0 or holder)
+if written == 1 then
+  if pending then
+    redis.call('SADD', KEYS[7], ARGV[1])
+    return 2
+  end
+  return 1
+end
+if not pending and redis.call('SREM', KEYS[7], ARGV[1]) == 1 then return 3 end
 return 0
 """
 
@@ -137,6 +157,21 @@ for i = 3, #ARGV do
   end
 end
 return n
+"""
+
+
+# KEYS leases, owners, runs; ARGV owner, index... Gives back the leases still held by ``owner`` (expired at
+# once), ending those runs of the lines (``runs``). A lease no longer the owner's was taken over, or went
+# with a result this run recorded (which ended the run then): its run is left counted, so an error waits
+# for the batch's end at worst, rather than a run that may still record being taken for ended.
+_RELEASE = """
+for i = 2, #ARGV do
+  if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] then
+    redis.call('ZADD', KEYS[1], 'XX', 0, ARGV[i])
+    if redis.call('HINCRBY', KEYS[3], ARGV[i], -1) <= 0 then redis.call('HDEL', KEYS[3], ARGV[i]) end
+  end
+end
+return 0
 """
 
 
@@ -155,7 +190,7 @@ return places
 """
 
 #: Every key of a batch's work.
-_PARTS = ("lines", "todo", "leases", "owners", "out", "err", "unsettled")
+_PARTS = ("lines", "todo", "leases", "owners", "out", "err", "unsettled", "runs")
 
 
 def result_field(idx: int, custom_id: str | None) -> str | bytes:
@@ -185,6 +220,7 @@ class Work:
         self._claim = redis.register_script(_CLAIM)
         self._record = redis.register_script(_RECORD)
         self._renew = redis.register_script(_RENEW)
+        self._release = redis.register_script(_RELEASE)
         self._places = redis.register_script(_PLACES)
 
     def key(self, batch_id: str, part: str) -> str:
@@ -204,6 +240,7 @@ class Work:
         batch that is not in progress (cancelled, expired, finalizing since its caller last read it)."""
         now_ms = int(time.time() * 1000)
         keys = [*(self.key(batch_id, p) for p in ("todo", "leases", "owners")), self._batch_key(batch_id)]
+        keys.append(self.key(batch_id, "runs"))
         idxs = await self._claim(keys=keys, args=[now_ms, int(self.config.lease_s * 1000), n, owner])
         return await self._lines(batch_id, [text(i) for i in idxs or ()])
 
@@ -216,7 +253,8 @@ class Work:
     async def release(self, batch_id: str, owner: str, idxs: list[int]) -> None:
         """Give leases back at once (a line claimed but not sent): anyone may claim them again."""
         if idxs:
-            await self._renew(keys=[self.key(batch_id, "leases"), self.key(batch_id, "owners")], args=[owner, 0, *idxs])
+            keys = [self.key(batch_id, p) for p in ("leases", "owners", "runs")]
+            await self._release(keys=keys, args=[owner, *idxs])
 
     async def renew(self, batch_id: str, owner: str, idxs: list[int]) -> int:
         if not idxs:
@@ -255,10 +293,11 @@ class Work:
     ) -> Recorded:
         """``record``, saying also whether this call made the line's outcome final: a result nothing can
         replace any more written, or an error another run could have replaced that now none will (that
-        run's result came second, or could not replace it). An error written while another run holds
-        the line is not final until that run records, or the batch is final (``unsettled``)."""
+        run's result came second, or could not replace it). An error written while another run of the
+        line may still record is not final until the last such run records, or the batch is final
+        (``unsettled``)."""
         keys = [self.key(batch_id, p) for p in ("out", "err", "todo", "leases", "owners")]
-        keys += [self._batch_key(batch_id), self.key(batch_id, "unsettled")]
+        keys += [self._batch_key(batch_id), self.key(batch_id, "unsettled"), self.key(batch_id, "runs")]
         kind = "out" if ok else "err"
         value = b"%d " % idx + orjson.dumps(line)  # the prefix orders the files (``results``)
         field = result_field(idx, line.get("custom_id"))

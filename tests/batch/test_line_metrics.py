@@ -92,3 +92,73 @@ def test_each_line_is_counted_once_with_its_final_outcome(batch_names: dict[str,
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_line_is_counted_once_whichever_of_its_runs_records_first(batch_names: dict[str, Any]) -> None:
+    """The run holding the line may record an error while a run whose lease it took over still runs (a
+    stalled replica), and a line may be taken over twice: whichever run answers last, the line is one
+    line, counted with the outcome the batch ends with."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"], lease_s=30)
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, config)
+            work = Work(client, config, jobs.key)
+            names = ("slow", "taker", "third")
+            slow, taker, third = (replica(name, jobs, work, config) for name in names)
+            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
+            batch_id = str(batch["id"])
+            ids = ["c-0", "c-1"]
+            await work.load_lines(batch_id, [orjson.dumps(chat_line(c, c)) for c in ids], [0, 1])
+            assert await jobs.move(batch_id, ("validating",), "in_progress", n_total=2)
+            for runner in (slow, taker, third):  # each run's lease lapses before the next run claims
+                assert await work.claim(batch_id, runner.owner, 2)
+                await client.zadd(work.key(batch_id, "leases"), {"0": 0, "1": 0})
+            await client.zadd(work.key(batch_id, "leases"), {"1": 2**50})  # the third run holds line 1
+            lease = {"0": 2**50}
+
+            async def keep(runner: Runner, index: int, outcome: Outcome) -> bool:
+                return await runner._keep(batch_id, index, ids[index], outcome)
+
+            # line 0: the third run held it; its worker gave up, then the stalled slow run answered
+            await client.zadd(work.key(batch_id, "leases"), lease)
+            assert await keep(third, 0, REFUSAL)
+            assert await keep(slow, 0, ANSWER)  # the answer replaces the error
+            # line 1: the slow and the taker runs failed, then the third run, holding it, answered
+            assert await keep(slow, 1, REFUSAL)
+            assert not await keep(taker, 1, REFUSAL)
+            assert await keep(third, 1, ANSWER)
+            final = await jobs.load(batch_id)
+            assert final is not None and (final["n_completed"], final["n_failed"]) == (2, 0)
+            assert counted([slow, taker, third]) == {"completed": 2, "failed": 0}
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_line_given_back_unrun_leaves_no_run_to_wait_for(batch_names: dict[str, Any]) -> None:
+    """A line claimed and given back before it was sent (no room on its model now) never ran: the next
+    run's failure is final at once, not held for a run that will never record."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"], lease_s=30)
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, config)
+            work = Work(client, config, jobs.key)
+            first, second = replica("first", jobs, work, config), replica("second", jobs, work, config)
+            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
+            batch_id = str(batch["id"])
+            await work.load_lines(batch_id, [orjson.dumps(chat_line("c-0", "c-0"))], [0])
+            assert await jobs.move(batch_id, ("validating",), "in_progress", n_total=1)
+            assert await work.claim(batch_id, "first", 1)
+            await work.release(batch_id, "first", [0])
+            assert await work.claim(batch_id, "second", 1)
+            assert await second._keep(batch_id, 0, "c-0", REFUSAL)
+            assert counted([first, second]) == {"completed": 0, "failed": 1}
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
