@@ -274,12 +274,13 @@ class KvFeed:
         the ``first``, what the worker buffered from before comes first; after a drop, the batches lost
         meanwhile are a gap like any other, found by the next batch."""
         sub = self._socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, 100_000)
-        dropped = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(dropped, zmq.POLLIN)
-        try:
+        dropped: zmq.asyncio.Socket | None = None
+        try:  # from here: a socket or monitor that fails to set up is closed too, not left open per attempt
+            sub.setsockopt(zmq.RCVHWM, 100_000)
+            dropped = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(dropped, zmq.POLLIN)
             sub.connect(source.endpoint)
             sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
             if first:
@@ -296,8 +297,9 @@ class KvFeed:
                     continue
                 await self.receive(url, batch)
         finally:
-            sub.disable_monitor()
-            dropped.close(linger=0)
+            if dropped is not None:
+                sub.disable_monitor()
+                dropped.close(linger=0)
             sub.close(linger=0)
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:

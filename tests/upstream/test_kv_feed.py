@@ -6,6 +6,7 @@ decoding limit and over ZMQ's frame bound, and vLLM's own encoding of the events
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -375,6 +376,43 @@ async def test_a_message_over_the_frame_bound_is_never_taken_in_and_the_worker_r
         assert all(size == bound for _, size in closed)
         await publisher.publish([stored([152])])
         await until(lambda: feed.index.copies(URL, 152) == 1, "later batches applied")
+    finally:
+        await feed.aclose()
+
+
+class UnwatchableContext(zmq.asyncio.Context):
+    """A context out of file descriptors for monitors: every socket's ``get_monitor_socket`` fails, as
+    ZMQ's does when the process is at its limit. Keeps the sockets it made."""
+
+    made: list[zmq.asyncio.Socket]  # declared: pyzmq takes other attributes for socket options
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = []
+
+    def socket(self, socket_type: int, **kwargs: Any) -> Any:
+        sock = super().socket(socket_type, **kwargs)
+        self.made.append(sock)
+
+        def unwatchable(events: int | None = None, addr: str | None = None) -> zmq.asyncio.Socket:
+            raise zmq.ZMQError(errno.EMFILE)
+
+        sock.get_monitor_socket = unwatchable  # type: ignore[method-assign]
+        return sock
+
+
+async def test_a_connection_that_cannot_be_watched_leaves_no_socket_open(publisher: FakePublisher) -> None:
+    """The feed fails and starts again (its worker untrusted meanwhile); each attempt's socket is closed,
+    not left open for as long as the process runs, one more per attempt."""
+    context = UnwatchableContext()
+    feed = KvFeed()
+    feed._ctx = context
+    settings = FeedSettings(discover_interval_s=0.01)
+    await feed.follow([URL], {URL: publisher.source}, no_fetch, settings)  # type: ignore[arg-type]
+    try:
+        await until(lambda: len(context.made) >= 3, "attempts made again")
+        assert all(sock.closed for sock in context.made[:2])
+        assert not feed.trusted(URL)
     finally:
         await feed.aclose()
 
