@@ -26,7 +26,7 @@ from gateway.batch.files import Files
 from gateway.batch.jobs import FINAL, Jobs
 from gateway.batch.lines import Parsed, error_line, parse_input
 from gateway.batch.metrics import BatchMetrics
-from gateway.batch.work import Work
+from gateway.batch.work import ResultsGone, Work
 from gateway.pipeline.batch_config import BatchesConfig
 
 _LEFTOVER = {
@@ -124,11 +124,15 @@ class Lifecycle:
         scope = record["_scope"]
         fields: dict[str, Any] = {f"{final}_at": int(time.time())}
         for part, name in (("out", "output"), ("err", "error")):
-            if await self.work.count(batch_id, part):  # nothing replaces a result from here: the count holds
+            count = await self.work.count(batch_id, part)  # nothing replaces a result from here: it holds
+            if count:
                 file_id = result_file_id(batch_id, part)
                 filename = f"{batch_id}_{name}.jsonl"
-                pieces = _jsonl(self.work.results(batch_id, part))
-                await self.files.create(scope, filename, "batch_output", pieces, file_id=file_id)
+                pieces = _jsonl(_all_of(self.work.results(batch_id, part), count, batch_id))
+                try:
+                    await self.files.create(scope, filename, "batch_output", pieces, file_id=file_id)
+                except ResultsGone:  # finalized meanwhile by a replica that took the step over: its files stand
+                    return False
                 fields[f"{name}_file_id"] = file_id
         allowed = ("validating", "in_progress", "finalizing", "cancelling")
         await self.work.expire(batch_id, self.config.output_ttl_s)  # a final batch's work is nobody's to drop
@@ -147,6 +151,17 @@ def models_of(parsed: Parsed, most: int = MODELS_SHOWN) -> list[str]:
 
 def _errors(data: list[dict[str, Any]]) -> dict[str, Any]:
     return {"object": "list", "data": data}
+
+
+async def _all_of(lines: AsyncIterator[bytes], count: int, batch_id: str) -> AsyncIterator[bytes]:
+    """``lines``, the ``count`` a finalization counted: fewer (the work dropped meanwhile, by a replica that
+    took the step over) is ``ResultsGone`` before the end, so the part read never replaces its file."""
+    n = 0
+    async for line in lines:
+        n += 1
+        yield line
+    if n < count:
+        raise ResultsGone(batch_id)
 
 
 async def _jsonl(lines: AsyncIterator[bytes], per_piece: int = 256) -> AsyncIterator[bytes]:

@@ -199,6 +199,10 @@ def result_field(idx: int, custom_id: str | None) -> str | bytes:
     return custom_id if custom_id is not None else b"\xff%d" % idx
 
 
+class ResultsGone(Exception):
+    """A batch's results were dropped while they were read (``Work.results``)."""
+
+
 @dataclass(frozen=True)
 class Recorded:
     """What ``Work.record_outcome`` did: whether it wrote the line's result, and the line's outcome
@@ -332,14 +336,18 @@ class Work:
     async def results(self, batch_id: str, part: str) -> AsyncIterator[bytes]:
         """The output (``out``) or error (``err``) lines, in input order, read ``read_chunk`` at a time:
         a batch of many long answers is written to its file without ever being in memory whole (only
-        each line's field and index are)."""
+        each line's field and index are). Read while the batch is finalized, when no result changes any
+        more; ``ResultsGone`` when one is gone midway: another replica, taking the step over, finalized the
+        batch and dropped its work, and what was read is not the whole of it (the caller compares what
+        came with its ``count`` too: the work may be gone before the first read)."""
         key = self.key(batch_id, part)
         fields = [field for _, field in await self._in_order(key)]
         for start in range(0, len(fields), self.read_chunk):
             raws: list[Any] = await self.redis.hmget(key, fields[start : start + self.read_chunk])
             for raw in raws:
-                if raw is not None:  # replaced since (a success for an error): the output has it
-                    yield bytes(raw).split(b" ", 1)[1]
+                if raw is None:  # nothing replaces a result once finalizing: the work was dropped meanwhile
+                    raise ResultsGone(batch_id)
+                yield bytes(raw).split(b" ", 1)[1]
 
     async def _in_order(self, key: str) -> list[tuple[int, bytes]]:
         """The result hash's (index, field)s, by index: learnt from the values' prefixes, a chunk at a

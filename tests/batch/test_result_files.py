@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 import orjson
+import pytest
 import redis.asyncio as aioredis
 
 from gateway.batch.blobs import DirectoryStore
@@ -105,5 +106,69 @@ def test_the_results_are_read_a_chunk_at_a_time(batch_names: dict[str, Any]) -> 
         bound = READ_CHUNK * (len(ANSWER) + 100)
         assert bound < (LINES * 2 // 3) * len(ANSWER)  # the answers, read at once, would be over it
         assert 0 < client.largest <= bound
+
+    asyncio.run(scenario())
+
+
+class StallingRedis(aioredis.Redis):
+    """A client that, before its ``at``-th command ``stall`` on a batch's answers, lets ``meanwhile`` run."""
+
+    meanwhile: Any = None
+    stall: tuple[str, int] = ("", 0)
+    seen = 0
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        if args[0] == self.stall[0] and str(args[1]).endswith(":out"):
+            self.seen += 1
+            if self.seen == self.stall[1]:
+                await self.meanwhile()
+        return await super().execute_command(*args, **options)
+
+
+@pytest.mark.parametrize("stall", [("HKEYS", 1), ("HMGET", 2)], ids=["before-any-read", "after-one-chunk"])
+def test_a_finalization_taken_over_midway_leaves_the_whole_file(
+    batch_names: dict[str, Any], stall: tuple[str, int]
+) -> None:
+    """A replica's finalization outlasts its lock (a slow file store) and another replica's, taking the
+    step over, writes the files and finalizes the batch, dropping its results, while the first still
+    reads them: the first must not replace the whole output file with the part it had read (or none)."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"], lease_s=30)
+        client, slow = aioredis.Redis(), StallingRedis()
+        try:
+            jobs, files = Jobs(client, config), Files(client, DirectoryStore(config.files_dir), config)
+            work = Work(client, config, jobs.key)
+            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
+            batch_id = str(batch["id"])
+            await work.load_lines(batch_id, [orjson.dumps(chat_line(f"c-{i}", "q")) for i in range(6)], list(range(6)))
+            assert await jobs.move(batch_id, ("validating",), "in_progress", n_total=6)
+            for index, _ in await work.claim(batch_id, "replica-1", 6):
+                line = {"custom_id": f"c-{index}", "answer": ANSWER}
+                assert await work.record(batch_id, index, line, ok=True, tokens=(1, 1), owner="replica-1")
+            record = await jobs.load(batch_id)
+            assert record is not None
+
+            def lifecycle(redis: aioredis.Redis, owner: str) -> Lifecycle:
+                jobs_of = Jobs(redis, config)
+                work_of = Work(redis, config, jobs_of.key, read_chunk=2)
+                files_of = Files(redis, DirectoryStore(config.files_dir), config)
+                return Lifecycle(jobs_of, files_of, work_of, config, owner, BatchMetrics(Metrics()))
+
+            async def taken_over() -> None:
+                await client.delete(work.key(batch_id, "finalize-lock"))  # the first one's lock lapsed
+                current = await jobs.load(batch_id)
+                assert current is not None
+                assert await lifecycle(client, "replica-2").finalize(batch_id, current, "completed")
+
+            slow.meanwhile, slow.stall = taken_over, stall
+            assert not await lifecycle(slow, "replica-1").finalize(batch_id, record, "completed")
+            final = await jobs.load(batch_id)
+            assert final is not None and final["status"] == "completed"
+            content = b"".join([piece async for piece in files.content(final["output_file_id"])])
+            assert [orjson.loads(line)["custom_id"] for line in content.splitlines()] == [f"c-{i}" for i in range(6)]
+        finally:
+            await client.aclose()
+            await slow.aclose()
 
     asyncio.run(scenario())
