@@ -7,9 +7,14 @@ that explodes (the regex-to-automaton step; the worker then multiplies it by its
 state count and build time are what the budgets bound. An explosive constraint is refused here with a
 400 instead of stalling or crashing a worker.
 
-Compiles run in one dedicated thread (outlines releases the GIL) so the event loop never blocks; a
-compile that overruns its budget cannot be interrupted, so its result is discarded and the refusal is
-cached. Results, refusals included, are kept in an LRU keyed by the constraint's hash: a repeated
+Compiles run in one dedicated thread (outlines releases the GIL) so the event loop never blocks. The
+budget (``compile_timeout_ms``) is CPU time, spent by the automaton's count in a child process
+(``plugins.guided_json.states``): a constraint that overruns it is refused as too complex, whatever
+else the machine is doing. Wall-clock time only bounds how long a request waits (``WALL_FACTOR`` times
+the budget, for its turn and for its compile): past that it gets 503 ``guided_compiler_busy`` with a
+retry-after, and the compile goes on, its result kept for the retry. A busy machine is no verdict on a
+constraint: a refusal for wall-clock time, once remembered, refused a small schema to every later
+request. Results, refusals included, are kept in an LRU keyed by the constraint's hash: a repeated
 schema costs one hash and one dict lookup.
 """
 
@@ -35,7 +40,11 @@ from plugins.guided_json.bounds import BoundsPusher
 from plugins.guided_json.config import GuidedJSONConfig
 from plugins.guided_json.forms import Constraint
 from plugins.guided_json.schemas import GENERIC_OBJECT, SchemaProblem, bound_free_form, check_structure, validator
-from plugins.guided_json.states import count_states, start_server
+from plugins.guided_json.states import CompilerBusy, count_states, start_server
+
+#: How many times its CPU budget a request waits for a compile, in wall-clock time (for its turn, then
+#: for the compile): a count of a few CPU seconds still has its answer with the core shared five ways.
+WALL_FACTOR = 5
 
 #: Checks one answer's text; returns what is wrong with it, or None when it satisfies the constraint.
 Checker = Callable[[str], str | None]
@@ -172,9 +181,9 @@ class Compiler:
         # In a child process: an automaton that explodes is ended with it (plugins.guided_json.states).
         budget_ms = self.config.compile_timeout_ms
         try:
-            states = count_states(regex, budget_ms / 1000)
+            states = count_states(regex, budget_ms / 1000, WALL_FACTOR * budget_ms / 1000)
         except TimeoutError:
-            raise SchemaProblem(f"it is too complex: compiling it took longer than {budget_ms:g} ms") from None
+            raise SchemaProblem(f"it is too complex: compiling it needs more than {budget_ms:g} ms of CPU") from None
         if isinstance(states, str):
             raise SchemaProblem(f"outlines cannot compile it: {states}")
         if states > self.config.max_states:
@@ -226,7 +235,10 @@ class CompileCache:
                 task = asyncio.create_task(self._compile(compiler, constraint, key))
                 self._pending[key] = task
                 task.add_done_callback(lambda _t: self._pending.pop(key, None))
-            entry = await asyncio.shield(task)
+            try:
+                entry = await asyncio.wait_for(asyncio.shield(task), WALL_FACTOR * config.compile_timeout_ms / 1000)
+            except TimeoutError:  # the compile goes on (shielded), and its result is kept for the retry
+                raise _busy() from None
         if isinstance(entry, str):
             what = "regular expression" if constraint.kind == "regex" else f"{constraint.kind} constraint"
             if constraint.kind == "json":
@@ -239,8 +251,8 @@ class CompileCache:
         return entry, hit
 
     async def _compile(self, compiler: Compiler, constraint: Constraint, key: str) -> Compiled | str:
-        config = compiler.config
-        budget_s = config.compile_timeout_ms / 1000
+        """Compile in the thread and remember the outcome; ``ServiceUnavailable`` (not remembered) when
+        the thread does not take it up in time, or the machine is too busy for a verdict."""
         loop = asyncio.get_running_loop()
         started = asyncio.Event()
 
@@ -250,23 +262,18 @@ class CompileCache:
 
         future = asyncio.wrap_future(self._executor.submit(job))
         try:
-            # Waiting behind another compile does not count against this schema's budget...
-            async with asyncio.timeout(budget_s):
+            # Waiting behind another compile does not count against this schema's budget
+            async with asyncio.timeout(WALL_FACTOR * compiler.config.compile_timeout_ms / 1000):
                 await started.wait()
         except TimeoutError:
             future.cancel()
-            raise ServiceUnavailable(
-                "The gateway is busy compiling other output constraints; try again shortly.",
-                code="guided_compiler_busy",
-                headers={"retry-after": "1"},
-            ) from None
+            raise _busy() from None
         try:
-            async with asyncio.timeout(budget_s):  # ...its own compile does
-                result: Compiled | str = await asyncio.shield(future)
-        except TimeoutError:
-            result = f"it is too complex: compiling it took longer than {config.compile_timeout_ms:g} ms"
+            result: Compiled | str = await future
         except SchemaProblem as problem:
             result = str(problem)
+        except CompilerBusy:
+            raise _busy() from None
         self._remember(key, result)
         return result
 
@@ -279,3 +286,11 @@ class CompileCache:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _busy() -> ServiceUnavailable:
+    return ServiceUnavailable(
+        "The gateway is busy compiling output constraints; try again shortly.",
+        code="guided_compiler_busy",
+        headers={"retry-after": "1"},
+    )

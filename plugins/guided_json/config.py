@@ -23,7 +23,7 @@ class GuidedJSONConfig(BaseModel):
     max_regex_chars: int = Field(50_000, ge=100, description="longest regex a schema may turn into")
     max_states: int = Field(5_000, ge=10, description="most automaton states a constraint may compile to")
     max_choices: int = Field(256, ge=1, description="most options a choice constraint may list")
-    compile_timeout_ms: float = Field(2_000, gt=0, description="time budget of one compile (worker thread)")
+    compile_timeout_ms: float = Field(2_000, gt=0, description="CPU budget of a compile (waits: 5x, then 503)")
     cache_size: int = Field(1_024, ge=1, description="compiled constraints kept (LRU by schema hash)")
 
     # -- answers ---------------------------------------------------------------------------------------
