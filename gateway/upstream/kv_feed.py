@@ -25,8 +25,9 @@ replay what the worker still buffers, then apply each batch. What real streams d
   taken in: ZMQ itself (``zmq.MAXMSGSIZE`` on both sockets) drops the connection on reading the frame's
   size, so a publisher cannot make the gateway allocate what it likes. ZMQ takes that for a protocol
   error and never connects again by itself (libzmq 4.3), so the feed watches its connection and makes a
-  new one when it is dropped. The batch is then a gap: its replay is refused the same way, so the worker
-  is resynchronised (its entries dropped, as for a batch not decoded) and followed on from the next batch.
+  new one when it is dropped, after a wait that doubles (0.1 s to 5 s) while drops repeat. The batch is
+  then a gap: its replay is refused the same way, so the worker is resynchronised (its entries dropped, as
+  for a batch not decoded) and followed on from the next batch.
 
 State lives in the worker table (``WorkerTable.kv``) so it survives config reloads; routing's
 ``follow`` says which workers to follow and how.
@@ -64,7 +65,11 @@ log = logging.getLogger("gateway.kv_events")
 #: ``async (url, timeout_s) -> (status, body)``: a bounded GET (the upstream client's).
 Fetch = Callable[[str, float], Awaitable[tuple[int, bytes]]]
 _DUPLICATE_WINDOW_S = 5.0  # batches re-read from the live socket right after a replay are duplicates
-_RECONNECT_S = 0.1  # as ZMQ's own reconnect interval: a publisher that drops each connection gets ten a second
+_RECONNECT_S = 0.1  # the first wait after a drop, as ZMQ's own reconnect interval: few batches lost to a gap
+# The longest wait, doubled up to from _RECONNECT_S while connections keep being dropped: a publisher (or
+# anything on its port) that drops each one costs a socket and a log line every 5 s, not ten a second, and
+# a worker back from a restart is followed again within 5 s. A connection that held this long resets it.
+_RECONNECT_CAP_S = 5.0
 _HIT_ALPHA = 0.1  # the hit rate's moving average weighs about the last 20 responses
 
 
@@ -154,11 +159,19 @@ class WorkerKv:
 class KvFeed:
     """Every followed worker's event stream, applied to one bounded ``BlockIndex``."""
 
-    def __init__(self, settings: FeedSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: FeedSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        """``clock`` dates events, silences and connections; ``sleep`` is how the feed waits between
+        connections (both given by tests)."""
         self.settings = settings or FeedSettings()
         self.index = BlockIndex(self.settings.max_entries)
         self.workers: dict[str, WorkerKv] = {}
         self._clock = clock
+        self._sleep = sleep
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._fetch: Fetch | None = None
@@ -261,13 +274,21 @@ class KvFeed:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
         log.info("following KV events of %s at %s", url, source.endpoint)
-        await self._listen(url, source, first=True)
+        wait, first = _RECONNECT_S, True
         while True:  # ZMQ never makes again a connection it dropped for a frame over the bound: make it here
+            opened = self._clock()
+            await self._listen(url, source, first)
+            first = False
+            if self._clock() - opened >= _RECONNECT_CAP_S:
+                wait = _RECONNECT_S  # it held: this drop is news, not one more of a run
             state.reconnects += 1
-            log.warning("the KV event connection to %s was dropped (a frame over %d bytes, or the worker "
-                        "went away); connecting again", source.endpoint, self.settings.max_frame_bytes)  # fmt: skip
-            await asyncio.sleep(_RECONNECT_S)
-            await self._listen(url, source, first=False)
+            # The first drop of a run, then one at most every _RECONNECT_CAP_S (each such wait is the cap).
+            level = logging.WARNING if wait in (_RECONNECT_S, _RECONNECT_CAP_S) else logging.DEBUG
+            log.log(level, "the KV event connection to %s was dropped (a frame over %d bytes, or the worker "
+                    "went away; %d drops so far); connecting again in %.1fs",
+                    source.endpoint, self.settings.max_frame_bytes, state.reconnects, wait)  # fmt: skip
+            await self._sleep(wait)
+            wait = min(wait * 2, _RECONNECT_CAP_S)
 
     async def _listen(self, url: str, source: KvSource, first: bool) -> None:
         """Apply the live batches of one connection to ``source`` until it is dropped (then return). On

@@ -380,6 +380,91 @@ async def test_a_message_over_the_frame_bound_is_never_taken_in_and_the_worker_r
         await feed.aclose()
 
 
+class Waits:
+    """The feed's waits between connections: noted, not waited (the test makes each drop itself)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    async def __call__(self, seconds: float) -> None:
+        self.seconds.append(seconds)
+        await asyncio.sleep(0)
+
+
+async def connected(feed: KvFeed, pub: FakePublisher) -> None:
+    """Until the feed's live connection is made and subscribed: a batch came through it."""
+    state = feed.workers[URL]
+    received = state.received
+    for _ in range(500):
+        if state.received > received:
+            return
+        await pub.publish([])
+        await asyncio.sleep(0.01)
+    raise AssertionError("never connected again")
+
+
+async def dropped(feed: KvFeed, pub: FakePublisher) -> None:
+    """A frame over the bound down the live connection: ZMQ drops it, the feed sees it dropped."""
+    state = feed.workers[URL]
+    reconnects = state.reconnects
+    await pub.publish([stored(list(range(1 << 40, (1 << 40) + 4000)))])  # ~36 kB, over a 16 kB bound
+    pub.buffer.clear()  # its replay then answers at once (the gap no longer buffered) instead of timing out
+    await until(lambda: state.reconnects == reconnects + 1, "the connection dropped")
+
+
+@pytest.fixture
+def bounded(publisher: FakePublisher) -> Callable[..., Any]:
+    """A feed following ``publisher`` with a 16 kB frame bound, its waits noted by a ``Waits``."""
+
+    async def make(clock: Clock, waits: Waits) -> KvFeed:
+        feed = KvFeed(clock=clock, sleep=waits)
+        settings = FeedSettings(max_message_bytes=4096, replay_timeout_s=0.2)
+        await feed.follow([URL], {URL: publisher.source}, no_fetch, settings)
+        await connected(feed, publisher)
+        return feed
+
+    return make
+
+
+async def test_a_connection_dropped_again_and_again_is_made_again_ever_later_and_logged_rarely(
+    publisher: FakePublisher, bounded: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    waits = Waits()
+    feed = await bounded(Clock(), waits)  # a clock that stands still: no connection ever holds
+    try:
+        caplog.set_level("DEBUG", logger="gateway.kv_events")
+        for _ in range(8):
+            await dropped(feed, publisher)
+            await connected(feed, publisher)
+        assert waits.seconds == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0])
+        assert feed.workers[URL].reconnects == 8  # each drop counted
+        drops = [r.levelname for r in caplog.records if "connection to" in r.getMessage()]
+        assert drops == ["WARNING"] + ["DEBUG"] * 5 + ["WARNING"] * 2  # the first, then once per longest wait
+    finally:
+        await feed.aclose()
+
+
+async def test_a_connection_that_held_is_made_again_at_once_when_dropped(
+    publisher: FakePublisher, bounded: Callable[..., Any]
+) -> None:
+    clock, waits = Clock(), Waits()
+    feed = await bounded(clock, waits)
+    try:
+        for _ in range(3):
+            await dropped(feed, publisher)
+            await connected(feed, publisher)
+        clock.now += kv_feed._RECONNECT_CAP_S  # this connection has held as long as the longest wait
+        await dropped(feed, publisher)
+        await connected(feed, publisher)
+        await dropped(feed, publisher)  # right after: one more of a new run
+        assert waits.seconds == pytest.approx([0.1, 0.2, 0.4, 0.1, 0.2])
+        await connected(feed, publisher)
+        await publisher.publish([stored([160])])
+        await until(lambda: feed.index.copies(URL, 160) == 1, "followed on after the drops")
+    finally:
+        await feed.aclose()
+
+
 class UnwatchableContext(zmq.asyncio.Context):
     """A context out of file descriptors for monitors: every socket's ``get_monitor_socket`` fails, as
     ZMQ's does when the process is at its limit. Keeps the sockets it made."""
