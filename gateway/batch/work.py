@@ -1,7 +1,8 @@
 """A batch's lines as shared work in Redis: leased by one replica at a time, each result written once.
 
 Per batch ``<prefix>:b:<id>:``
-- ``lines``: hash, line index -> the input line (JSON), written once when the batch is validated.
+- ``lines``: hash, line index -> the input line (JSON), written once when the batch is validated (a line
+  loaded again, by a validation that ran twice, is not put back to run).
 - ``todo``: sorted set of the indexes not done yet, scored by their place in the run order (lines with a
   shared prefix next to each other).
 - ``leases`` (index -> expiry in ms) and ``owners`` (index -> replica): a replica that claims a line
@@ -175,6 +176,17 @@ return 0
 """
 
 
+# KEYS lines, todo; ARGV (index, line, place in the run order)... Each line not loaded yet, to run: one
+# loaded before is done, running or to run already, and stays so.
+_LOAD = """
+for i = 1, #ARGV, 3 do
+  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
+    redis.call('ZADD', KEYS[2], ARGV[i + 2], ARGV[i])
+  end
+end
+return 0
+"""
+
 #: How many results ``Work.results`` reads in one reply.
 READ_CHUNK = 256
 
@@ -221,6 +233,7 @@ class Work:
     ) -> None:
         self.redis, self.config, self.read_chunk = redis, config, read_chunk
         self._batch_key = batch_key  # batch id -> the batch hash's key (``Jobs.key``)
+        self._load = redis.register_script(_LOAD)
         self._claim = redis.register_script(_CLAIM)
         self._record = redis.register_script(_RECORD)
         self._renew = redis.register_script(_RENEW)
@@ -231,13 +244,15 @@ class Work:
         return f"{self.config.redis_prefix}:b:{batch_id}:{part}"
 
     async def load_lines(self, batch_id: str, lines: list[bytes], order: list[int]) -> None:
-        """Store the validated ``lines`` (by index) to run in ``order`` (a list of indexes)."""
-        pipe = self.redis.pipeline(transaction=False)
+        """Store the validated ``lines`` (by index) to run in ``order`` (a list of indexes). A line already
+        loaded is left as it is, done or not: a validation run twice (its lock lapsed) puts back no line
+        that ran, so none runs (and is charged) again."""
+        keys = [self.key(batch_id, "lines"), self.key(batch_id, "todo")]
         for start in range(0, len(order), 500):
-            chunk = order[start : start + 500]
-            pipe.hset(self.key(batch_id, "lines"), mapping={str(i): lines[i] for i in chunk})
-            pipe.zadd(self.key(batch_id, "todo"), {str(i): start + k for k, i in enumerate(chunk)})
-        await pipe.execute()
+            args: list[bytes | str | int] = []
+            for k, i in enumerate(order[start : start + 500]):
+                args += [i, lines[i], start + k]
+            await self._load(keys=keys, args=args)
 
     async def claim(self, batch_id: str, owner: str, n: int) -> list[tuple[int, bytes]]:
         """Up to ``n`` lines nobody holds, now held by ``owner`` for ``lease_s``: (index, line). None of a
