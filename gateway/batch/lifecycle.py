@@ -8,13 +8,16 @@
   and error files, and move the batch to its final status. The files' ids are derived from the batch
   id, so a finalization taken over writes the same files again rather than new ones.
 
-Each holds a short lock in Redis (``SET NX PX`` for ``lease_s``) so replicas do not both do it at once;
-the steps are idempotent (results are written once, files replaced), so a lock that lapsed costs only
+Each holds a lock in Redis (``gateway.batch.step_lock``: ``lease_s``, renewed while the step runs) so
+replicas do not both do it at once; a step that lost its lock (its replica stalled past the lease) stops
+before its next write: loading the lines, writing a file, moving the batch. The steps are idempotent all the
+same (lines are loaded once, results written once, files replaced), so a step run twice costs only
 repeated work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +29,7 @@ from gateway.batch.files import Files
 from gateway.batch.jobs import FINAL, Jobs
 from gateway.batch.lines import Parsed, error_line, parse_input
 from gateway.batch.metrics import BatchMetrics
+from gateway.batch.step_lock import StepLock, hold
 from gateway.batch.work import ResultsGone, Work
 from gateway.pipeline.batch_config import BatchesConfig
 
@@ -48,22 +52,15 @@ class Lifecycle:
         self.jobs, self.files, self.work, self.config, self.owner = jobs, files, work, config, owner
         self.metrics = metrics
 
-    async def _lock(self, batch_id: str, step: str) -> bool:
-        key = self.work.key(batch_id, step + "-lock")
-        return bool(await self.jobs.redis.set(key, self.owner, nx=True, px=int(self.config.lease_s * 1000)))
-
-    async def _unlock(self, batch_id: str, step: str) -> None:
-        await self.jobs.redis.delete(self.work.key(batch_id, step + "-lock"))
+    def _hold(self, batch_id: str, step: str) -> contextlib.AbstractAsyncContextManager[StepLock | None]:
+        return hold(self.jobs.redis, self.work.key(batch_id, step + "-lock"), self.config.lease_s, self.owner)
 
     async def validate(self, batch_id: str, record: dict[str, Any]) -> None:
-        if not await self._lock(batch_id, "validate"):
-            return
-        try:
-            await self._validate(batch_id, record)
-        finally:
-            await self._unlock(batch_id, "validate")
+        async with self._hold(batch_id, "validate") as lock:
+            if lock is not None:
+                await self._validate(batch_id, record, lock)
 
-    async def _validate(self, batch_id: str, record: dict[str, Any]) -> None:
+    async def _validate(self, batch_id: str, record: dict[str, Any], lock: StepLock) -> None:
         now = int(time.time())
         source = await self.files.get(record["_scope"], record["input_file_id"])
         if source is None or source["purpose"] != "batch":
@@ -73,6 +70,8 @@ class Lifecycle:
             parsed = await parse_input(self.files.content(source["id"]), record["endpoint"], self.config.max_lines)
         except FileNotFoundError:  # deleted as it was read, or missing from this replica's file store
             parsed = None
+        if not await lock.held():  # taken over while the input was read: the replica holding it validates
+            return
         if parsed is None or parsed.errors:
             errors = parsed.errors if parsed is not None else [_INPUT_GONE]
             await self.jobs.move(batch_id, ("validating",), "failed", errors=_errors(errors), failed_at=now)
@@ -86,6 +85,8 @@ class Lifecycle:
         for index, custom_id, code, message in parsed.malformed:
             line = error_line(custom_id, code, f"Line {index + 1}: {message}")
             await self.work.record(batch_id, index, line, ok=False, tokens=(0, 0), owner="")
+        if not await lock.held():
+            return
         moved = await self.jobs.move(
             batch_id,
             ("validating",),
@@ -101,14 +102,10 @@ class Lifecycle:
     async def finalize(self, batch_id: str, record: dict[str, Any], final: str) -> bool:
         """Move the batch to ``final`` (completed, expired or cancelled); False when another replica
         holds the step or the batch moved on meanwhile."""
-        if not await self._lock(batch_id, "finalize"):
-            return False
-        try:
-            return await self._finalize(batch_id, record, final)
-        finally:
-            await self._unlock(batch_id, "finalize")
+        async with self._hold(batch_id, "finalize") as lock:
+            return lock is not None and await self._finalize(batch_id, record, final, lock)
 
-    async def _finalize(self, batch_id: str, record: dict[str, Any], final: str) -> bool:
+    async def _finalize(self, batch_id: str, record: dict[str, Any], final: str, lock: StepLock) -> bool:
         if final == "completed":
             moved = await self.jobs.move(batch_id, ("in_progress",), "finalizing", finalizing_at=int(time.time()))
             if not moved and record["status"] != "finalizing":
@@ -125,6 +122,8 @@ class Lifecycle:
         fields: dict[str, Any] = {f"{final}_at": int(time.time())}
         for part, name in (("out", "output"), ("err", "error")):
             count = await self.work.count(batch_id, part)  # nothing replaces a result from here: it holds
+            if not await lock.held():  # taken over: the replica holding it writes the files and moves on
+                return False
             if count:
                 file_id = result_file_id(batch_id, part)
                 filename = f"{batch_id}_{name}.jsonl"
@@ -135,6 +134,8 @@ class Lifecycle:
                     return False
                 fields[f"{name}_file_id"] = file_id
         allowed = ("validating", "in_progress", "finalizing", "cancelling")
+        if not await lock.held():
+            return False
         await self.work.expire(batch_id, self.config.output_ttl_s)  # a final batch's work is nobody's to drop
         moved = await self.jobs.move(batch_id, allowed, final, **fields)
         if moved:  # once final, no run replaces an error any more: the ones a run could have are final now

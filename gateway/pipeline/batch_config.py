@@ -87,7 +87,11 @@ class BatchesConfig(BaseModel):
         86400, gt=0, description="how long a batch ('completion_window': '24h') may run before it expires"
     )
     lease_s: float = Field(
-        30, gt=0, le=3600, description="a replica's hold on a line it runs; renewed while it runs, taken over after"
+        30,
+        gt=0,
+        le=3600,
+        description="a replica's hold on a line it runs, or on a batch it validates or finalizes; renewed while it"
+        " runs, taken over after",
     )
     poll_interval_s: float = Field(1.0, gt=0, le=60, description="how often a replica looks for batch work")
     max_in_flight: int = Field(16, ge=1, le=10_000, description="batch lines one replica runs at once")

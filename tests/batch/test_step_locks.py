@@ -73,6 +73,85 @@ def run(batch_names: dict[str, Any], scenario: Callable[[Replicas, aioredis.Redi
     asyncio.run(main())
 
 
+def test_a_slow_validation_keeps_its_lock_and_is_not_run_twice(batch_names: dict[str, Any]) -> None:
+    """The first replica's validation outlasts ``lease_s`` (a large input on a busy replica): its lock is
+    renewed, so the second replica's round does not validate the batch again meanwhile."""
+
+    async def scenario(replicas: Replicas, client: aioredis.Redis) -> None:
+        batch_id, record = await replicas.batch()
+        slow = asyncio.create_task(replicas.first.validate(batch_id, record))
+        await replicas.reading.wait()
+        await asyncio.sleep(replicas.config.lease_s * 2)  # past the lease the lock was taken for
+        await replicas.second.validate(batch_id, record)
+        assert await replicas.work.pending(batch_id) == 0  # the second replica loaded nothing
+        still = await replicas.jobs.load(batch_id)
+        assert still is not None and still["status"] == "validating"
+        replicas.gate.set()
+        await slow
+        done = await replicas.jobs.load(batch_id)
+        assert done is not None and done["status"] == "in_progress"
+        assert await replicas.work.pending(batch_id) == len(LINES)
+        assert await client.exists(replicas.work.key(batch_id, "validate-lock")) == 0  # let go once done
+
+    run(batch_names, scenario)
+
+
+def test_a_validation_that_lost_its_lock_neither_writes_nor_deletes_the_new_holders(
+    batch_names: dict[str, Any],
+) -> None:
+    """The first replica's lock was taken over while it read the input (it stalled past its lease): it
+    loads no line, does not move the batch, and leaves the lock of the replica that holds it now."""
+
+    async def scenario(replicas: Replicas, client: aioredis.Redis) -> None:
+        batch_id, record = await replicas.batch()
+        key = replicas.work.key(batch_id, "validate-lock")
+        slow = asyncio.create_task(replicas.first.validate(batch_id, record))
+        await replicas.reading.wait()
+        await client.set(key, "replica-2-token", px=60_000)  # lapsed, and taken by another replica
+        replicas.gate.set()
+        await slow
+        assert await client.get(key) == b"replica-2-token"
+        assert await replicas.work.pending(batch_id) == 0
+        still = await replicas.jobs.load(batch_id)
+        assert still is not None and still["status"] == "validating"
+
+    run(batch_names, scenario)
+
+
+def test_a_finalization_that_lost_its_lock_writes_nothing(batch_names: dict[str, Any]) -> None:
+    """The first replica's finalization lost its lock while it counted the results: it writes no file and
+    does not move the batch on; the replica holding the lock now finalizes it."""
+
+    async def scenario(replicas: Replicas, client: aioredis.Redis) -> None:
+        batch_id, record = await replicas.batch()
+        await replicas.second.validate(batch_id, record)
+        for index, line in await replicas.work.claim(batch_id, "runner", 5):
+            result = {"custom_id": orjson.loads(line)["custom_id"], "response": {"status_code": 200}}
+            await replicas.work.record(batch_id, index, result, ok=True, tokens=(1, 1), owner="runner")
+        key = replicas.work.key(batch_id, "finalize-lock")
+        count = replicas.work.count
+
+        async def held_up_count(batch: str, part: str) -> int:
+            replicas.reading.set()
+            await replicas.gate.wait()
+            return await count(batch, part)
+
+        replicas.work.count = held_up_count  # type: ignore[method-assign]
+        current = await replicas.jobs.load(batch_id)
+        assert current is not None
+        slow = asyncio.create_task(replicas.first.finalize(batch_id, current, "completed"))
+        await replicas.reading.wait()
+        await client.set(key, "replica-2-token", px=60_000)
+        replicas.gate.set()
+        assert not await slow
+        assert await client.get(key) == b"replica-2-token"
+        final = await replicas.jobs.load(batch_id)
+        assert final is not None and final["status"] == "finalizing" and final["output_file_id"] is None
+        assert await replicas.work.count(batch_id, "out") == len(LINES)  # the results are still there
+
+    run(batch_names, scenario)
+
+
 def test_lines_loaded_again_do_not_put_back_lines_loaded_or_done(batch_names: dict[str, Any]) -> None:
     """A second validation's ``load_lines`` (two ran all the same) leaves the work as the first left it: a
     line with a result is not run again, one leased stays leased."""
