@@ -63,6 +63,14 @@ def test_leet_view_keeps_numbers_and_offsets() -> None:
     assert leet_view("caf\u00e9 n0w".encode()).decode() == "caf\u00e9 now"  # non-ASCII around it: same offsets
 
 
+def test_normalize_turns_each_ascii_whitespace_into_a_space_and_keeps_offsets() -> None:
+    text = "".join(f"{chr(code)}ab" for code in range(128))
+    norm, offsets = normalize(text)
+    spaces = "\t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
+    assert norm == "".join(f"{' ' if chr(code) in spaces else chr(code)}ab" for code in range(128))
+    assert offsets.start(30) == 30 and offsets.end(300) == 300
+
+
 @pytest.mark.parametrize("spell", [tag_characters, hangul_fillers, spaced_letters, leetspeak])
 @pytest.mark.parametrize(
     ("prompt", "rule"),
