@@ -127,7 +127,7 @@ class Lifecycle:
             if count:
                 file_id = result_file_id(batch_id, part)
                 filename = f"{batch_id}_{name}.jsonl"
-                pieces = _jsonl(_all_of(self.work.results(batch_id, part), count, batch_id))
+                pieces = _jsonl(self.work.results(batch_id, part, count))
                 try:
                     await self.files.create(scope, filename, "batch_output", pieces, file_id=file_id)
                 except ResultsGone:  # finalized meanwhile by a replica that took the step over: its files stand
@@ -152,17 +152,6 @@ def models_of(parsed: Parsed, most: int = MODELS_SHOWN) -> list[str]:
 
 def _errors(data: list[dict[str, Any]]) -> dict[str, Any]:
     return {"object": "list", "data": data}
-
-
-async def _all_of(lines: AsyncIterator[bytes], count: int, batch_id: str) -> AsyncIterator[bytes]:
-    """``lines``, the ``count`` a finalization counted: fewer (the work dropped meanwhile, by a replica that
-    took the step over) is ``ResultsGone`` before the end, so the part read never replaces its file."""
-    n = 0
-    async for line in lines:
-        n += 1
-        yield line
-    if n < count:
-        raise ResultsGone(batch_id)
 
 
 async def _jsonl(lines: AsyncIterator[bytes], per_piece: int = 256) -> AsyncIterator[bytes]:

@@ -348,19 +348,21 @@ class Work:
         """How many output (``out``) or error (``err``) lines the batch has."""
         return int(await self.redis.hlen(self.key(batch_id, part)))
 
-    async def results(self, batch_id: str, part: str) -> AsyncIterator[bytes]:
+    async def results(self, batch_id: str, part: str, count: int = 0) -> AsyncIterator[bytes]:
         """The output (``out``) or error (``err``) lines, in input order, read ``read_chunk`` at a time:
         a batch of many long answers is written to its file without ever being in memory whole (only
         each line's field and index are). Read while the batch is finalized, when no result changes any
-        more; ``ResultsGone`` when one is gone midway: another replica, taking the step over, finalized the
-        batch and dropped its work, and what was read is not the whole of it (the caller compares what
-        came with its ``count`` too: the work may be gone before the first read)."""
+        more: fewer than the ``count`` the caller counted, or one gone midway, is ``ResultsGone`` (another
+        replica, taking the step over, finalized the batch and dropped its work: what was read is not the
+        whole of it)."""
         key = self.key(batch_id, part)
         fields = [field for _, field in await self._in_order(key)]
+        if len(fields) < count:
+            raise ResultsGone(batch_id)
         for start in range(0, len(fields), self.read_chunk):
             raws: list[Any] = await self.redis.hmget(key, fields[start : start + self.read_chunk])
             for raw in raws:
-                if raw is None:  # nothing replaces a result once finalizing: the work was dropped meanwhile
+                if raw is None:
                     raise ResultsGone(batch_id)
                 yield bytes(raw).split(b" ", 1)[1]
 

@@ -21,15 +21,7 @@ from gateway.batch.metrics import BatchMetrics
 from gateway.batch.work import Work
 from gateway.ops.metrics import Metrics
 from gateway.pipeline.batch_config import BatchesConfig, Caller
-from tests.support.batches import chat_line, jsonl
-
-
-async def batch_in_progress(jobs: Jobs, work: Work, lines: list[bytes]) -> str:
-    """A new batch whose ``lines`` are loaded (to run in their order) and which is in progress: its id."""
-    batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
-    await work.load_lines(batch["id"], lines, list(range(len(lines))))
-    assert await jobs.move(batch["id"], ("validating",), "in_progress", n_total=len(lines))
-    return str(batch["id"])
+from tests.support.batches import batch_in_progress, chat_line, jsonl
 
 
 async def read_all(work: Work, batch_id: str, part: str) -> list[bytes]:
@@ -352,10 +344,10 @@ def test_a_run_ending_while_an_expiry_is_written_changes_no_result(batch_names: 
             answers: list[bool] = []
             read_results = work.results
 
-            async def results_as_runs_end(batch: str, part: str) -> AsyncIterator[bytes]:
+            async def results_as_runs_end(batch: str, part: str, count: int = 0) -> AsyncIterator[bytes]:
                 if part == "err":  # the output lines were read: the other replica's runs end now
                     answers.extend([await record("a", True, "slow"), await record("b", True, "taker")])
-                async for line in read_results(batch, part):
+                async for line in read_results(batch, part, count):
                     yield line
 
             work.results = results_as_runs_end  # type: ignore[method-assign]
