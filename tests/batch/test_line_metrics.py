@@ -22,8 +22,8 @@ from gateway.batch.runner import Runner
 from gateway.batch.submit import Outcome
 from gateway.batch.work import Work
 from gateway.ops.metrics import Metrics
-from gateway.pipeline.batch_config import BatchesConfig, Caller
-from tests.support.batches import chat_line
+from gateway.pipeline.batch_config import BatchesConfig
+from tests.support.batches import batch_in_progress, chat_line
 
 ANSWER = Outcome(200, {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}, "req-ok")
 REFUSAL = Outcome(500, {"error": {"message": "The worker gave up.", "type": "server_error"}}, "req-err")
@@ -58,11 +58,8 @@ def test_each_line_is_counted_once_with_its_final_outcome(batch_names: dict[str,
             jobs = Jobs(client, config)
             work = Work(client, config, jobs.key)
             slow, taker = replica("slow", jobs, work, config), replica("taker", jobs, work, config)
-            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
-            batch_id = str(batch["id"])
             ids = [f"c-{i}" for i in range(5)]
-            await work.load_lines(batch_id, [orjson.dumps(chat_line(c, c)) for c in ids], list(range(5)))
-            assert await jobs.move(batch_id, ("validating",), "in_progress", n_total=5)
+            batch_id = await batch_in_progress(jobs, work, [orjson.dumps(chat_line(c, c)) for c in ids])
             assert [i for i, _ in await work.claim(batch_id, "slow", 5)] == [0, 1, 2, 3, 4]
             await client.zadd(work.key(batch_id, "leases"), {"0": 0, "1": 0, "2": 0})  # the slow one stalls
             assert [i for i, _ in await work.claim(batch_id, "taker", 5)] == [0, 1, 2]
@@ -107,11 +104,8 @@ def test_a_line_is_counted_once_whichever_of_its_runs_records_first(batch_names:
             work = Work(client, config, jobs.key)
             names = ("slow", "taker", "third")
             slow, taker, third = (replica(name, jobs, work, config) for name in names)
-            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
-            batch_id = str(batch["id"])
             ids = ["c-0", "c-1"]
-            await work.load_lines(batch_id, [orjson.dumps(chat_line(c, c)) for c in ids], [0, 1])
-            assert await jobs.move(batch_id, ("validating",), "in_progress", n_total=2)
+            batch_id = await batch_in_progress(jobs, work, [orjson.dumps(chat_line(c, c)) for c in ids])
             for runner in (slow, taker, third):  # each run's lease lapses before the next run claims
                 assert await work.claim(batch_id, runner.owner, 2)
                 await client.zadd(work.key(batch_id, "leases"), {"0": 0, "1": 0})
@@ -149,10 +143,7 @@ def test_a_line_given_back_unrun_leaves_no_run_to_wait_for(batch_names: dict[str
             jobs = Jobs(client, config)
             work = Work(client, config, jobs.key)
             first, second = replica("first", jobs, work, config), replica("second", jobs, work, config)
-            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
-            batch_id = str(batch["id"])
-            await work.load_lines(batch_id, [orjson.dumps(chat_line("c-0", "c-0"))], [0])
-            assert await jobs.move(batch_id, ("validating",), "in_progress", n_total=1)
+            batch_id = await batch_in_progress(jobs, work, [orjson.dumps(chat_line("c-0", "c-0"))])
             assert await work.claim(batch_id, "first", 1)
             await work.release(batch_id, "first", [0])
             assert await work.claim(batch_id, "second", 1)

@@ -20,7 +20,7 @@ from gateway.batch.metrics import BatchMetrics
 from gateway.batch.work import READ_CHUNK, Work
 from gateway.ops.metrics import Metrics
 from gateway.pipeline.batch_config import BatchesConfig, Caller
-from tests.support.batches import chat_line
+from tests.support.batches import batch_in_progress, chat_line
 
 LINES = 3 * READ_CHUNK + 5  # more than one chunk of each file
 ANSWER = "x" * 4000
@@ -139,10 +139,7 @@ def test_a_finalization_taken_over_midway_leaves_the_whole_file(
         try:
             jobs, files = Jobs(client, config), Files(client, DirectoryStore(config.files_dir), config)
             work = Work(client, config, jobs.key)
-            batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
-            batch_id = str(batch["id"])
-            await work.load_lines(batch_id, [orjson.dumps(chat_line(f"c-{i}", "q")) for i in range(6)], list(range(6)))
-            assert await jobs.move(batch_id, ("validating",), "in_progress", n_total=6)
+            batch_id = await batch_in_progress(jobs, work, [orjson.dumps(chat_line(f"c-{i}", "q")) for i in range(6)])
             for index, _ in await work.claim(batch_id, "replica-1", 6):
                 line = {"custom_id": f"c-{index}", "answer": ANSWER}
                 assert await work.record(batch_id, index, line, ok=True, tokens=(1, 1), owner="replica-1")

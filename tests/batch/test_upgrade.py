@@ -21,8 +21,8 @@ from gateway.batch.lines import error_line
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.work import Work
 from gateway.ops.metrics import Metrics
-from gateway.pipeline.batch_config import BatchesConfig, Caller
-from tests.support.batches import chat_line
+from gateway.pipeline.batch_config import BatchesConfig
+from tests.support.batches import batch_in_progress, chat_line
 
 # The previous version's record script, verbatim. KEYS out, err, todo, leases, owners, batch; ARGV
 # custom_id, index, value, "out"|"err", input tokens, output tokens, owner.
@@ -95,11 +95,7 @@ def work_results(work: Work) -> Callable[[str, str], Awaitable[list[bytes]]]:
 
 async def in_progress(jobs: Jobs, work: Work, n: int) -> str:
     """A batch of ``n`` lines in progress: its id."""
-    batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
-    lines = [orjson.dumps(chat_line(f"c-{i}", f"q{i}")) for i in range(n)]
-    await work.load_lines(batch["id"], lines, list(range(n)))
-    assert await jobs.move(batch["id"], ("validating",), "in_progress", n_total=n)
-    return str(batch["id"])
+    return await batch_in_progress(jobs, work, [orjson.dumps(chat_line(f"c-{i}", f"q{i}")) for i in range(n)])
 
 
 # A batch validated by the previous version, run by both: (custom_id, who records, ok) per run, by line.

@@ -1,5 +1,6 @@
 """Shared by the batch tests: a unique Redis prefix and files directory per test, the ``batches:``
-section for them, input files as JSONL, and waiting for a batch to reach a status through the SDK."""
+section for them, input files as JSONL, a batch in progress made directly, and waiting for a batch to
+reach a status through the SDK."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ import openai
 import orjson
 import pytest
 import redis
+
+from gateway.batch.jobs import Jobs
+from gateway.batch.work import Work
+from gateway.pipeline.batch_config import Caller
 
 
 @pytest.fixture
@@ -37,6 +42,14 @@ def batches_section(names: dict[str, Any], **extra: Any) -> dict[str, Any]:
     }
     section.update(extra)
     return section
+
+
+async def batch_in_progress(jobs: Jobs, work: Work, lines: list[bytes]) -> str:
+    """A new batch whose ``lines`` are loaded (to run in their order) and which is in progress: its id."""
+    batch = await jobs.create("shared", Caller(""), "file-x", "/v1/chat/completions", None)
+    await work.load_lines(batch["id"], lines, list(range(len(lines))))
+    assert await jobs.move(batch["id"], ("validating",), "in_progress", n_total=len(lines))
+    return str(batch["id"])
 
 
 def jsonl(lines: list[Any]) -> bytes:
