@@ -47,8 +47,15 @@ def cpu_seconds(pid: int) -> float:
 
     On a shared machine this is the steadiest measure of a proxy's cost: other load can delay the
     proxy (latency, req/s) but does not add to the CPU time it spends per request."""
+    user, system = cpu_split(pid)
+    return user + system
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process and its children: the system part is the kernel's work for
+    the process's sockets (on loopback it includes the receiving side's), the user part its own code."""
     ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    user = system = 0.0
     pids = [pid]
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
         pids += [int(c) for c in task.read_text().split()]
@@ -57,8 +64,9 @@ def cpu_seconds(pid: int) -> float:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
         except FileNotFoundError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
+        user += int(fields[11]) / ticks
+        system += int(fields[12]) / ticks
+    return user, system
 
 
 @dataclass

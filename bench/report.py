@@ -30,12 +30,14 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def main_table(results: dict[str, dict[str, dict[str, Any]]], concurrency: list[int], streams: list[int]) -> str:
-    """One row per peer: req/s, p50/p99 (ms) per concurrency; stalls, TTFC p50/p99, gap p99 and the proxy's
-    CPU per stream, per stream count."""
+    """One row per peer: req/s, p50/p99 (ms) per concurrency; the proxy's CPU per request (and the kernel's
+    part of it: its sockets); stalls, TTFC p50/p99, gap p99 and the proxy's CPU per stream, per stream
+    count."""
     head = ["peer"]
     for c in concurrency:
         head += [f"req/s c={c}", f"p50 c={c}", f"p99 c={c}"]
     head.append("CPU µs/req c=16" if 16 in concurrency else "CPU µs/req")
+    head.append("of it system")
     for n in streams:
         head += [f"stalled/streams {n}", f"TTFC p50 {n}", f"TTFC p99 {n}", f"gap p99 {n}", f"CPU µs/stream {n}"]
     rows = [head]
@@ -46,6 +48,7 @@ def main_table(results: dict[str, dict[str, dict[str, Any]]], concurrency: list[
             row += [_fmt(r.get("rps"), 0), _fmt(r.get("p50_ms"), 3), _fmt(r.get("p99_ms"), 2)]
         cpu_at = scen.get("c16") or scen.get(f"c{concurrency[-1]}", {}) if concurrency else {}
         row.append(_fmt(cpu_at.get("cpu_us_per_req"), 1))
+        row.append(_fmt(cpu_at.get("sys_us_per_req"), 1))
         for n in streams:
             s = scen.get(f"s{n}", {})
             stalls = f"{s['stalled']:.0f}/{s['streams']:.0f}" + (f" ({s['errors']:.0f} err)" if s.get("errors") else "")

@@ -125,13 +125,15 @@ def measure(peer: peers.Peer, scenario: str, args: argparse.Namespace) -> dict[s
     """One scenario on one peer, with the proxy's own CPU per request (wrk) or per stream: the figure that
     other load on the machine (or a hypervisor taking the CPU away) disturbs least."""
     pid = peer.proc.pid if peer.proc is not None else None
-    before = peers.cpu_seconds(pid) if pid else 0.0
+    before = peers.cpu_split(pid) if pid else (0.0, 0.0)
     if scenario.startswith("c"):
         result = load.run_wrk(
             peer.url, int(scenario[1:]), args.duration, model=peer.model, mode=peer.mode, token=peer.token
         )
         if pid and result["requests"]:
-            result["cpu_us_per_req"] = (peers.cpu_seconds(pid) - before) / result["requests"] * 1e6
+            user, system = (after - at for after, at in zip(peers.cpu_split(pid), before, strict=True))
+            result["cpu_us_per_req"] = (user + system) / result["requests"] * 1e6
+            result["sys_us_per_req"] = system / result["requests"] * 1e6
         return result
     cmd = [sys.executable, str(Path(load.__file__)), "streams", "--url", peer.url, "--model", peer.model]
     cmd += ["-n", scenario[1:], "-d", str(args.duration), "--interval-ms", str(args.interval_ms)]
@@ -139,7 +141,7 @@ def measure(peer: peers.Peer, scenario: str, args: argparse.Namespace) -> dict[s
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=args.duration + 120).stdout
     result = dict(orjson.loads(out.strip().splitlines()[-1]))
     if pid and result.get("streams"):
-        result["cpu_us_per_stream"] = (peers.cpu_seconds(pid) - before) / result["streams"] * 1e6
+        result["cpu_us_per_stream"] = (peers.cpu_seconds(pid) - sum(before)) / result["streams"] * 1e6
     return result
 
 
