@@ -172,6 +172,13 @@ class KvEventsConfig(_Strict):
         60.0, gt=0, description="a worker silent this long after requests that store blocks loses its entries"
     )
     replay_timeout_s: float = Field(2.0, gt=0, description="time budget of one replay from a worker's buffer")
+    max_message_bytes: int = Field(
+        16 << 20,
+        ge=4096,
+        le=256 << 20,
+        description="an event batch larger than this is not decoded (about 0.1 s of the event loop per MiB) but "
+        "taken as a clear of its worker's entries; a frame over four times it drops the connection",
+    )
     sources: dict[str, KvSourceConfig] = Field(
         default_factory=dict, description="worker URL -> its publisher (default: asked at GET /kv_event_sources)"
     )

@@ -76,7 +76,10 @@ async def follow_workers(urls: list[str], routing: RoutingConfig, config: Gatewa
         sources,
         upstream.get,
         FeedSettings(
-            max_entries=settings.max_entries, expire_s=settings.expire_s, replay_timeout_s=settings.replay_timeout_s
+            max_entries=settings.max_entries,
+            expire_s=settings.expire_s,
+            replay_timeout_s=settings.replay_timeout_s,
+            max_message_bytes=settings.max_message_bytes,
         ),
     )
     if urls or "load" in services.workers.__dict__:

@@ -7,17 +7,13 @@ here (word level), since the view needs a precise model but no prompt is placed.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from gateway.upstream.kv_feed import FeedSettings
-from plugins.routing import precise_setup
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.faults import wait_for
 from tests.support.gateways import GatewayFactory, base_config
@@ -48,7 +44,7 @@ def fleet(gateway_factory: GatewayFactory, tokenizer: Path) -> Iterator[tuple[li
                            "topic": p.source.topic} for s, p in zip(servers, pubs, strict=True)}  # fmt: skip
         routing = {
             "default": {"policy": "precise_prefix", "precise": {"tokenizer": str(tokenizer), "block_size": 4}},
-            "kv_events": {"sources": sources, "replay_timeout_s": 0.2},
+            "kv_events": {"sources": sources, "replay_timeout_s": 0.2, "max_message_bytes": MESSAGE_BYTES},
         }
         config = base_config([s.url for s in servers], plugins=[{"name": "routing", "config": routing}])
         _, gw = stack.enter_context(gateway_factory(config, admin_token=ADMIN["authorization"].split()[1]))
@@ -69,10 +65,8 @@ def published_until(pub: ThreadedPublisher, done: Any) -> bool:
 
 
 def test_the_view_shows_a_workers_batches_read_unread_and_connections_made_again(
-    gateway_factory: GatewayFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gateway_factory: GatewayFactory, tmp_path: Path
 ) -> None:
-    small = functools.partial(FeedSettings, max_message_bytes=MESSAGE_BYTES)
-    monkeypatch.setattr(precise_setup, "FeedSettings", small)  # as the gateway builds its feed's settings
     with fleet(gateway_factory, word_tokenizer(tmp_path)) as (pubs, gw):
         for i, pub in enumerate(pubs):  # each live socket delivers (a PUB drops what it sends before that)
             wait_for(lambda p=pub, i=i: published_until(p, lambda: events(gw)[i]["received"] > 0), 10, "delivery")

@@ -165,6 +165,8 @@ async def test_routing_config_names_every_unknown_model() -> None:
         ({"max_attempts": 11}, "less than or equal to 10"),
         ({"default": {"admission": {"retry_after_s": 0}}}, "greater than or equal to 1"),
         ({"surprise": True}, "Extra inputs are not permitted"),
+        ({"kv_events": {"max_message_bytes": 1024}}, "greater than or equal to 4096"),
+        ({"kv_events": {"max_message_bytes": 1 << 30}}, "less than or equal to 268435456"),
     ],
 )
 def test_routing_config_refusals(section: dict[str, Any], message: str) -> None:
