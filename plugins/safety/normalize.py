@@ -34,6 +34,7 @@ import json
 import re
 import unicodedata
 from bisect import bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -137,11 +138,15 @@ _SPACED_HINT = re2.compile(r" \pL \pL(?:[^\pL\pN_]|$)")
 # linear here: no repeat; the leading space lets it skip ahead).
 _SPACED_HINT_SHORT = re.compile(r" [^\W\d_] [^\W\d_](?!\w)")
 _SHORT = 512
-#: Leetspeak: a digit or symbol beside a letter, the words holding one, and the letter each stands for.
-#: Read on UTF-8 bytes (RE2 is fastest there, and the letters changed are ASCII: offsets do not move).
-_LEET_HINT = re.compile(rb"[A-Za-z][0-9@$]|[0-9@$][A-Za-z]")  # short texts: a call into RE2 costs more
-_LEET_WORDS = re2.compile(rb"[A-Za-z0-9@$]*(?:[A-Za-z][0-9@$]|[0-9@$][A-Za-z])[A-Za-z0-9@$]*")
+#: Leetspeak: a digit or symbol beside a letter in a word of letters, digits and symbols, and the letter
+#: each stands for. Read on UTF-8 bytes (the letters changed are ASCII: offsets do not move), through each
+#: byte's kind: ``a`` a letter, ``1`` a digit or symbol, a space anything else.
 _LEET = bytes.maketrans(b"013457@$", b"oieastas")
+_LETTERS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_LEET_KINDS = bytes.maketrans(
+    bytes(range(256)),
+    bytes(ord("a") if b in _LETTERS else ord("1") if b in b"0123456789@$" else ord(" ") for b in range(256)),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,18 +281,36 @@ def leet_view(data: bytes) -> bytes:
     """``data`` (UTF-8) with leetspeak undone in the words that mix letters with digits or ``@``/``$``
     (``1gn0r3 4ll`` -> ``ignore all``), byte for byte (offsets do not move); words of digits alone stay.
     Returns ``data`` itself when there is nothing to undo."""
-    if len(data) < _SHORT and _LEET_HINT.search(data) is None:
-        return data
     parts: list[bytes] = []
     cursor = 0
-    for match in _LEET_WORDS.finditer(data):
-        a, b = match.span()
+    for a, b in _leet_words(data.translate(_LEET_KINDS)):
         parts += (data[cursor:a], data[a:b].translate(_LEET))
         cursor = b
     if not parts:
         return data
     parts.append(data[cursor:])
     return b"".join(parts)
+
+
+def _leet_words(kinds: bytes) -> Iterator[tuple[int, int]]:
+    """The spans of the words (runs of kinds ``a`` and ``1``) that hold an ``a`` beside a ``1``, in order.
+
+    All C searches of ``kinds``: a regular expression took about a microsecond of a short prompt's view per
+    search (Python's ``re`` tries both pairs at each byte; RE2's Python wrapper costs that per call and per
+    match). Each pair is looked for again only past the word it was found in, and a word is widened to its
+    spaces once, so the whole is linear in the text."""
+    size = len(kinds)
+    after, before = kinds.find(b"a1"), kinds.find(b"1a")
+    while after >= 0 or before >= 0:
+        hint = after if before < 0 or 0 <= after < before else before
+        start = kinds.rfind(b" ", 0, hint) + 1
+        stop = kinds.find(b" ", hint)
+        stop = size if stop < 0 else stop
+        yield start, stop
+        if 0 <= after < stop:
+            after = kinds.find(b"a1", stop)
+        if 0 <= before < stop:
+            before = kinds.find(b"1a", stop)
 
 
 def normalize(text: str) -> tuple[str, OffsetMap]:

@@ -9,6 +9,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import re2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from plugins.safety.normalize import leet_view, normalize
 from tests.support.fakes import FakeUpstream, ServerThread
@@ -61,6 +64,27 @@ def test_leet_view_keeps_numbers_and_offsets() -> None:
     plain = "plain words, caf\u00e9 \u4f1a\u8bae".encode()
     assert leet_view(plain) is plain
     assert leet_view("caf\u00e9 n0w".encode()).decode() == "caf\u00e9 now"  # non-ASCII around it: same offsets
+
+
+#: What leet_view undoes, as one RE2 pattern: whole runs of letters, digits and @ $ that hold a letter
+#: beside a digit or symbol (leftmost-first, greedy). leet_view finds them by byte searches instead.
+LEET_WORDS = re2.compile(rb"[A-Za-z0-9@$]*(?:[A-Za-z][0-9@$]|[0-9@$][A-Za-z])[A-Za-z0-9@$]*")
+
+
+def leet_view_by_pattern(data: bytes) -> bytes:
+    return LEET_WORDS.sub(lambda match: match.group().translate(bytes.maketrans(b"013457@$", b"oieastas")), data)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from(["a", "Z", "0", "1", "3", "7", "9", "@", "$", " ", "-", "\u00e9", "\n", "ab", "12"])))
+def test_leet_view_changes_what_the_pattern_finds_and_nothing_else(pieces: list[str]) -> None:
+    data = "".join(pieces).encode()
+    assert leet_view(data) == leet_view_by_pattern(data)
+
+
+def test_leet_view_of_a_long_text_with_a_word_at_each_end() -> None:
+    data = b"h4x " + b"plain words " * 100_000 + b"p4ss"
+    assert leet_view(data) == b"hax " + b"plain words " * 100_000 + b"pass"
 
 
 def test_normalize_turns_each_ascii_whitespace_into_a_space_and_keeps_offsets() -> None:
