@@ -11,7 +11,7 @@ from gateway.engine.model_prep import resolve_model_path
 from gateway.engine.spec import ManagedWorkerSpec
 from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.services import Services
-from gateway.upstream.kv_feed import FeedSettings, KvSource
+from gateway.upstream.kv_source import FeedSettings, KvSource
 from plugins.routing.config import RoutingConfig
 from plugins.routing.precise import PrecisePlacement
 from plugins.routing.prompt_tokens import PromptTokenizer

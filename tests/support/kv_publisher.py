@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from gateway.upstream.kv_feed import KvSource
+from gateway.upstream.kv_source import KvSource
 from gateway.upstream.kv_wire import encode_batch
 
 

@@ -16,7 +16,8 @@ import zmq
 import zmq.asyncio
 
 from gateway.upstream import kv_feed
-from gateway.upstream.kv_feed import FeedSettings, KvFeed, KvSource, source_from_discovery
+from gateway.upstream.kv_feed import KvFeed
+from gateway.upstream.kv_source import FeedSettings, KvSource, source_from_discovery
 from gateway.upstream.kv_wire import (
     Batch,
     Cleared,
