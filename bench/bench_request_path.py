@@ -24,6 +24,8 @@ bounds are raised so that valgrind's slowness does not trip them: ``REDIS_BOUNDS
     PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py --stream [--instructions] [--baseline-src DIR]
     PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py --instructions --callgrind-out /tmp/cg  # then:
     .venv/bin/python bench/callgrind_diff.py /tmp/cg production routing  # instructions per request by C function
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_request_path.py --reps 1 --requests 1000 --opcodes /tmp/opc
+    .venv/bin/python bench/opcode_count.py /tmp/opc production routing  # bytecodes per request by Python function
 
 Peers: ``routing`` (the ``gateway`` peer of bench/run.py) and ``production`` (``gateway-production``:
 tenancy with a key, safety, the cache on a miss, guided JSON, routing). ``production-without-P`` is the
@@ -56,6 +58,7 @@ from typing import Any
 
 from bench_front_door import Transport
 from mock_upstream import CHAT_ANSWER, stream_events
+from opcode_count import OpcodeCounter
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("routing", "production")
@@ -237,10 +240,11 @@ async def drive(
     profile: str | None = None,
     stream: bool = False,
     tasks_file: str | None = None,
+    opcodes: str | None = None,
 ) -> dict[str, float]:
     """One peer's CPU per request and requests per second (``profile``: a cProfile of the measured
-    requests is written there; ``stream``: every request streams its answer; ``tasks_file``: where
-    SIGUSR1 writes every task's stack)."""
+    requests is written there; ``opcodes``: their bytecodes by function, ``opcode_count.OpcodeCounter``;
+    ``stream``: every request streams its answer; ``tasks_file``: where SIGUSR1 writes every task's stack)."""
     import peers
     import uvicorn
 
@@ -308,14 +312,20 @@ async def drive(
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks, tasks_file, statuses)
     await load(warmup)
     profiler = cProfile.Profile() if profile else None
+    bytecodes = OpcodeCounter() if opcodes else None
     started_cpu, started = time.process_time(), time.perf_counter()
-    if profiler is not None:
-        profiler.enable()
+    for tool in (profiler, bytecodes):
+        if tool is not None:
+            tool.enable()
     await load(requests)
     cpu, wall = time.process_time() - started_cpu, time.perf_counter() - started
+    for tool in (profiler, bytecodes):
+        if tool is not None:
+            tool.disable()
     if profiler is not None:
-        profiler.disable()
         profiler.dump_stats(profile)
+    if bytecodes is not None:
+        bytecodes.dump(opcodes, requests // concurrency * concurrency)
     misses, errors = cache_misses(app)
     await lifespan.shutdown()
     done = requests // concurrency * concurrency
@@ -354,6 +364,7 @@ def child(args: argparse.Namespace) -> None:
         args.profile,
         args.stream,
         tasks_file=f"{args.out}.tasks",
+        opcodes=args.opcodes,
     )
     try:
         result = uvloop.run(run)
@@ -393,6 +404,8 @@ def run_child(peer: str, source: Path | None, args: argparse.Namespace, health_u
         cmd = ["taskset", "-c", "0", *child_command(peer, out.name, args.requests, args, health_url)]
         if args.profile:
             cmd += ["--profile", f"{args.profile}.{run_name(peer, source)}.pstats"]
+        if args.opcodes:
+            cmd += ["--opcodes", f"{args.opcodes}.{run_name(peer, source)}.json"]
         done = subprocess.run(cmd, env=env, cwd=ROOT, timeout=600)
         return child_result(peer, Path(out.name), done.returncode)
 
@@ -435,6 +448,11 @@ def parse_args() -> argparse.Namespace:
         "--stream", action="store_true", help=f"streamed answers ({STREAM_TOKENS} tokens and the usage, one read each)"
     )
     parser.add_argument("--profile", help="write a cProfile of each peer's measured requests to PREFIX.<peer>.pstats")
+    parser.add_argument(
+        "--opcodes",
+        metavar="PREFIX",
+        help="count each peer's bytecodes by Python function into PREFIX.<peer>.json (bench/opcode_count.py)",
+    )
     parser.add_argument(
         "--callgrind-out",
         metavar="PREFIX",
