@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 from urllib.parse import quote
 
@@ -114,6 +115,7 @@ def entry_pattern(prefix: str, namespace: str, model: str | None) -> str:
     return base + _segment(model).translate(_GLOB_SPECIAL) + ":*"
 
 
+@lru_cache(maxsize=1024)  # a key per request, and the models a config serves are few
 def _segment(model: str) -> str:
     # Model names may contain ':' (e.g. "llama3:8b"); quoting keeps one model's pattern from
     # matching another's entries.

@@ -100,7 +100,8 @@ def stored_body(obj: dict[str, Any]) -> bytes:
     original = obj.get("id")
     if not isinstance(original, str) or "created" not in obj:
         return orjson.dumps(obj)
-    rest = {k: v for k, v in obj.items() if k != "id" and k != "created"}
+    rest = dict(obj)  # a copy without the two, made in C: a comprehension tested every key in Python
+    del rest["id"], rest["created"]
     return orjson.dumps({"id": _id_prefix(original) + _MARK, "created": _CREATED_MARK, **rest})
 
 

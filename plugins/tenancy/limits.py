@@ -279,17 +279,18 @@ class RedisLimiter:
         return self._pipeline.submit_script(_plan_call(plan, self._charge, _charge_call), (delta, prompt, completion))
 
 
-def _decision(plan: Plan, answer: list[Any]) -> Decision:
-    """The admission script's answer for ``plan`` (a dry run's too), read."""
-    raw = [int(v) for v in answer]
-    status, which, retry = raw[0], raw[1], raw[2]
-    decision = Decision(status, retry_after_ms=retry, granted=raw[3])
-    at = 4
+def _decision(plan: Plan, answer: list[int]) -> Decision:
+    """The admission script's answer for ``plan`` (a dry run's too), read. Its numbers are Redis integer
+    replies, ints already (converting each again was a third of this function's time, per request)."""
+    status, which = answer[0], answer[1]
+    decision = Decision(status, retry_after_ms=answer[2], granted=answer[3])
+    remaining, at = decision.remaining, 4
     for bucket in plan.buckets:
-        decision.remaining[bucket] = (raw[at], raw[at + 1])
+        remaining[bucket] = (answer[at], answer[at + 1])
         at += 2
+    used = decision.used
     for budget in plan.budgets:
-        decision.used[budget] = raw[at]
+        used[budget] = answer[at]
         at += 1
     if status in (1, 3):
         decision.bucket = plan.buckets[which - 1]
