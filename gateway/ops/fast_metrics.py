@@ -1,8 +1,9 @@
 """Labelled metrics on the request path without prometheus_client's per-call overhead: ``CachedLabels``
 looks each label set's child up once, and the children it hands out (``fast_child``) do ``inc`` /
 ``dec`` / ``observe`` without the checks and calls prometheus_client makes each time. In one process they
-take the value's own lock themselves (written out in each method rather than shared through a helper:
-a call is what they save); with ``PROMETHEUS_MULTIPROC_DIR`` they call the memory-mapped value's ``inc``.
+take the value's lock themselves (written out in each method rather than shared through a helper: a
+call is what they save; a histogram's values share one lock); with ``PROMETHEUS_MULTIPROC_DIR`` they call
+the memory-mapped value's ``inc``.
 ``tests/ops/test_fast_metrics.py`` compares the exposition with prometheus_client's own operations."""
 
 from __future__ import annotations
