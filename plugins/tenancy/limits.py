@@ -281,7 +281,7 @@ class RedisLimiter:
 
 def _decision(plan: Plan, answer: list[int]) -> Decision:
     """The admission script's answer for ``plan`` (a dry run's too), read. Its numbers are Redis integer
-    replies, ints already (converting each again was a third of this function's time, per request)."""
+    replies, ints already (converting each again was more than half of this function's time, per request)."""
     status, which = answer[0], answer[1]
     decision = Decision(status, retry_after_ms=answer[2], granted=answer[3])
     remaining, at = decision.remaining, 4
