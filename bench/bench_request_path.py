@@ -319,16 +319,16 @@ async def drive(
             tool.enable()
     await load(requests)
     cpu, wall = time.process_time() - started_cpu, time.perf_counter() - started
+    done = requests // concurrency * concurrency
     for tool in (profiler, bytecodes):
         if tool is not None:
             tool.disable()
     if profiler is not None:
         profiler.dump_stats(profile)
     if bytecodes is not None:
-        bytecodes.dump(opcodes, requests // concurrency * concurrency)
+        bytecodes.dump(opcodes, done)
     misses, errors = cache_misses(app)
     await lifespan.shutdown()
-    done = requests // concurrency * concurrency
     ended = statuses.pop(b"[DONE]", 0)
     if set(statuses) != {b"200"}:
         raise SystemExit(f"answers other than 200: {statuses}")

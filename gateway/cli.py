@@ -31,7 +31,8 @@ def serve(
 
     from gateway.ops.logs import configure_logging
     from gateway.ops.settings import Settings
-    from gateway.server.front_door import http_protocol, raise_open_files_limit
+    from gateway.server.front_door import http_protocol
+    from gateway.server.open_files import raise_open_files_limit
 
     overrides = {"config_path": config_path, "host": host, "port": port, "workers": workers}
     for key, value in overrides.items():

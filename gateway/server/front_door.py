@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import enum
 import functools
-import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -45,8 +44,6 @@ from gateway.ops.settings import Settings
 from gateway.server.head_answers import FrontDoorLimits, HeadRefused, answers_for, error_response
 from gateway.server.uvicorn_internals import missing_internals
 from gateway.server.ws_handshake import handshake_refusal
-
-log = logging.getLogger("gateway.front_door")
 
 #: How long a refused connection is still read (and the bytes dropped) after its answer.
 LINGER_S = 2.0
@@ -470,27 +467,3 @@ def http_protocol(settings: Settings) -> Any:
             "uvicorn version pyproject.toml pins"
         )
     return functools.partial(GatewayHttpProtocol, limits=FrontDoorLimits.from_settings(settings))
-
-
-def raise_open_files_limit(max_connections: int) -> None:
-    """Each connection is a file descriptor (and a proxied request a second one, to its worker): raise
-    the soft limit towards the hard one when it is too low for ``max_connections``, and say so when
-    even the hard limit is (new connections then fail at accept, before the 503 can be sent)."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not on POSIX
-        return
-    needed = 2 * max_connections + 256
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        if soft < needed:
-            log.warning(
-                "open files limit %d is below what %d connections need (%d): lower GATEWAY_MAX_CONNECTIONS",
-                soft,
-                max_connections,
-                needed,
-            )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+import string
 import unicodedata
 from bisect import bisect_right
 from collections.abc import Iterator
@@ -142,7 +143,7 @@ _SHORT = 512
 #: each stands for. Read on UTF-8 bytes (the letters changed are ASCII: offsets do not move), through each
 #: byte's kind: ``a`` a letter, ``1`` a digit or symbol, a space anything else.
 _LEET = bytes.maketrans(b"013457@$", b"oieastas")
-_LETTERS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_LETTERS = string.ascii_letters.encode()
 _LEET_KINDS = bytes.maketrans(
     bytes(range(256)),
     bytes(ord("a") if b in _LETTERS else ord("1") if b in b"0123456789@$" else ord(" ") for b in range(256)),
