@@ -1,6 +1,6 @@
 """One ``POST /v1/responses`` after it was translated: the chat request runs through the ``Proxy`` like any
 other (every plugin, the chosen worker), and its answer comes back as a Response object or, for a stream,
-as OpenAI's Responses events translated chunk by chunk (``gateway.wire.responses_output``). The finished
+as OpenAI's Responses events translated chunk by chunk (``gateway.wire.responses_events``). The finished
 response is handed to a ``save`` callable (the route's store) before ``response.completed`` is sent.
 Each turn records its own metrics and access log line, as the inference endpoints do
 (``gateway.proxy.translated_turn``).
@@ -19,8 +19,9 @@ from gateway.pipeline.context import RequestContext
 from gateway.proxy.forward import JSONReply, Proxy
 from gateway.proxy.translated_turn import TranslatedTurn
 from gateway.wire.responses_chat import instructions_as_seen
+from gateway.wire.responses_events import EventStream
 from gateway.wire.responses_items import new_id
-from gateway.wire.responses_output import EventStream, response_from_chat, response_object
+from gateway.wire.responses_output import response_from_chat, response_object
 from gateway.wire.responses_request import ResponsesRequest
 
 

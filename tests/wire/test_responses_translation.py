@@ -10,7 +10,8 @@ import pytest
 
 from gateway.wire.errors import InvalidRequest
 from gateway.wire.responses_chat import chat_request, instructions_as_seen, items_as_seen
-from gateway.wire.responses_output import EventStream, response_object
+from gateway.wire.responses_events import EventStream
+from gateway.wire.responses_output import response_object
 from gateway.wire.responses_request import parse_request
 from tests.support.responses_schema import check_event
 
