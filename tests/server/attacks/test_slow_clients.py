@@ -120,10 +120,24 @@ def test_a_client_that_stops_reading_a_stream_is_closed_at_the_send_timeout(
             deadline = time.monotonic() + 20
             while upstream.disconnects == 0 and time.monotonic() < deadline:
                 time.sleep(0.1)  # and reads nothing
-            assert upstream.disconnects == 1
+            assert upstream.disconnects == 1, stalled_stream_diagnosis(sock, upstream)
             assert upstream.completed_streams == 0
             read_until_closed(sock, timeout=10)  # what was buffered, then the end
         served(server)
+
+
+def stalled_stream_diagnosis(sock: socket.socket, upstream: FakeUpstream) -> str:
+    """What a failed send-timeout test saw, read only once it failed: whether the stream reached the worker
+    and ended there, and how the client's answer began (an error instead of the stream, or the stream)."""
+    sock.settimeout(2)
+    try:
+        start = sock.recv(300)
+    except OSError as exc:
+        start = repr(exc).encode()
+    paths = [seen.path for seen in upstream.requests]
+    return (
+        f"worker requests {paths}, streams completed {upstream.completed_streams}; the client's answer began {start!r}"
+    )
 
 
 def test_connections_that_never_send_are_closed_without_a_reply(strict: ServerThread) -> None:
