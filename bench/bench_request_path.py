@@ -266,7 +266,8 @@ async def drive(
     settings = Settings()
     app = app_module.create_app(settings, config=config, engine_factory=None)
     # As ``gateway serve`` configures uvicorn (gateway/cli.py), less what only a socket needs.
-    options = settings.proxy_options()
+    # (A --baseline-src tree from before server_options has only the proxy options.)
+    options = getattr(settings, "server_options", settings.proxy_options)()
     # The keep-alive bound is an hour: under valgrind a connection's next request may come seconds later.
     server_config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="on", timeout_keep_alive=3600, **options

@@ -70,7 +70,7 @@ def serve(
         timeout_graceful_shutdown=30,
         timeout_keep_alive=settings.keepalive_timeout_s,
         lifespan="on",
-        **settings.proxy_options(),
+        **settings.server_options(),
     )
 
 

@@ -90,7 +90,7 @@ def gateway_factory() -> GatewayFactory:
             engine_factory=None,
         )
         protocol = http_protocol(app.state.settings) if http == "gateway" else http
-        with ServerThread(app, http=protocol, proxy=app.state.settings.proxy_options()) as server:
+        with ServerThread(app, http=protocol, options=app.state.settings.server_options()) as server:
             yield app, server
 
     return factory

@@ -124,3 +124,9 @@ class Settings(BaseSettings):
         from 127.0.0.1, so anything on the host could name any address)."""
         ips = self.forwarded_allow_ips.strip()
         return {"proxy_headers": bool(ips), "forwarded_allow_ips": ips or None}
+
+    def server_options(self) -> dict[str, Any]:
+        """uvicorn's options for every server the gateway runs (the public port, the admin port): the proxy
+        options, and no ``server: uvicorn`` header, which would tell anyone what serves the gateway (and
+        cost a header on every answer)."""
+        return {**self.proxy_options(), "server_header": False}

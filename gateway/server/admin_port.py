@@ -55,7 +55,7 @@ def admin_port(state: AppState, assets: Any, playground: Any) -> AdminServer:
         settings.admin_port,
         keepalive_timeout_s=settings.keepalive_timeout_s,
         http=http_protocol(settings),
-        proxy=settings.proxy_options(),
+        options=settings.server_options(),
     )
 
 
@@ -81,10 +81,11 @@ class AdminServer:
         *,
         keepalive_timeout_s: int,
         http: Any = "h11",
-        proxy: dict[str, Any] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.app, self.host, self.port = app, host, port
-        self.proxy = proxy or {"proxy_headers": False}  # Settings.proxy_options: whose X-Forwarded-* count
+        # Settings.server_options: whose X-Forwarded-* count, and no server header
+        self.options = options or {"proxy_headers": False, "server_header": False}
         self.keepalive_timeout_s = keepalive_timeout_s
         self.http = http  # the front door's protocol, so the admin port has the same bounds
         self._server: _QuietServer | None = None
@@ -109,7 +110,7 @@ class AdminServer:
             lifespan="off",
             http=self.http,
             timeout_keep_alive=self.keepalive_timeout_s,
-            **self.proxy,
+            **self.options,
         )
         self._server = _QuietServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="admin-server")

@@ -43,7 +43,7 @@ class ServerThread:
         lifespan: str = "on",
         start_timeout_s: float = 30,
         http: Any = "httptools",
-        proxy: dict[str, Any] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.start_timeout_s = start_timeout_s
         # Without a given port the socket is bound here and handed to uvicorn, so nothing else on the machine
@@ -64,7 +64,7 @@ class ServerThread:
             loop="asyncio",
             http=http,
             timeout_graceful_shutdown=5,
-            **(proxy or {}),  # a gateway's: Settings.proxy_options, as `gateway serve` passes them
+            **(options or {}),  # a gateway's: Settings.server_options, as `gateway serve` passes them
         )
         self.server = uvicorn.Server(config)
         sockets = None if self._socket is None else [self._socket]
