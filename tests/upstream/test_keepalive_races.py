@@ -13,54 +13,20 @@ A request that fails on a reused connection before any response byte is sent onc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import re
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-import yaml
 
 from gateway.upstream.client import UpstreamClient, UpstreamConfig, UpstreamFailure
-from tests.support.fakes import FakeUpstream, ServerThread, free_port
-from tests.support.faults import REPO, answers, gateway_env, wait_for
-from tests.support.gateways import base_config
+from tests.support.fakes import FakeUpstream, ServerThread
+from tests.support.serve import gateway_process
 
 CHAT = orjson.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
-
-
-@contextlib.contextmanager
-def gateway_process(worker_url: str, tmp_path: Path, **env: str) -> Iterator[int]:
-    """``gateway serve`` (uvicorn configured exactly as shipped) in front of ``worker_url``; yields its port."""
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(base_config([worker_url])))
-    port = free_port()
-    environment = gateway_env(
-        GATEWAY_PORT=str(port),
-        GATEWAY_CONFIG_PATH=str(path),
-        GATEWAY_MANAGED_WORKERS="false",
-        GATEWAY_CONFIG_WATCH_S="0",
-        **env,
-    )
-    log = tmp_path / "gateway.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve"], env=environment, cwd=REPO, stderr=out)
-    try:
-        wait_for(lambda: proc.poll() is not None or answers(f"http://127.0.0.1:{port}/health"), 60, "the gateway")
-        assert proc.poll() is None, log.read_text()[-3000:]
-        yield port
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=40)
-        proc.kill()  # a no-op once it has exited
-        proc.wait()
 
 
 def chat(conn: http.client.HTTPConnection) -> int:
