@@ -81,11 +81,10 @@ class AdminServer:
         *,
         keepalive_timeout_s: int,
         http: Any = "h11",
-        options: dict[str, Any] | None = None,
+        options: dict[str, Any],
     ) -> None:
         self.app, self.host, self.port = app, host, port
-        # Settings.server_options: whose X-Forwarded-* count, and no server header
-        self.options = options or {"proxy_headers": False, "server_header": False}
+        self.options = options  # Settings.server_options: whose X-Forwarded-* count, and no server header
         self.keepalive_timeout_s = keepalive_timeout_s
         self.http = http  # the front door's protocol, so the admin port has the same bounds
         self._server: _QuietServer | None = None
