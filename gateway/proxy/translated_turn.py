@@ -22,12 +22,13 @@ import orjson
 from gateway.ops.metrics import STATUS_LABELS, Metrics
 from gateway.pipeline.config import ModelConfig
 from gateway.pipeline.context import PinnedSnapshot, RequestContext
-from gateway.proxy.answer import cut_short
+from gateway.proxy.answer import cut_short, error_event, is_error_event
 from gateway.proxy.forward import JSONReply, Proxy, Reply, StreamReply
-from gateway.wire.errors import BadGateway, GatewayError
+from gateway.wire.errors import BadGateway, GatewayError, ServerError
 from gateway.wire.streaming import SSEParser
 
 log = logging.getLogger("gateway.access")
+failures = logging.getLogger("gateway.proxy")
 _NOT_JSON = {"message": "The model worker sent an event that is not JSON.", "type": "server_error",
              "param": None, "code": "upstream_error"}  # fmt: skip
 
@@ -98,6 +99,17 @@ class TranslatedEvents:
             await self._release(499)
 
 
+def chat_chunk(payload: bytes) -> dict[str, Any]:
+    """One event of the chat stream as the translators read it, a JSON object; a worker's error event is
+    raised as its error, read as the chat route reads it (any shape; its status from its ``code``)."""
+    chunk = orjson.loads(payload)
+    if not isinstance(chunk, dict):  # JSON, but no chunk: the translators read objects
+        raise BadGateway("The model worker sent an event that is not a JSON object.", code="upstream_error")
+    if is_error_event(chunk):
+        raise error_event(payload, chunk)
+    return chunk
+
+
 class TranslatedTurn(abc.ABC):
     """One translated request: the proxied chat request and its translation back. ``route`` labels its
     metrics and access log line."""
@@ -136,8 +148,7 @@ class TranslatedTurn(abc.ABC):
         try:
             reply = await self.proxy.serve(ctx)
             if isinstance(reply, StreamReply):
-                streaming = True
-                in_flight.dec()
+                streaming = True  # in flight until the translated stream is released (``events``)
                 return reply
             status = reply.status
             return await self.translate_json(reply)
@@ -181,6 +192,7 @@ class TranslatedTurn(abc.ABC):
                     reply.passthrough.close()
             finally:
                 pin.close()
+                self.metrics.in_flight.labels(self.ctx.model.name).dec()
                 self._done(status)
 
         return TranslatedEvents(self._events(chunks, release), release)
@@ -200,16 +212,7 @@ class TranslatedTurn(abc.ABC):
                     if payload == b"[DONE]":
                         done = True
                         break
-                    chunk = orjson.loads(payload)
-                    if not isinstance(chunk, dict):  # JSON, but no chunk: the translators read objects
-                        raise BadGateway(
-                            "The model worker sent an event that is not a JSON object.", code="upstream_error"
-                        )
-                    if "error" in chunk and "choices" not in chunk:
-                        status = 502
-                        yield b"".join(pieces) + out.error(chunk["error"])
-                        return
-                    pieces += out.feed(chunk)
+                    pieces += out.feed(chat_chunk(payload))
                 if pieces:
                     yield b"".join(pieces)
                     pieces = []
@@ -233,6 +236,11 @@ class TranslatedTurn(abc.ABC):
         except orjson.JSONDecodeError:
             status = 502
             yield b"".join(pieces) + out.error(_NOT_JSON)
+        except Exception:  # the gateway's own failure: logged, and the stream still ends in the API's shape
+            status = 500
+            failures.exception("request %s failed while its stream was translated", self.ctx.request_id)
+            message = "The gateway failed to process the request; it has been logged."
+            yield b"".join(pieces) + out.error(ServerError(message, code="internal_error").body()["error"])
         except BaseException:  # cancelled (the client went away) or closed early
             status = 499
             raise

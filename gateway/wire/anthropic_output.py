@@ -65,6 +65,8 @@ def usage_of(usage: object) -> dict[str, Any]:
     prompt = count(usage.get("prompt_tokens")) or 0
     details = usage.get("prompt_tokens_details")
     cached = count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    if cached is not None:
+        cached = min(cached, prompt)  # a part of the prompt: a worker's count over it is not passed on
     out = {"input_tokens": prompt - (cached or 0), "output_tokens": count(usage.get("completion_tokens")) or 0}
     if cached is not None:
         out["cache_read_input_tokens"] = cached

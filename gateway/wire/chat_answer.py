@@ -44,8 +44,9 @@ def member(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], where:
 
 
 def count(value: object) -> int | None:
-    """A token count of ``usage``, or None when it is not a number (read leniently: it counts 0)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A token count of ``usage``, or None when it is not one (not an integer, or negative: read leniently,
+    it counts 0)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def reasoning_of(answer: dict[str, Any]) -> str:
@@ -106,7 +107,7 @@ def first_choice_deltas(chunk: dict[str, Any]) -> Iterator[tuple[dict[str, Any],
     for i, choice in enumerate(choices or ()):
         if not isinstance(choice, dict):
             raise malformed(f"the stream chunk's choices[{i}] is {json_type(choice)}, not an object")
-        if choice.get("index", 0) == 0:
+        if member(choice, "index", int, f"the stream chunk's choices[{i}].") in (0, None):
             member(choice, "delta", dict, f"the stream chunk's choices[{i}].")
             calls = _checked_choice(choice, "delta", f"the stream chunk's choices[{i}].")
             yield choice, choice.get("delta") or {}, calls

@@ -99,9 +99,10 @@ def _usage(usage: object) -> dict[str, Any] | None:
     reasoning = count(details.get("reasoning_tokens")) if isinstance(details, dict) else None
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
+        # parts of the totals, never more than them (a worker's counts that disagree are not passed on)
+        "input_tokens_details": {"cached_tokens": min(cached or 0, prompt), "cache_write_tokens": 0},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": reasoning or 0},
+        "output_tokens_details": {"reasoning_tokens": min(reasoning or 0, completion)},
         "total_tokens": count(usage.get("total_tokens")) or prompt + completion,
     }
 

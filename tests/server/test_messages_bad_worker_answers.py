@@ -89,11 +89,13 @@ STOP = chunk({"index": 0, "delta": {}, "finish_reason": "stop"})
         chunk({"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": 7}}]}}),
         chunk({"index": 0, "delta": {"tool_calls": [{"index": [0], "function": {"name": "f", "arguments": "{}"}}]}}),
         chunk({"index": 0, "delta": {}, "finish_reason": 1}),
+        chunk({"index": "0", "delta": {"content": "lost"}}),  # not skipped as another choice's: its text is lost
         b"[1]",
         b"null",
     ],
     ids=["choices-string", "choices-object", "choice-string", "delta-string", "content-number", "tool-calls-string",
-         "tool-call-string", "arguments-number", "index-array", "finish-reason-number", "array", "null"],
+         "tool-call-string", "arguments-number", "index-array", "finish-reason-number", "choice-index-string",
+         "array", "null"],
 )  # fmt: skip
 def test_a_malformed_chunk_midway_ends_the_stream_with_an_error_event(
     scripted: tuple[ScriptedWorker, str], bad: bytes
@@ -113,6 +115,43 @@ def test_a_malformed_chunk_midway_ends_the_stream_with_an_error_event(
         for _ in stream:
             pass
     assert caught.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "error",
+    ["boom", None, [1], {"message": 5, "type": 7, "code": {"x": 1}}],
+    ids=["string", "null", "array", "fields-not-strings"],
+)
+def test_a_workers_error_event_of_any_shape_ends_the_stream_as_the_workers_failure(
+    scripted: tuple[ScriptedWorker, str], error: object
+) -> None:
+    """vLLM fails a stream after its headers with an ``error`` event; one whose ``error`` is not the object
+    it should be is still the worker's failure (read as the chat route reads it), never the gateway's own."""
+    worker, url = scripted
+    worker.events = [HELLO, orjson.dumps({"error": error}), STOP, b"[DONE]"]
+    reply = httpx.post(url + "/v1/messages", json={**ASK, "stream": True})
+    events = [orjson.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+    kinds = [event["type"] for event in events]
+    assert kinds[-1] == "error" and "message_stop" not in kinds, kinds
+    assert events[-1]["error"]["type"] == "api_error"
+    assert isinstance(events[-1]["error"]["message"], str) and "model worker" in events[-1]["error"]["message"]
+
+
+def test_a_workers_cached_count_over_its_prompt_count_is_not_a_negative_input(
+    scripted: tuple[ScriptedWorker, str],
+) -> None:
+    """Anthropic counts cached prompt tokens apart from ``input_tokens``; a worker that reports more cached
+    tokens than prompt tokens gives neither a negative count nor more cached tokens than the prompt had."""
+    worker, url = scripted
+    usage = {"prompt_tokens": 1, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 50}}
+    worker.events = [HELLO, STOP, chunk(None, usage=usage), b"[DONE]"]
+    with anthropic.Anthropic(base_url=url, api_key="k", max_retries=0).messages.stream(**ASK) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_message()
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens) == (0, 1)
+    worker.events = []
+    worker.body = completion(usage=usage)
+    message = httpx.post(url + "/v1/messages", json=ASK).json()
+    assert message["usage"] == {"input_tokens": 0, "output_tokens": 1, "cache_read_input_tokens": 1}
 
 
 def test_a_well_formed_stream_still_translates(scripted: tuple[ScriptedWorker, str]) -> None:

@@ -140,12 +140,13 @@ def call_delta(**function: Any) -> dict[str, Any]:
         chunk({"index": 0, "delta": {}, "finish_reason": 1}),
         chunk({"index": 0, "delta": {}, "finish_reason": ["length"]}),
         chunk({"index": 0, "delta": {"content": "!"}, "logprobs": {"content": [{"token": "!", "logprob": "low"}]}}),
+        chunk({"index": "0", "delta": {"content": "lost"}}),  # not skipped as another choice's: its text is lost
         b"[1]",
         b"null",
     ],
     ids=["choices-string", "choices-object", "choice-string", "delta-string", "content-number", "tool-calls-string",
          "tool-call-string", "function-string", "arguments-number", "name-array", "index-array",
-         "finish-reason-number", "finish-reason-array", "logprob-string", "array", "null"],
+         "finish-reason-number", "finish-reason-array", "logprob-string", "choice-index-string", "array", "null"],
 )  # fmt: skip
 @STORE
 def test_a_malformed_chunk_midway_ends_the_stream_with_an_error_event(
@@ -175,6 +176,47 @@ def test_a_malformed_chunk_midway_ends_the_stream_with_an_error_event(
             pass
     assert caught.value.body["code"] == "upstream_error"  # type: ignore[index]
     assert scripted.stored() == []
+
+
+@pytest.mark.parametrize(
+    "error",
+    ["boom", None, [1], {"message": 5, "type": 7, "code": {"x": 1}}],
+    ids=["string", "null", "array", "fields-not-strings"],
+)
+def test_a_workers_error_event_of_any_shape_ends_the_stream_as_the_workers_failure(
+    scripted: Scripted, error: object
+) -> None:
+    """vLLM fails a stream after its headers with an ``error`` event; one whose ``error`` is not the object
+    it should be is still the worker's failure (read as the chat route reads it): the Responses API's own
+    ``error`` event, its fields strings as the API types them, never the gateway's own failure nor a chat
+    stream's ``[DONE]``; nothing is stored."""
+    scripted.worker.events = [HELLO, orjson.dumps({"error": error}), STOP, b"[DONE]"]
+    reply = httpx.post(scripted.url + "/v1/responses", json={**ASK, "stream": True})
+    data = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in data, data[-2:]
+    events = [orjson.loads(each) for each in data]
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    last = events[-1]
+    assert last["type"] == "error" and isinstance(last["message"], str) and "model worker" in last["message"]
+    assert last["code"] is None or isinstance(last["code"], str)
+    assert last["error"]["type"] == "server_error"
+    assert scripted.stored() == []
+
+
+def test_a_workers_counts_of_parts_over_their_totals_are_not_passed_on(scripted: Scripted) -> None:
+    """Cached tokens are part of the input tokens, reasoning tokens part of the output tokens: a worker that
+    reports more of a part than its total gives the total."""
+    usage = {
+        "prompt_tokens": 1,
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 50},
+        "completion_tokens_details": {"reasoning_tokens": 9},
+    }
+    scripted.worker.body = completion(usage=usage)
+    response = scripted.sdk().responses.create(**ASK)
+    assert response.usage is not None
+    assert (response.usage.input_tokens_details.cached_tokens, response.usage.input_tokens) == (1, 1)
+    assert (response.usage.output_tokens_details.reasoning_tokens, response.usage.output_tokens) == (2, 2)
 
 
 def test_a_well_formed_answer_with_odd_usage_is_still_a_response(scripted: Scripted) -> None:
@@ -234,3 +276,27 @@ def test_arguments_of_a_call_after_the_next_call_began_are_the_workers_failure(s
     assert caught.value.body["code"] == "upstream_error"  # type: ignore[index]
     assert "tool call 0" in caught.value.message
     assert scripted.stored() == []
+
+
+def test_the_gateways_own_failure_midway_ends_the_stream_with_a_responses_error_event(
+    scripted: Scripted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure of the gateway's own while it translates (a bug, here made to happen) is logged and ends the
+    stream with the Responses API's ``error`` event, in sequence, not a chat stream's error and ``[DONE]``;
+    the turn is counted as a 500, not as a client that went away."""
+    from gateway.wire.responses_events import EventStream
+
+    def fail(self: EventStream, chunk: dict[str, Any]) -> list[bytes]:
+        raise RuntimeError("a translation bug")
+
+    monkeypatch.setattr(EventStream, "feed", fail)
+    scripted.worker.events = [HELLO, STOP, b"[DONE]"]
+    reply = httpx.post(scripted.url + "/v1/responses", json={**ASK, "stream": True})
+    data = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in data, data[-2:]
+    events = [orjson.loads(each) for each in data]
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "internal_error"
+    assert scripted.stored() == []
+    counted = [line for line in httpx.get(scripted.url + "/metrics").text.splitlines() if "requests_total{" in line]
+    assert counted == ['gateway_requests_total{route="responses",status="500"} 1.0']
