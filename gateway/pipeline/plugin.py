@@ -12,7 +12,10 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
 - ``prepare(config)``: optional; sees the whole ``GatewayConfig`` being prepared (e.g. the model table,
   to check names the plugin's own section refers to). Raising ``ValueError`` refuses that config.
 - ``async start()``: open what the plugin needs (connections, files, compiled rules). A failure refuses
-  the config that asked for it; the running config stays live.
+  the config that asked for it; the running config stays live. Open only this instance's own things
+  here: state the live config uses too (``services.shared`` entries, what the worker table's feeds
+  follow, the discovered workers) changes in ``went_live``, since a later plugin's ``start`` may still
+  refuse this config, and a refused config must change nothing live.
 - ``async on_request(ctx)``: runs in list order before the upstream call. Return None to go on, return
   a ``ModelResponse`` to answer early (later hooks and the upstream are skipped), or raise a
   ``GatewayError`` to refuse (a refusal is a decision, rendered as an OpenAI error; no upstream call).

@@ -29,8 +29,8 @@ replay what the worker still buffers, then apply each batch. What real streams d
   then a gap: its replay is refused the same way, so the worker is resynchronised (its entries dropped, as
   for a batch not decoded) and followed on from the next batch.
 
-State lives in the worker table (``WorkerTable.kv``) so it survives config reloads; routing's
-``follow`` says which workers to follow and how.
+State lives in the worker table (``WorkerTable.kv``) so it survives config reloads; routing says which
+workers to follow and how (``retarget``) once its config is live, never for a config still being built.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ class KvFeed:
         self._clock = clock
         self._sleep = sleep
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()  # cancelled by ``retarget``, maybe still unwinding
         self._ctx: zmq.asyncio.Context | None = None
         self._fetch: Fetch | None = None
 
@@ -164,15 +165,26 @@ class KvFeed:
     async def follow(
         self, urls: Iterable[str], sources: Mapping[str, KvSource], fetch: Fetch, settings: FeedSettings
     ) -> None:
-        """Follow exactly ``urls`` (a source from ``sources`` or discovered); stop following others."""
+        """Follow exactly ``urls`` (a source from ``sources`` or discovered); stop following others, and
+        wait until their subscribers are gone."""
+        stopped = self.retarget(urls, sources, fetch, settings)
+        for task in stopped:
+            await cancel_and_wait(task)
+
+    def retarget(
+        self, urls: Iterable[str], sources: Mapping[str, KvSource], fetch: Fetch, settings: FeedSettings
+    ) -> list[asyncio.Task[None]]:
+        """``follow`` without waiting (for a config that has just gone live: no waiting there): the
+        followed set is ``urls`` when this returns. Returns the subscribers it cancelled; ``aclose`` waits
+        for any still unwinding."""
         self._fetch = fetch
         if settings.max_entries != self.settings.max_entries:
             self.index.max_entries = settings.max_entries
         self.settings = settings
         wanted = dict.fromkeys(urls)
+        stopped: list[asyncio.Task[None]] = []
         for url in [u for u in self._tasks if u not in wanted]:
-            await cancel_and_wait(self._tasks.pop(url))
-            self.index.clear(url)
+            stopped.append(self._stop(url))
             self.workers.pop(url, None)
         for url in wanted:
             given = sources.get(url)
@@ -180,13 +192,22 @@ class KvFeed:
             if state is not None and url in self._tasks and (given is None or given == state.source):
                 continue
             if url in self._tasks:
-                await cancel_and_wait(self._tasks.pop(url))
-                self.index.clear(url)
+                stopped.append(self._stop(url))
             self.workers[url] = WorkerKv(url, source=None)
             self._tasks[url] = asyncio.create_task(self._run(url, given), name=f"kv-events {url}")
+        return stopped
+
+    def _stop(self, url: str) -> asyncio.Task[None]:
+        """Cancel ``url``'s subscriber and drop its entries (a cancelled subscriber applies nothing more)."""
+        task = self._tasks.pop(url)
+        task.cancel()
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+        self.index.clear(url)
+        return task
 
     async def aclose(self) -> None:
-        for task in self._tasks.values():
+        for task in [*self._tasks.values(), *self._stopping]:
             await cancel_and_wait(task)
         self._tasks.clear()
         if self._ctx is not None:

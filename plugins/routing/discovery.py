@@ -53,8 +53,13 @@ class DnsDiscovery:
         interval_s: float,
         timeout_s: float,
         resolver: Resolver = system_resolver,
+        live: Callable[[], bool] = lambda: True,
     ) -> None:
+        """``live`` says whether the config these refs come from is the live one: only then does a round
+        forget the refs it does not name, and the background rounds run at all (the first, at ``start``,
+        resolves this config's refs before it may go live, and forgets nothing the live one uses)."""
         self.workers = workers
+        self.live = live
         self.refs = sorted({ref for ref in refs if ref.startswith("dns://")})
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -62,8 +67,10 @@ class DnsDiscovery:
         self._task: asyncio.Task[None] | None = None
 
     async def refresh(self) -> None:
-        """Resolve every ref once (concurrently, each bounded) and update the table."""
-        self.workers.retain_discovered(self.refs)
+        """Resolve every ref once (concurrently, each bounded) and update the table; when ``live``, first
+        forget the refs that are not this config's."""
+        if self.live():
+            self.workers.retain_discovered(self.refs)
         results = await asyncio.gather(*(self._resolve(ref) for ref in self.refs))
         for ref, urls in zip(self.refs, results, strict=True):
             if urls is not None and self.workers.set_discovered(ref, urls):
@@ -79,6 +86,10 @@ class DnsDiscovery:
             return None
         return [worker_url(a, port) for a in sorted(set(addresses))]
 
+    def retain(self) -> None:
+        """This config went live: forget the discovered refs that it does not name."""
+        self.workers.retain_discovered(self.refs)
+
     async def start(self) -> None:
         if not self.refs:
             return
@@ -88,6 +99,8 @@ class DnsDiscovery:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
+            if not self.live():  # not yet live, or retired and draining: the live config's rounds keep the table
+                continue
             try:
                 await self.refresh()
             except Exception:  # a bug here must not end discovery for good

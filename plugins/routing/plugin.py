@@ -14,7 +14,6 @@ what each worker holds is read back from the workers in the background (``gatewa
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -22,7 +21,6 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from gateway.engine.spec import merged_lora
-from gateway.ops.tasks import cancel_and_wait
 from gateway.pipeline.adapters import LoraSettings
 from gateway.pipeline.config import AdapterModel, GatewayConfig, ModelConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
@@ -133,8 +131,6 @@ class RoutingPlugin(Plugin):
         self._gateway_config: GatewayConfig | None = None
         self._tokenizers: TokenizerSources = {}
         self._precise: dict[str, PrecisePlacement] = {}
-        self._following: asyncio.Task[None] | None = None
-        self._refollow = False
         self._lora: dict[str, LoraSettings] = {}  # base model -> its own adapter settings
         self._worker_lora: dict[str, LoraSettings] = {}  # worker URL or dns:// ref -> what it runs with
         self._lora_by_url: tuple[int, dict[str, LoraSettings]] = (-1, {})  # per worker table generation
@@ -173,6 +169,7 @@ class RoutingPlugin(Plugin):
             interval_s=self.config.discovery.dns_interval_s,
             timeout_s=self.config.discovery.dns_timeout_s,
             resolver=self.resolver,
+            live=self._live,
         )
 
     def model_moves(self) -> dict[str, list[str]]:
@@ -198,20 +195,24 @@ class RoutingPlugin(Plugin):
             self._adapter_sync.start()
         if self._gateway_config is not None:
             self._precise = await build_placements(self._tokenizers, self.config, self.services, self.shared)
-            await self._follow()
 
-    async def _follow(self) -> None:
-        """Follow the KV events and load of the precise models' workers (at start, and again whenever
-        their set changes: ``dns://`` workers come and go)."""
-        while self._gateway_config is not None:
-            self._refollow = False
-            refs = (ref for model in self._precise for ref in self._refs.get(model, ()))
-            await follow_workers(self.services.workers.expand(refs), self.config, self._gateway_config, self.services)
-            if not self._refollow:
-                return
+    def _follow(self) -> None:
+        """Follow the KV events and load of the precise models' workers (when this config goes live, and
+        again whenever their set changes: ``dns://`` workers come and go). The feeds are the process's, so
+        only the live config's instance says what they follow: not one still starting (a later plugin may
+        refuse its config), nor a retired one still serving its last requests."""
+        if self._gateway_config is None or not self._live():
+            return
+        refs = (ref for model in self._precise for ref in self._refs.get(model, ()))
+        follow_workers(self.services.workers.expand(refs), self.config, self._gateway_config, self.services)
+
+    def _live(self) -> bool:
+        """Whether this instance's config is the live one (``went_live`` ran, and no other config's since)."""
+        return self.shared.live is self
 
     async def aclose(self) -> None:
-        await cancel_and_wait(self._following)
+        if self._live():
+            self.shared.live = None
         if self._discovery is not None:
             await self._discovery.aclose()
         await self.load.aclose()
@@ -238,9 +239,17 @@ class RoutingPlugin(Plugin):
         return await admin.handle(action, body)
 
     def went_live(self) -> None:
-        """Pins are kept on the workers across reloads; a pin this config no longer backs (its adapter was
+        """This config's routing now says what the process-wide state follows: the discovered ``dns://``
+        refs it no longer names are forgotten, and the KV event and load feeds follow its precise models'
+        workers (``_follow``).
+
+        Pins are kept on the workers across reloads; a pin this config no longer backs (its adapter was
         removed or renamed, or the worker no longer serves the adapter's base model) is dropped, so the
         adapter is evicted as any other when room is needed, or unloaded by the operator."""
+        self.shared.live = self
+        if self._discovery is not None:
+            self._discovery.retain()
+        self._follow()
         backed: dict[str, set[str]] = {}  # worker URL -> served names of the adapters it serves
         for model in self._adapter_names.values():
             for worker in self.pool(model.base).workers:
@@ -285,9 +294,7 @@ class RoutingPlugin(Plugin):
             return cached[1]
         pool = WorkerPool([table.get(url) for url in table.expand(self._refs.get(model, ()))])
         if model in self._precise and any(w.url not in table.kv.workers for w in pool.workers):  # new workers
-            self._refollow = True
-            if self._following is None or self._following.done():
-                self._following = asyncio.get_running_loop().create_task(self._follow(), name="routing-kv-follow")
+            self._follow()
         self._pools[model] = (table.generation, pool)
         return pool
 

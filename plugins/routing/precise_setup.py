@@ -1,6 +1,6 @@
 """Setting up precise_prefix for a config: which tokenizer and chat template each precise model uses,
-loading them (once per process, off the loop), and telling the worker table's feeds which workers to
-follow (their KV cache events and their load)."""
+loading them (once per process, off the loop), and, once the config is live, telling the worker table's
+feeds which workers to follow (their KV cache events and their load)."""
 
 from __future__ import annotations
 
@@ -63,15 +63,16 @@ async def build_placements(
     return placements
 
 
-async def follow_workers(urls: list[str], routing: RoutingConfig, config: GatewayConfig, services: Services) -> None:
-    """Follow exactly ``urls`` (the precise models' workers): KV events and load."""
+def follow_workers(urls: list[str], routing: RoutingConfig, config: GatewayConfig, services: Services) -> None:
+    """Follow exactly ``urls`` (the precise models' workers): KV events and load. Changes what the live
+    config's routing relies on, so only for the config that is live (no waiting: ``KvFeed.retarget``)."""
     managed = {w.name: w.url for w in config.engine.workers}
     settings = routing.kv_events
     sources = {
         managed.get(ref, ref): KvSource(s.endpoint, s.replay_endpoint, s.topic) for ref, s in settings.sources.items()
     }
     upstream = services.upstream
-    await services.workers.kv.follow(
+    services.workers.kv.retarget(
         urls,
         sources,
         upstream.get,

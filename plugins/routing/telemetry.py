@@ -71,6 +71,9 @@ class RoutingShared:
     def __init__(self, services: Services) -> None:
         self.gates: dict[str, ModelGate] = {}
         self.budgets: dict[str, RetryBudget] = {}
+        #: The routing plugin whose config is live (set by its ``went_live``): the one that may re-point
+        #: the worker table's KV event and load feeds and forget discovered refs.
+        self.live: object | None = None
         r = services.metrics.registry
         self.rejected = Counter(
             "gateway_routing_rejected",

@@ -128,6 +128,10 @@ class TenancyPlugin(Plugin):
     async def start(self) -> None:
         if self.config.auth and not self._pepper_set:
             log.warning("tenancy: %s is not set; key digests are unpeppered HMACs", self.config.pepper_env)
+
+    def went_live(self) -> None:
+        """Who is calling, for the core (stored Responses, batch lines), is now this config's answer: not
+        before, since a later plugin may refuse this config, whose ``aclose`` then leaves the live one's."""
         self.services.shared[TENANT_OF] = self.tenant_of
         self.services.shared[CALLER_OF] = self.caller_of
 

@@ -21,9 +21,13 @@ from gateway.ops.settings import Settings
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.registry import PluginRegistry
+from gateway.pipeline.services import TENANT_OF
 from gateway.server.app import create_app
+from plugins.routing import precise_setup
+from tests.support.dns import NAME, scripted_routing
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.kv_publisher import ThreadedPublisher
 
 TOKEN = "reload-admin-token"
 ADMIN = {"authorization": f"Bearer {TOKEN}"}
@@ -345,3 +349,88 @@ def test_went_live_runs_once_per_config_that_goes_live_and_never_for_a_refused_o
         assert put(server, config("d", fail=True)).status_code == 200
         assert went_live == ["a", "b", "d"]
         assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+UNREACHABLE = {"name": "needs_redis", "config": {"url": "redis://127.0.0.1:1/0"}}
+
+
+def test_a_config_refused_by_a_later_plugins_start_leaves_the_feeds_following_the_live_workers(
+    gateway_factory: GatewayFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refused config's routing started (and would follow no worker: least_outstanding) before the
+    plugin after it failed: the live config's precise_prefix keeps its KV event streams and load polls."""
+
+    async def any_tokenizer(*_: object) -> object:  # no model is needed: nothing is placed here
+        return object()
+
+    monkeypatch.setattr(precise_setup.PromptTokenizer, "load", any_tokenizer)
+    with contextlib.ExitStack() as stack:
+        fakes = [FakeUpstream(name=f"w{i}") for i in range(2)]
+        servers = [stack.enter_context(ServerThread(f)) for f in fakes]
+        pubs = [ThreadedPublisher(f"kv@w{i}") for i in range(2)]
+        for pub in pubs:
+            stack.callback(pub.close)
+        urls = [s.url for s in servers]
+        sources = {s.url: {"endpoint": p.source.endpoint, "replay_endpoint": p.source.replay_endpoint,
+                           "topic": p.source.topic} for s, p in zip(servers, pubs, strict=True)}  # fmt: skip
+        routing = {"default": {"policy": "precise_prefix", "precise": {"tokenizer": "/any", "block_size": 4}},
+                   "kv_events": {"sources": sources, "load_interval_s": 0.1}}  # fmt: skip
+        live = base_config(urls, plugins=[{"name": "routing", "config": routing}])
+        app, server = stack.enter_context(gateway_factory(live, plugins=PLUGINS, admin_token=TOKEN))
+        feed = app.state.services.workers.kv
+
+        def delivered(pub: ThreadedPublisher, url: str) -> bool:
+            """A batch published now reaches the feed (a socket just connected misses the first ones)."""
+            received = feed.workers[url].received if url in feed.workers else 0
+            pub.publish([])
+            return wait_for(lambda: url in feed.workers and feed.workers[url].received > received, 0.5)
+
+        for pub, url in zip(pubs, urls, strict=True):
+            assert wait_for(lambda p=pub, u=url: delivered(p, u), 10)
+        following = dict(feed.workers)
+
+        refused = base_config(urls, plugins=[{"name": "routing"}, UNREACHABLE])  # least_outstanding: no feed
+        reply = put(server, refused)
+        assert reply.status_code == 400 and "plugins[1] (needs_redis): could not start" in reply.text
+        assert app.state.holder.current.config.plugins[0].config == live["plugins"][0]["config"]
+        # the same streams, never stopped: their state (and the index's entries) kept, and still applied
+        assert feed.workers.keys() == following.keys()
+        assert all(feed.workers[url] is following[url] for url in urls)
+        assert all(feed.trusted(url) for url in urls)
+        for pub, url in zip(pubs, urls, strict=True):
+            assert delivered(pub, url)
+        # and the load polls go on
+        polls = [sum(1 for seen in f.requests if seen.path == "/metrics") for f in fakes]
+        assert wait_for(lambda: all(sum(1 for seen in f.requests if seen.path == "/metrics") > n
+                                    for f, n in zip(fakes, polls, strict=True)), 5)  # fmt: skip
+
+
+def test_a_config_refused_by_a_later_plugins_start_keeps_the_live_tenancy_hooks(
+    gateway_factory: GatewayFactory, upstream_url: str
+) -> None:
+    def config(tenant: str, after: list[dict[str, Any]]) -> dict[str, Any]:
+        tenancy = {"name": "tenancy", "config": {"auth": False, "anonymous_tenant": tenant}}
+        return base_config([upstream_url], plugins=[tenancy, {"name": "routing"}, *after])
+
+    with gateway_factory(config("live", []), plugins=PLUGINS, admin_token=TOKEN) as (app, server):
+        shared = app.state.services.shared
+        tenant_of = shared[TENANT_OF]
+        assert put(server, config("refused", [UNREACHABLE])).status_code == 400
+        assert shared.get(TENANT_OF) == tenant_of  # not replaced by the refused one's, nor removed by its close
+        assert put(server, config("next", [])).status_code == 200
+        assert shared[TENANT_OF] == app.state.holder.current.pipeline.plugins[0].plugin.tenant_of != tenant_of
+
+
+def test_a_config_refused_by_a_later_plugins_start_keeps_the_live_configs_discovered_workers(
+    gateway_factory: GatewayFactory,
+) -> None:
+    answers = {NAME: ["127.0.0.1"], "other.svc": ["127.0.0.3"]}
+    live, other = f"dns://{NAME}:8000", "dns://other.svc:8000"
+    plugins: dict[str, type[Plugin]] = {**PLUGINS, "routing": scripted_routing(answers)}
+    with gateway_factory(base_config([live]), plugins=plugins, admin_token=TOKEN) as (app, server):
+        table = app.state.services.workers
+        assert table.expand([live]) == ["http://127.0.0.1:8000"]
+        assert put(server, base_config([other], plugins=[{"name": "routing"}, UNREACHABLE])).status_code == 400
+        assert table.expand([live]) == ["http://127.0.0.1:8000"]  # the refused config's resolution forgot nothing
+        assert put(server, base_config([other])).status_code == 200
+        assert table.expand([live]) == [] and table.expand([other]) == ["http://127.0.0.3:8000"]  # once live
