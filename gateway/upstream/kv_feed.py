@@ -21,6 +21,10 @@ replay what the worker still buffers, then apply each batch. What real streams d
   event loop for seconds): it is taken as a clear of the worker's entries in its place in the sequence
   (what it stored or evicted is unknown), and the worker is followed on from the next batch, on the same
   connection.
+- A batch that would decode to more elements than ``FeedSettings.max_batch_elements`` (block hashes and
+  token ids; msgpack takes a small int in one byte, so a batch under ``max_message_bytes`` may still hold
+  16M of them) is taken the same way, counted from the lists' headers before any is built. What a batch
+  within the bounds stores or evicts is applied in chunks, the event loop free between them.
 - A message with a frame over ``FeedSettings.max_frame_bytes`` (four times ``max_message_bytes``) is never
   taken in: ZMQ itself (``zmq.MAXMSGSIZE`` on both sockets) drops the connection on reading the frame's
   size, so a publisher cannot make the gateway allocate what it likes. ZMQ takes that for a protocol
@@ -53,7 +57,9 @@ from gateway.upstream.kv_wire import (
     Cleared,
     Removed,
     Stored,
+    TooManyElements,
     WireError,
+    count_elements,
     decode_message,
     decode_replay,
     decode_seq,
@@ -70,6 +76,10 @@ _RECONNECT_S = 0.1  # the first wait after a drop, as ZMQ's own reconnect interv
 # anything on its port) that drops each one costs a socket and a log line every 5 s, not ten a second, and
 # a worker back from a restart is followed again within 5 s. A connection that held this long resets it.
 _RECONNECT_CAP_S = 5.0
+# Hashes stored or removed (an event counts one) between two yields to the event loop while a batch is
+# applied: a few ms of work, so that the largest batch allowed (``FeedSettings.max_batch_elements``) lets
+# requests through while it is applied instead of holding them for a second.
+_APPLY_CHUNK = 8192
 _HIT_ALPHA = 0.1  # the hit rate's moving average weighs about the last 20 responses
 
 
@@ -90,7 +100,7 @@ class WorkerKv:
     batches: int = 0  # applied, live or replayed
     removals: int = 0  # blocks the worker evicted
     received: int = 0  # read from the live socket
-    unread: int = 0  # batches over max_message_bytes, taken as clears without being decoded
+    unread: int = 0  # batches over max_message_bytes or max_batch_elements, taken as clears without being decoded
     reconnects: int = 0  # live connections dropped (a frame over max_frame_bytes, the worker gone) and made again
     first_stored: Stored | None = None  # for routing's check of its own hashes against the worker's
     hit_rate: float | None = None  # recent share of prompt tokens the worker reported cached (moving average)
@@ -311,15 +321,25 @@ class KvFeed:
 
     def _unread(self, url: str, frames: list[zmq.Frame]) -> Batch | None:
         """A live message (``[topic, seq, payload]``) or replay answer (``["", topic, seq, payload]``)
-        whose payload is over ``max_message_bytes``, as a batch that clears the worker's entries (what it
-        stored or evicted is unknown), without copying or decoding the payload; None for any other."""
-        if len(frames) < 3 or len(frames[-1]) <= self.settings.max_message_bytes:
+        whose payload is over ``max_message_bytes``, or would decode to more than ``max_batch_elements``,
+        as a batch that clears the worker's entries (what it stored or evicted is unknown), without
+        copying the payload or building its lists; None for any other."""
+        if len(frames) < 3:
             return None
+        settings, payload = self.settings, frames[-1]
+        if len(payload) > settings.max_message_bytes:
+            why = f"of {len(payload)} bytes (over {settings.max_message_bytes})"
+        else:
+            try:
+                count_elements(payload.buffer, settings.max_batch_elements)
+            except TooManyElements:
+                why = f"of more than {settings.max_batch_elements} elements"
+            else:
+                return None
         seq = decode_seq(frames[-2].bytes)
         self.workers[url].unread += 1
-        log.warning("worker %s sent a KV event batch of %d bytes (over %d), not decoded: its entries are "
-                    "dropped and rebuilt from the batches after it",
-                    url, len(frames[-1]), self.settings.max_message_bytes)  # fmt: skip
+        log.warning("worker %s sent a KV event batch %s, not decoded: its entries are dropped and rebuilt "
+                    "from the batches after it", url, why)  # fmt: skip
         return Batch(seq, 0.0, [Cleared()])
 
     # -- applying ---------------------------------------------------------------------------------
@@ -345,7 +365,7 @@ class KvFeed:
             await self._catch_up(url, state.last_seq + 1, batch.seq)
             if batch.seq <= state.last_seq:
                 return
-        self.apply(url, batch)
+        await self.apply(url, batch)
 
     async def _catch_up(self, url: str, start: int, upto: int | None) -> None:
         """Apply the buffered batches from ``start`` (up to ``upto``, exclusive, when given); resync
@@ -360,7 +380,7 @@ class KvFeed:
             self._resync(url, "the gap is older than the worker's replay buffer")
         for batch in batches:
             if batch.seq > state.last_seq or state.last_seq < 0:
-                self.apply(url, batch)
+                await self.apply(url, batch)
         if batches:
             state._dup_window = (start, batches[-1].seq, self._clock() + _DUPLICATE_WINDOW_S)
 
@@ -391,8 +411,10 @@ class KvFeed:
         finally:
             dealer.close(linger=0)
 
-    def apply(self, url: str, batch: Batch) -> None:
-        """Apply one batch in sequence (no ordering checks: ``receive`` made them)."""
+    async def apply(self, url: str, batch: Batch) -> None:
+        """Apply one batch in sequence (no ordering checks: ``receive`` made them), yielding to the event
+        loop every ``_APPLY_CHUNK`` hashes. When the worker's entries are dropped meanwhile (``drop``), the
+        rest of the batch is not applied: it belongs to the process whose entries went."""
         state = self.workers[url]
         state.last_seq = batch.seq
         state.last_event_at = self._clock()
@@ -402,16 +424,28 @@ class KvFeed:
             state.silent = False
             log.info("worker %s publishes KV events again", url)
         index = self.index
+        done = 0  # hashes (an event counts one more) applied since the last yield
         for event in batch.events:
-            if isinstance(event, Stored):
-                if event.lora_name is None:  # adapters' blocks never serve a base-model prompt
-                    index.store(url, event.hashes)
-                if state.first_stored is None and event.parent is None:
-                    state.first_stored = event
-                if event.block_size:
-                    state.block_size = event.block_size
-            elif isinstance(event, Removed):
-                index.remove(url, event.hashes)
-                state.removals += len(event.hashes)
-            elif isinstance(event, Cleared):
+            if isinstance(event, Cleared):
                 index.clear(url)
+                done += 1
+                continue
+            # adapters' blocks never serve a base-model prompt: not stored
+            hashes = event.hashes if isinstance(event, Removed) or event.lora_name is None else []
+            step = index.remove if isinstance(event, Removed) else index.store
+            for lo in range(0, max(len(hashes), 1), _APPLY_CHUNK):
+                if done >= _APPLY_CHUNK:
+                    await asyncio.sleep(0)
+                    done = 0
+                    if self.workers.get(url) is not state or state.last_seq != batch.seq:
+                        return  # dropped meanwhile (``drop``, ``follow``): the rest is the old process's
+                chunk = hashes if len(hashes) <= _APPLY_CHUNK else hashes[lo : lo + _APPLY_CHUNK]
+                step(url, chunk)
+                done += len(chunk) + 1
+            if isinstance(event, Removed):
+                state.removals += len(event.hashes)
+                continue
+            if state.first_stored is None and event.parent is None:
+                state.first_stored = event
+            if event.block_size:
+                state.block_size = event.block_size

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from gateway.upstream.kv_wire import max_elements
+
 
 @dataclass(frozen=True, slots=True)
 class KvSource:
@@ -36,6 +38,14 @@ class FeedSettings:
         the same connection, while what one message can cost stays bounded (a bigger frame drops the
         connection before it is allocated)."""
         return 4 * self.max_message_bytes
+
+    @property
+    def max_batch_elements(self) -> int:
+        """The most elements (block hashes, token ids; an event counts 32) a batch may decode to: one per 8
+        bytes of ``max_message_bytes`` (a block hash takes 9 on the wire), 2.1M by default. msgpack takes
+        a small int in one byte, so the byte bound alone would let one batch carry 16M of them, seconds of
+        the event loop; a batch over it is taken as unread, as one over ``max_message_bytes`` is."""
+        return max_elements(self.max_message_bytes)
 
 
 def source_from_discovery(worker_url: str, body: object) -> KvSource | None:

@@ -16,12 +16,18 @@ both the same int form, the one the index keys on.
 A payload whose fields have other types (a hash that is a string, a negative block size, a deeply
 nested value) raises ``WireError`` for the whole batch, never another exception: the subscriber skips
 it, and the sequence gap it leaves is handled as any gap (replayed, else the worker resynchronised).
+
+Elements are bounded as well as bytes: msgpack takes a small int in one byte, so a payload within the
+byte bound may still decode to millions of hashes or token ids. The events are parsed with their fields
+as raw msgpack (``_Fields``), so that lists are counted from their headers before any is built (and a
+field no one reads is skipped, never built); ``decode_payload(..., bound)`` and ``count_elements`` raise
+``TooManyElements`` for a payload over the bound.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -73,7 +79,118 @@ class WireError(ValueError):
     """A message that is not a KV event batch (the subscriber logs it and goes on)."""
 
 
-_decoder = msgspec.msgpack.Decoder()
+#: What one event counts for in elements beyond its lists: decoding and applying an event costs as much
+#: as a few dozen hashes (an empty map is one byte on the wire, a hash nine), so a batch of a million tiny
+#: events is as unread as one of 16 million hashes. Real batches hold a step's stores and evictions: one
+#: ``BlockRemoved`` per evicted block, a few hundred per step, 65k at most within the bound.
+EVENT_ELEMENTS = 32
+#: Wire bytes per element allowed: fewer than a block hash (a 64-bit int) takes, 9, so a batch of hashes
+#: and the framing around them always fits (2.1M elements for the default 16 MiB).
+BYTES_PER_ELEMENT = 8
+
+
+class TooManyElements(WireError):
+    """A payload that would decode to more elements than allowed (``max_elements``): taken as unread."""
+
+
+class _Fields(msgspec.Struct):
+    """One event's fields as raw msgpack, decoded one by one: a field no one reads (or a list no one
+    counted yet) is skipped in C, never built. An absent field is an empty ``Raw``."""
+
+    kind: msgspec.Raw = msgspec.field(default=msgspec.Raw(), name="type")
+    medium: msgspec.Raw = msgspec.Raw()
+    group_idx: msgspec.Raw = msgspec.Raw()
+    block_hashes: msgspec.Raw = msgspec.Raw()
+    parent_block_hash: msgspec.Raw = msgspec.Raw()
+    token_ids: msgspec.Raw = msgspec.Raw()
+    block_size: msgspec.Raw = msgspec.Raw()
+    lora_name: msgspec.Raw = msgspec.Raw()
+    extra_keys: msgspec.Raw = msgspec.Raw()
+
+
+_raws = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_fields = msgspec.msgpack.Decoder(list[_Fields])
+_number = msgspec.msgpack.Decoder(int | float)
+_text = msgspec.msgpack.Decoder(str | None)
+_whole = msgspec.msgpack.Decoder(int | None)
+_hash = msgspec.msgpack.Decoder(int | bytes | None)
+_keys = msgspec.msgpack.Decoder(list[Annotated[int, msgspec.Meta(ge=0)]] | None)  # as vLLM sends them
+_hashes = msgspec.msgpack.Decoder(list[int | bytes] | None)
+_tokens = msgspec.msgpack.Decoder(list[int] | None)
+_anything = msgspec.msgpack.Decoder()
+_OTHER = object()  # a field of a type no real event has
+
+
+def max_elements(max_message_bytes: int) -> int:
+    """The element bound that goes with a byte bound (one element per ``BYTES_PER_ELEMENT`` bytes): what
+    a real batch holds fits in both, while one of one-byte ints, which msgpack allows, cannot carry eight
+    times the elements the byte bound suggests."""
+    return max_message_bytes // BYTES_PER_ELEMENT
+
+
+def _length(raw: msgspec.Raw | bytes | memoryview) -> int:
+    """How many values an array's header says follow (a map's: keys and values); 0 for a scalar."""
+    view = memoryview(raw)
+    if not view:
+        return 0
+    head = view[0]
+    if 0x90 <= head <= 0x9F:
+        return head & 0x0F
+    if 0x80 <= head <= 0x8F:
+        return 2 * (head & 0x0F)
+    if head in (0xDC, 0xDE):
+        return int.from_bytes(view[1:3], "big") * (2 if head == 0xDE else 1)
+    if head in (0xDD, 0xDF):
+        return int.from_bytes(view[1:5], "big") * (2 if head == 0xDF else 1)
+    return 0
+
+
+def _is_array(raw: msgspec.Raw | bytes | memoryview) -> bool:
+    view = memoryview(raw)
+    return bool(view) and (0x90 <= view[0] <= 0x9F or view[0] in (0xDC, 0xDD))
+
+
+def _parse(payload: bytes | memoryview, bound: int | None) -> tuple[msgspec.Raw, list[_Fields]]:
+    """The payload's timestamp (raw) and events (fields raw), counting the elements decoding them builds
+    against ``bound`` before building them: ``TooManyElements`` when over."""
+    budget = bound if bound is not None else -1
+
+    def spend(n: int) -> None:
+        nonlocal budget
+        if bound is not None:
+            budget -= n
+            if budget < 0:
+                raise TooManyElements(f"the payload holds more than {bound} elements")
+
+    try:
+        spend(_length(payload))  # the outer array's items, each a Raw
+        if not _is_array(payload):
+            raise WireError("the payload is not [ts, events, rank]")
+        outer = _raws.decode(payload)
+        if len(outer) < 2 or not _is_array(outer[1]):
+            raise WireError("the payload is not [ts, events, rank]")
+        spend(_length(outer[1]) * EVENT_ELEMENTS)
+        try:
+            events = _fields.decode(outer[1])
+        except msgspec.ValidationError:
+            raise WireError("an event is not a map of named fields") from None
+        for event in events:
+            spend(_length(event.block_hashes) + _length(event.token_ids) + len(event.extra_keys))
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested deeper than Python allows
+        raise WireError(f"the payload is not msgpack ({exc})") from None
+    return outer[0], events
+
+
+def count_elements(payload: bytes | memoryview, bound: int) -> None:
+    """Raise ``TooManyElements`` when decoding ``payload`` would build more than ``bound`` elements (block
+    hashes, token ids, events weighted by ``EVENT_ELEMENTS``). A payload that is not a batch passes: its
+    decoding says why. Cheap: lists are counted from their headers, never built."""
+    try:
+        _parse(payload, bound)
+    except TooManyElements:
+        raise
+    except WireError:
+        return
 
 
 def decode_seq(frame: bytes) -> int:
@@ -82,64 +199,72 @@ def decode_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
-def decode_payload(seq: int, payload: bytes) -> Batch:
-    """One batch's payload; events of other media or unknown types are left out."""
-    try:
-        raw = _decoder.decode(payload)
-    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested deeper than Python allows
-        raise WireError(f"the payload is not msgpack ({exc})") from None
-    if not isinstance(raw, list | tuple) or len(raw) < 2 or not isinstance(raw[1], list):
-        raise WireError("the payload is not [ts, events, rank]")
+def decode_payload(seq: int, payload: bytes, bound: int | None = None) -> Batch:
+    """One batch's payload; events of other media or unknown types are left out. With ``bound``, a
+    payload of more elements (``count_elements``) raises ``TooManyElements`` before any list is built."""
+    ts, fields = _parse(payload, bound)
     events: list[Event] = []
-    for item in raw[1]:
-        event = _event(item)
-        if event is not None:
-            events.append(event)
-    ts = raw[0] if isinstance(raw[0], int | float) else 0.0
-    return Batch(seq, float(ts), events)
+    try:
+        for item in fields:
+            event = _event(item)
+            if event is not None:
+                events.append(event)
+    except RecursionError:
+        raise WireError("a field is nested deeper than Python allows") from None
+    try:
+        stamp = float(_number.decode(ts))
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        stamp = 0.0
+    return Batch(seq, stamp, events)
 
 
-def _event(item: object) -> Event | None:
-    if not isinstance(item, dict):
-        raise WireError("an event is not a map")
-    kind = item.get("type")
+def _field(decoder: msgspec.msgpack.Decoder[Any], raw: msgspec.Raw) -> Any:
+    """A field's value (None when absent), or ``_OTHER`` when it is of another type."""
+    if not raw:
+        return None
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError:
+        return _OTHER
+
+
+def _event(item: _Fields) -> Event | None:
+    kind = _field(_text, item.kind)
     if kind == "AllBlocksCleared":
         return Cleared()
-    if item.get("medium") not in _OWN_MEDIA or item.get("group_idx", 0) not in (0, None):
+    if _field(_text, item.medium) not in _OWN_MEDIA or _field(_whole, item.group_idx) not in (0, None):
         return None
     if kind not in ("BlockRemoved", "BlockStored"):
         return None  # a newer event type: not ours to guess at
-    hashes = [block_key(h) for h in _list(item, "block_hashes")]
+    hashes = _field(_keys, item.block_hashes)  # unsigned ints already keys: no Python work per hash
+    if hashes is _OTHER:
+        hashes = _field(_hashes, item.block_hashes)
+        if hashes is _OTHER:
+            raise WireError("block_hashes are not a list of ints or bytes")
+        hashes = [block_key(h) for h in hashes]
+    hashes = hashes or []
     if kind == "BlockRemoved":
         return Removed(hashes)
-    parent = item.get("parent_block_hash")
-    block_size = item.get("block_size") or 0
-    lora_name = item.get("lora_name")
-    try:
-        token_ids = msgspec.convert(_list(item, "token_ids"), list[int])  # in C: a batch may carry thousands
-    except msgspec.ValidationError:
-        raise WireError("token_ids are not all ints") from None
-    if type(block_size) is not int or block_size < 0:
-        raise WireError(f"block_size {block_size!r} is not a whole number of tokens")
-    if lora_name is not None and not isinstance(lora_name, str):
-        raise WireError(f"lora_name is a string, not {type(lora_name).__name__}")
+    parent = _field(_hash, item.parent_block_hash)
+    block_size = _field(_whole, item.block_size)
+    lora_name = _field(_text, item.lora_name)
+    token_ids = _field(_tokens, item.token_ids)
+    if parent is _OTHER:
+        raise WireError("parent_block_hash is not an int or bytes")
+    if token_ids is _OTHER:
+        raise WireError("token_ids are not a list of ints")
+    if block_size is _OTHER or (block_size is not None and block_size < 0):
+        raise WireError("block_size is not a whole number of tokens")
+    if lora_name is _OTHER:
+        raise WireError("lora_name is not a string")
     return Stored(
         hashes=hashes,
         parent=block_key(parent) if parent is not None else None,
-        token_ids=token_ids,
-        block_size=block_size,
+        token_ids=token_ids or [],
+        block_size=block_size or 0,
         lora_name=lora_name,
-        extra_keys=item.get("extra_keys"),
+        extra_keys=_anything.decode(item.extra_keys) if item.extra_keys else None,
     )
-
-
-def _list(item: dict[Any, Any], name: str) -> list[Any]:
-    value = item.get(name)
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise WireError(f"{name} is a list, not {type(value).__name__}")
-    return value
 
 
 def decode_message(frames: list[bytes]) -> Batch:

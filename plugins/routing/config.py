@@ -176,8 +176,9 @@ class KvEventsConfig(_Strict):
         16 << 20,
         ge=4096,
         le=256 << 20,
-        description="an event batch larger than this is not decoded (about 0.1 s of the event loop per MiB) but "
-        "taken as a clear of its worker's entries; a frame over four times it drops the connection",
+        description="an event batch larger than this, or of more elements (hashes, token ids) than one per 8 of "
+        "its bytes, is not decoded (about 0.1 s of the event loop per MiB) but taken as a clear of its worker's "
+        "entries; a frame over four times it drops the connection",
     )
     sources: dict[str, KvSourceConfig] = Field(
         default_factory=dict, description="worker URL -> its publisher (default: asked at GET /kv_event_sources)"
