@@ -368,46 +368,62 @@ class KvFeed:
         await self.apply(url, batch)
 
     async def _catch_up(self, url: str, start: int, upto: int | None) -> None:
-        """Apply the buffered batches from ``start`` (up to ``upto``, exclusive, when given); resync
-        when the worker no longer holds ``start``."""
+        """Apply the buffered batches from ``start`` (up to ``upto``, exclusive, when given) as they
+        arrive; resync when the worker no longer holds ``start``, or the replay failed."""
         state = self.workers[url]
-        batches = await self._replay(state, start)
-        if batches is None:
-            if upto is not None:
-                self._resync(url, "no replay socket answered")
-            return
-        if upto is not None and (not batches or batches[0].seq != start):
-            self._resync(url, "the gap is older than the worker's replay buffer")
-        for batch in batches:
+        first: int | None = None
+        last: int | None = None
+
+        async def take(batch: Batch) -> None:
+            nonlocal first, last
+            if first is None:
+                first = batch.seq
+                if upto is not None and batch.seq != start:
+                    self._resync(url, "the gap is older than the worker's replay buffer")
+            last = batch.seq
             if batch.seq > state.last_seq or state.last_seq < 0:
                 await self.apply(url, batch)
-        if batches:
-            state._dup_window = (start, batches[-1].seq, self._clock() + _DUPLICATE_WINDOW_S)
+
+        answered = await self._replay(state, start, take)
+        if upto is not None and not answered:
+            self._resync(url, "no replay socket answered, or its answer failed")
+        elif upto is not None and first is None:
+            self._resync(url, "the gap is older than the worker's replay buffer")
+        if last is not None:
+            state._dup_window = (start, last, self._clock() + _DUPLICATE_WINDOW_S)
 
     def _resync(self, url: str, why: str) -> None:
         self.workers[url].resyncs += 1
         dropped = self.index.clear(url)
         log.warning("worker %s: KV events lost (%s); resynchronising (%d entries dropped)", url, why, dropped)
 
-    async def _replay(self, state: WorkerKv, start: int) -> list[Batch] | None:
+    async def _replay(self, state: WorkerKv, start: int, take: Callable[[Batch], Awaitable[None]]) -> bool:
+        """Ask the worker for its buffered batches from ``start`` and hand each to ``take`` as it arrives:
+        none is held until the end (a worker's buffer holds thousands, each up to ``max_message_bytes``).
+        True when the end marker came; False when no replay socket answered, or the answer failed partway
+        (what ``take`` was given by then stands). ``replay_timeout_s`` bounds the worker's time, not the
+        time ``take`` spent applying."""
         source = state.source
         if source is None or source.replay_endpoint is None or self._ctx is None:
-            return None
+            return False
         dealer = self._socket(zmq.DEALER)
-        out: list[Batch] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.replay_timeout_s
         try:
             dealer.connect(source.replay_endpoint)
             await dealer.send_multipart(encode_replay_request(start))
-            async with asyncio.timeout(self.settings.replay_timeout_s):
-                while True:
+            while True:
+                async with asyncio.timeout_at(deadline):
                     frames = await dealer.recv_multipart(copy=False)
-                    batch = self._unread(state.url, frames) or decode_replay([frame.bytes for frame in frames])
-                    if batch is None:
-                        return out
-                    out.append(batch)
+                batch = self._unread(state.url, frames) or decode_replay([frame.bytes for frame in frames])
+                if batch is None:
+                    return True
+                began = loop.time()
+                await take(batch)
+                deadline += loop.time() - began
         except (TimeoutError, WireError, zmq.ZMQError) as exc:
             log.warning("replay from %s failed (%s)", source.replay_endpoint, exc or type(exc).__name__)
-            return None
+            return False
         finally:
             dealer.close(linger=0)
 

@@ -50,6 +50,7 @@ class FakePublisher:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         self.replays = 0
+        self.hold_replay_end: asyncio.Event | None = None  # when set here, the end marker waits for it
         self._task = asyncio.create_task(self._serve_replay())
 
     async def publish(self, events: list[dict], *, drop: bool = False) -> int:
@@ -75,6 +76,8 @@ class FakePublisher:
             for seq, payload in list(self.buffer):
                 if seq >= first:
                     await self._router.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), payload])
+            if self.hold_replay_end is not None:
+                await self.hold_replay_end.wait()
             await self._router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
 
     async def aclose(self) -> None:

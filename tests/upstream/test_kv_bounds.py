@@ -1,6 +1,7 @@
 """What one worker's KV event stream can cost the gateway, whatever it sends: a batch is bounded in the
-elements it decodes to (not only in bytes: msgpack takes a small int in one byte), and a batch within the
-bounds is applied with the event loop free between chunks."""
+elements it decodes to (not only in bytes: msgpack takes a small int in one byte), a batch within the bounds
+is applied with the event loop free between chunks, and a replay is applied as it arrives, never held whole.
+"""
 
 from __future__ import annotations
 
@@ -123,3 +124,26 @@ async def test_a_batch_stops_applying_when_the_worker_is_dropped_meanwhile() -> 
     feed.drop(URL, "a failed health check")
     await applying
     assert feed.index.blocks(URL) == 0  # nothing of the old process after its entries went
+
+
+async def test_a_replay_is_applied_as_it_arrives(publisher: FakePublisher) -> None:
+    """Each replayed batch is applied before the replay ends: none is held in memory until the end marker."""
+    feed = await followed(publisher, replay_timeout_s=30)
+    try:
+        await publisher.publish([stored([170])])
+        await until(lambda: feed.index.copies(URL, 170) == 1, "stored")
+        held = publisher.hold_replay_end = asyncio.Event()
+        for block in range(171, 181):
+            await publisher.publish([stored([block])], drop=True)  # a gap: only in the replay buffer
+        await publisher.publish([stored([181])])
+        # the replay (171 to 181, the live batch that found the gap is buffered too) applied, its end held
+        await until(lambda: feed.index.copies(URL, 181) == 1, "the replayed batches, before the end marker")
+        state = feed.workers[URL]
+        assert not held.is_set() and (state.gaps, state.resyncs, state.last_seq) == (1, 0, publisher.seq - 1)
+        held.set()
+        await publisher.publish([stored([182])])
+        await until(lambda: feed.index.copies(URL, 182) == 1, "a live batch after the replay")
+        assert (state.gaps, state.resyncs) == (1, 0)
+        assert all(feed.index.copies(URL, block) == 1 for block in range(170, 183))
+    finally:
+        await feed.aclose()
