@@ -43,7 +43,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import orjson
 import zmq
@@ -81,6 +81,9 @@ _RECONNECT_CAP_S = 5.0
 # requests through while it is applied instead of holding them for a second.
 _APPLY_CHUNK = 8192
 _HIT_ALPHA = 0.1  # the hit rate's moving average weighs about the last 20 responses
+#: The blocks of a worker's first stored chain kept (``WorkerKv.first_stored``) for routing's check of its
+#: own hashes: a few agree or disagree as surely as all, and their tokens are all that is kept.
+FIRST_STORED_BLOCKS = 4
 
 
 @dataclass(slots=True)
@@ -91,7 +94,7 @@ class WorkerKv:
     source: KvSource | None = None
     last_seq: int = -1
     last_event_at: float = 0.0
-    block_size: int | None = None  # from the first BlockStored: what routing must hash with
+    block_size: int | None = None  # from BlockStored events (with blocks): what routing must hash with
     expect_since: float | None = None  # the oldest routed request that should have stored blocks since
     silent: bool = False
     restarts: int = 0
@@ -102,7 +105,9 @@ class WorkerKv:
     received: int = 0  # read from the live socket
     unread: int = 0  # batches over max_message_bytes or max_batch_elements, taken as clears without being decoded
     reconnects: int = 0  # live connections dropped (a frame over max_frame_bytes, the worker gone) and made again
-    first_stored: Stored | None = None  # for routing's check of its own hashes against the worker's
+    # The first BlockStored of a chain, cut to FIRST_STORED_BLOCKS blocks and their tokens: for routing's
+    # check of its own hashes against the worker's.
+    first_stored: Stored | None = None
     hit_rate: float | None = None  # recent share of prompt tokens the worker reported cached (moving average)
     _dup_window: tuple[int, int, float] | None = field(default=None, repr=False)
 
@@ -461,7 +466,13 @@ class KvFeed:
             if isinstance(event, Removed):
                 state.removals += len(event.hashes)
                 continue
+            # An event that stores no block, or carries more tokens than its blocks hold, is not vLLM's:
+            # its block size (1, say) would set routing hashing by a size no worker uses.
+            if not event.hashes or not event.block_size or len(event.token_ids) > len(event.hashes) * event.block_size:
+                continue
             if state.first_stored is None and event.parent is None:
-                state.first_stored = event
-            if event.block_size:
-                state.block_size = event.block_size
+                kept = FIRST_STORED_BLOCKS
+                state.first_stored = replace(
+                    event, hashes=event.hashes[:kept], token_ids=event.token_ids[: kept * event.block_size]
+                )
+            state.block_size = event.block_size

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.pipeline.context import ModelResponse, RequestContext
-from gateway.upstream.kv_feed import WorkerKv
+from gateway.upstream.kv_feed import FIRST_STORED_BLOCKS, WorkerKv
 from gateway.upstream.kv_index import BlockIndex
 from gateway.upstream.workers import Worker, WorkerTable
 from plugins.routing.accuracy import AccuracyTracker, reported_cached_tokens
@@ -140,17 +140,21 @@ class PrecisePlacement:
         return min(learned) if learned else None
 
     def _verify(self, states: list[WorkerKv]) -> None:
-        """Hash a worker's first published block chain ourselves: another hash algorithm, seed or block
-        size would give no match at all, silently."""
+        """Hash the first blocks (at most ``FIRST_STORED_BLOCKS``) of a worker's first published block
+        chain ourselves: another hash algorithm, seed or block size would give no match at all, silently.
+        Bounded whatever the event says: this runs on the event loop, in ``predict``, and an event with
+        millions of token ids (one byte each on the wire) but no hashes would be millions of blocks."""
         for state in states:
             event = state.first_stored
             if event is None or id(event) in self._verified or event.extra_keys or not event.block_size:
                 continue
-            if len(event.token_ids) < len(event.hashes) * event.block_size:
-                continue  # not the tokens of its blocks (vLLM always sends them): nothing to check
+            blocks = min(len(event.hashes), FIRST_STORED_BLOCKS)
+            tokens = event.token_ids[: blocks * event.block_size]
+            if not blocks or len(tokens) < blocks * event.block_size:
+                continue  # no blocks, or not the tokens of its blocks (vLLM always sends them): nothing to check
             self._verified.add(id(event))
-            ours = self.hasher(event.block_size).hashes(event.token_ids)
-            if ours[: len(event.hashes)] != event.hashes:
+            ours = self.hasher(event.block_size).hashes(tokens)
+            if ours != event.hashes[:blocks]:
                 self.tracker.mark(
                     f"worker {state.url}'s block hashes differ from the gateway's (hash_algo "
                     f"{self.config.hash_algo!r}, seed {'set' if self.config.hash_seed else 'default'})"

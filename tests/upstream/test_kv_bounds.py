@@ -147,3 +147,26 @@ async def test_a_replay_is_applied_as_it_arrives(publisher: FakePublisher) -> No
         assert all(feed.index.copies(URL, block) == 1 for block in range(170, 183))
     finally:
         await feed.aclose()
+
+
+async def test_only_the_first_blocks_of_the_first_chain_are_kept() -> None:
+    feed = KvFeed()
+    feed.workers[URL] = WorkerKv(URL)
+    tokens = list(range(16 * 100))
+    await feed.apply(URL, Batch(0, 0.0, [Stored(list(range(100)), None, tokens, 16, None, None)]))
+    first = feed.workers[URL].first_stored
+    kept = 4  # FIRST_STORED_BLOCKS
+    assert first is not None and first.hashes == list(range(kept))
+    assert first.token_ids == tokens[: 16 * kept]
+
+
+async def test_an_event_that_stores_no_block_teaches_no_block_size() -> None:
+    feed = KvFeed()
+    feed.workers[URL] = WorkerKv(URL)
+    state = feed.workers[URL]
+    await feed.apply(URL, Batch(0, 0.0, [Stored([], None, [0] * 100_000, 1, None, None)]))
+    assert state.block_size is None and state.first_stored is None
+    await feed.apply(URL, Batch(1, 0.0, [Stored([5], None, [0] * 64, 1, None, None)]))  # tokens beyond its blocks
+    assert state.block_size is None and state.first_stored is None
+    await feed.apply(URL, Batch(2, 0.0, [Stored([6], None, [0] * 16, 16, None, None)]))
+    assert state.block_size == 16 and state.first_stored is not None
