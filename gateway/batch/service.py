@@ -75,6 +75,7 @@ class BatchService:
             raise InvalidRequest(
                 f"The file '{input_file_id}' was not uploaded with purpose 'batch'.", param="input_file_id"
             )
+        await self._check_storage(scope)
         most = self.config.max_active_batches
         if await self.jobs.active_count(scope) >= most:  # checked, then created: replicas may pass it by a few
             raise RateLimited(
@@ -85,6 +86,29 @@ class BatchService:
         batch = await self.jobs.create(scope, caller, input_file_id, endpoint, metadata)
         self.runner.wake()
         return batch
+
+    async def _check_storage(self, scope: str) -> None:
+        """Refuse a batch to a scope whose files fill its storage bound: the output and error files a batch
+        writes are counted but never refused (``gateway.batch.usage``), so without this check batch after
+        batch over one small input (each writing a large error file, for free) would store without limit.
+        Checked here, a scope stores at most its bound plus the results of the batches it had running when
+        it reached it (at most ``max_active_batches``). A 400, as an upload past the bound is: a retry
+        gets the same answer until files are deleted or expire."""
+        stored, files = await self.files.usage.stored(scope)
+        if stored >= self.config.max_tenant_bytes:
+            raise InvalidRequest(
+                f"This tenant's files hold {stored} bytes, the most it may store (batches.max_tenant_bytes: "
+                f"{self.config.max_tenant_bytes}), and a batch writes its results there; delete files it no "
+                "longer needs (batch output files also expire on their own).",
+                code="stored_bytes_exceeded",
+            )
+        if files >= self.config.max_tenant_files:
+            raise InvalidRequest(
+                f"This tenant stores {files} files, the most it may (batches.max_tenant_files: "
+                f"{self.config.max_tenant_files}), and a batch writes its results as files; delete files it no "
+                "longer needs (batch output files also expire on their own).",
+                code="stored_files_exceeded",
+            )
 
     async def cancel_batch(self, headers: dict[str, str], batch_id: str) -> dict[str, Any]:
         scope = self.scope(await self.caller_of(headers))

@@ -16,8 +16,9 @@ Counting a file and writing its record are one script (``commit``), and so are d
 taking its file off (``forget``): the usage never counts a file nobody can see or misses one anybody can.
 The files a batch writes are counted but never refused (``forced``): they are the answers the batch's
 lines were already run (and charged) for, and losing them would fail the batch for a bound that is about
-uploads. A scope their writing took past the bound has its uploads refused until deletions or expiry
-bring it back under. Files stored before the count existed are not counted (nor taken off when deleted).
+uploads. A scope their writing took to or past the bound has its uploads and its new batches refused
+(``BatchService.create_batch``) until deletions or expiry bring it back under. Files stored before the
+count existed are not counted (nor taken off when deleted).
 """
 
 from __future__ import annotations

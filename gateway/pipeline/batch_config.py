@@ -61,15 +61,15 @@ class BatchesConfig(BaseModel):
         ge=1024,
         le=2**50,
         description="most bytes one tenant's files may hold in the file store (uploads, and the output and "
-        "error files its batches write, which are counted but never refused); an upload past it is a 400 "
-        "stored_bytes_exceeded",
+        "error files its batches write, which are counted but never refused); an upload past it, or a batch "
+        "created once it is reached, is a 400 stored_bytes_exceeded",
     )
     max_tenant_files: int = Field(
         10_000,
         ge=1,
         le=10_000_000,
         description="most files one tenant may have stored (counted as max_tenant_bytes is); an upload past "
-        "it is a 400 stored_files_exceeded",
+        "it, or a batch created once it is reached, is a 400 stored_files_exceeded",
     )
     max_lines: int = Field(50_000, ge=1, description="most lines in one batch's input file")
     max_active_batches: int = Field(

@@ -268,3 +268,57 @@ def test_a_hold_left_by_an_upload_that_died_lapses(
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
+
+
+def refused_batch(caught: pytest.ExceptionInfo[openai.BadRequestError], code: str) -> None:
+    assert caught.value.status_code == 400
+    error = caught.value.response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == code, error
+
+
+def test_a_tenant_whose_results_filled_its_storage_creates_no_batch_until_it_deletes(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """A 4 KB input of 2,000 malformed lines writes an error file far larger than the bound, for free (no
+    line reaches a worker). The batch's results are written all the same, but the next batch is refused
+    (nothing more is written) until files are deleted: batches over one small input cannot pile results up."""
+    config = base_config([upstream_url], batches=batches_section(batch_names, max_tenant_bytes=BOUND))
+    store = redis.Redis()
+    try:
+        with gateway_factory(config) as (_, server):
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            source = client.files.create(file=("in.jsonl", b"x\n" * 2000), purpose="batch")
+            done = wait_for(client, start_on(client, source.id).id, ("completed", "failed"), timeout_s=60)
+            assert done.error_file_id is not None, done
+            result = client.files.retrieve(done.error_file_id).bytes
+            assert result > BOUND
+            for _ in range(3):
+                with pytest.raises(openai.BadRequestError) as caught:
+                    start_on(client, source.id)
+                refused_batch(caught, "stored_bytes_exceeded")
+            assert len(client.batches.list().data) == 1
+            stored = int(store.hget(f"{batch_names['prefix']}:usage:shared", "bytes") or 0)
+            assert stored == len(b"x\n" * 2000) + result <= BOUND + result
+            client.files.delete(done.error_file_id)  # room again: batches may be created
+            again = wait_for(client, start_on(client, source.id).id, ("completed", "failed"), timeout_s=60)
+            assert again.error_file_id is not None, again
+    finally:
+        store.close()
+
+
+def test_a_tenant_with_its_most_files_creates_no_batch(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    config = base_config([upstream_url], batches=batches_section(batch_names, max_tenant_files=2))
+    with gateway_factory(config) as (_, server):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        source = client.files.create(file=("in.jsonl", jsonl([chat_line("a", "hi")])), purpose="batch")
+        done = wait_for(client, start_on(client, source.id).id, ("completed", "failed"), timeout_s=30)
+        assert done.status == "completed" and done.output_file_id is not None, done
+        with pytest.raises(openai.BadRequestError) as caught:  # the input and the output: 2 files
+            start_on(client, source.id)
+        refused_batch(caught, "stored_files_exceeded")
+
+
+def start_on(client: openai.OpenAI, input_file_id: str) -> Any:
+    return client.batches.create(input_file_id=input_file_id, endpoint="/v1/chat/completions", completion_window="24h")
