@@ -20,14 +20,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
 
 from gateway.batch.files import Files
 from gateway.batch.jobs import FINAL, Jobs
-from gateway.batch.lines import Parsed, error_line, parse_input
+from gateway.batch.lines import Parsed, error_line, line_bound, parse_input
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.step_lock import StepLock, hold
 from gateway.batch.work import ResultsGone, Work
@@ -38,6 +38,7 @@ _LEFTOVER = {
     "cancelled": ("batch_cancelled", "This line was not run before the batch was cancelled."),
 }
 MODELS_SHOWN = 16
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # limits.max_body_bytes's default, before a config is loaded
 _INPUT_GONE = {"code": "invalid_input_file", "message": "The input file is gone.", "param": None, "line": None}
 
 
@@ -47,10 +48,19 @@ def result_file_id(batch_id: str, part: str) -> str:
 
 class Lifecycle:
     def __init__(
-        self, jobs: Jobs, files: Files, work: Work, config: BatchesConfig, owner: str, metrics: BatchMetrics
+        self,
+        jobs: Jobs,
+        files: Files,
+        work: Work,
+        config: BatchesConfig,
+        owner: str,
+        metrics: BatchMetrics,
+        max_body_bytes: Callable[[], int] = lambda: DEFAULT_MAX_BODY_BYTES,
     ) -> None:
+        """``max_body_bytes``: the live config's ``limits.max_body_bytes`` now; a line longer than its
+        ``line_bound`` is never parsed (``gateway.batch.lines``)."""
         self.jobs, self.files, self.work, self.config, self.owner = jobs, files, work, config, owner
-        self.metrics = metrics
+        self.metrics, self.max_body_bytes = metrics, max_body_bytes
 
     def _hold(self, batch_id: str, step: str) -> contextlib.AbstractAsyncContextManager[StepLock | None]:
         return hold(self.jobs.redis, self.work.key(batch_id, step + "-lock"), self.config.lease_s, self.owner)
@@ -67,7 +77,8 @@ class Lifecycle:
             await self.jobs.move(batch_id, ("validating",), "failed", errors=_errors([_INPUT_GONE]), failed_at=now)
             return
         try:
-            parsed = await parse_input(self.files.content(source["id"]), record["endpoint"], self.config.max_lines)
+            pieces, endpoint = self.files.content(source["id"]), record["endpoint"]
+            parsed = await parse_input(pieces, endpoint, self.config.max_lines, self.max_body_bytes())
         except FileNotFoundError:  # deleted as it was read, or missing from this replica's file store
             parsed = None
         if not await lock.held():  # taken over while the input was read: the replica holding it validates
@@ -114,8 +125,11 @@ class Lifecycle:
             if final == "expired":  # still in_progress: no other replica's run may change a result from here
                 await self.jobs.seal(batch_id)
             code, message = _LEFTOVER[final]
+            bound = line_bound(self.max_body_bytes())
             for index, raw in await self.work.remaining(batch_id):
-                custom_id = orjson.loads(raw)["custom_id"]
+                # a line is loaded only within the bound; one past today's (the limit lowered since) is not
+                # parsed for its custom_id: written off under its place in the file
+                custom_id = orjson.loads(raw)["custom_id"] if len(raw) <= bound else None
                 line = error_line(custom_id, code, message)
                 await self.work.record(batch_id, index, line, ok=False, tokens=(0, 0), owner="")
         scope = record["_scope"]

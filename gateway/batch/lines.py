@@ -12,6 +12,7 @@ in the output file; a refusal (the body is the OpenAI error) in the error file; 
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,6 +24,29 @@ from gateway.wire.protocol import MAX_DEPTH, too_deep
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 _PREFIX_CHARS = 2048
+#: Room a line takes beside its body (``custom_id`` of up to 512 characters, escaped at worst, ``method``,
+#: ``url``, the keys): a line longer than its body's bound by more than this is over the bound for sure.
+LINE_ENVELOPE = 4096
+#: Validation gives the event loop its turn after this many lines, or this many bytes of lines, since its
+#: last: a long file never holds the loop for long, only one line's parse at most.
+YIELD_EVERY = 64
+YIELD_BYTES = 256 * 1024
+TOO_LARGE = "request_too_large"
+
+
+def line_bound(max_body_bytes: int) -> int:
+    """The longest input line parsed: a live request's body bound (``limits.max_body_bytes``, refused
+    before it is read) plus the line's envelope. A longer line is written off unparsed (``too_large``), so
+    no line occupies the event loop longer than a live request's body could."""
+    return max_body_bytes + LINE_ENVELOPE
+
+
+def too_large(max_body_bytes: int) -> tuple[str, str]:
+    """The code and message of a line written off for its size (the live routes' 413 code)."""
+    return TOO_LARGE, (
+        f"The line is larger than this gateway accepts for a request ({max_body_bytes} bytes, limits."
+        "max_body_bytes, plus the line's custom_id, method and url); it was not read."
+    )
 
 
 @dataclass
@@ -96,10 +120,20 @@ def check_line(raw: bytes, endpoint: str) -> tuple[str | None, str, str] | dict[
     return line
 
 
-async def parse_input(pieces: AsyncIterator[bytes], endpoint: str, max_lines: int) -> Parsed:
+async def parse_input(
+    pieces: AsyncIterator[bytes], endpoint: str, max_lines: int, max_body_bytes: int | None = None
+) -> Parsed:
+    """Validate an input file. With ``max_body_bytes``, a line longer than ``line_bound`` of it is written
+    off (``too_large``, no ``custom_id``: it is not parsed to find one). The loop gets its turn every
+    ``YIELD_EVERY`` lines or ``YIELD_BYTES``."""
     parsed = Parsed()
     seen: set[str] = set()
+    lines, size = 0, 0  # since the loop last had its turn
     async for raw in split_lines(pieces):
+        lines, size = lines + 1, size + len(raw)
+        if lines > YIELD_EVERY or size > YIELD_BYTES:
+            await asyncio.sleep(0)
+            lines, size = 1, len(raw)
         if not parsed.lines and raw.startswith(_BOM):  # the file's own mark, not its first line's
             raw = raw[len(_BOM) :]
             if not raw.strip():
@@ -108,6 +142,11 @@ async def parse_input(pieces: AsyncIterator[bytes], endpoint: str, max_lines: in
         if index >= max_lines:
             parsed.errors.append(_batch_error("too_many_lines", f"The input has more than {max_lines} lines.", None))
             return parsed
+        if max_body_bytes is not None and len(raw) > line_bound(max_body_bytes):
+            parsed.malformed.append((index, None, *too_large(max_body_bytes)))
+            parsed.lines.append(b"")
+            parsed.keys.append(("", ""))
+            continue
         checked = check_line(raw, endpoint)
         custom_id = checked[0] if isinstance(checked, tuple) else checked["custom_id"]
         # A result names its line by custom_id (a malformed one's too): two lines with one would be

@@ -46,7 +46,7 @@ import orjson
 from gateway.batch.capacity import IdleGate
 from gateway.batch.jobs import FINAL, Jobs
 from gateway.batch.lifecycle import Lifecycle
-from gateway.batch.lines import output_line
+from gateway.batch.lines import error_line, line_bound, output_line, too_large
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.redis_errors import REDIS_ERRORS
 from gateway.batch.submit import Keep, LineRun, Outcome, RetryLater, Submitter, hand_over
@@ -253,8 +253,14 @@ class Runner:
             self._drained(batch_id, refill)
             return False
         index, raw = claimed[0]
-        line = orjson.loads(raw)
         snapshot = self.holder.current
+        limit = snapshot.config.limits.max_body_bytes
+        if len(raw) > line_bound(limit):  # loaded within an earlier, larger limit: not parsed on the loop now
+            code, message = too_large(limit)
+            written_off = error_line(None, code, f"Line {index + 1}: {message}")
+            await self.work.record(batch_id, index, written_off, ok=False, tokens=(0, 0), owner=self.owner)
+            return True
+        line = orjson.loads(raw)
         model = snapshot.models.resolve(line["body"]["model"])
         in_flight = Counter(line.model for line in self.running.values())
         if model is not None and not self.gate.has_room(self.services, snapshot.config, model, config, in_flight):

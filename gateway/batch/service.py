@@ -15,7 +15,7 @@ from typing import Any
 from gateway.batch.blobs import BlobStore, DirectoryStore
 from gateway.batch.files import Files
 from gateway.batch.jobs import Jobs
-from gateway.batch.lifecycle import Lifecycle
+from gateway.batch.lifecycle import DEFAULT_MAX_BODY_BYTES, Lifecycle
 from gateway.batch.lines import ENDPOINTS
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.runner import Runner, replica_id
@@ -47,7 +47,9 @@ class BatchService:
         self.jobs = Jobs(redis, config)
         self.work = Work(redis, config, self.jobs.key)
         self.metrics = BatchMetrics(services.metrics)
-        self.lifecycle = Lifecycle(self.jobs, self.files, self.work, config, replica_id(), self.metrics)
+        self.lifecycle = Lifecycle(
+            self.jobs, self.files, self.work, config, replica_id(), self.metrics, lambda: _max_body_bytes(holder)
+        )
         submitter = Submitter(holder, Proxy(services), services.metrics, config.engine_priority)
         self.runner = Runner(holder, services, self.jobs, self.work, self.lifecycle, submitter, self.metrics)
 
@@ -139,6 +141,11 @@ class BatchService:
                 param="batch_id",
                 code="batch_not_cancellable",
             )
+
+
+def _max_body_bytes(holder: RuntimeHolder) -> int:
+    """The live requests' body bound now (batch lines are held to it before they are parsed)."""
+    return holder.current.config.limits.max_body_bytes if holder.loaded else DEFAULT_MAX_BODY_BYTES
 
 
 def _create_fields(body: dict[str, Any]) -> tuple[str, str, dict[str, str] | None]:

@@ -3,9 +3,15 @@ cost of a long line."""
 
 from __future__ import annotations
 
+import asyncio
 import tracemalloc
 from collections.abc import AsyncIterator
+from typing import Any
 
+import orjson
+import pytest
+
+from gateway.batch import lines as lines_module
 from gateway.batch.lines import parse_input, split_lines
 from tests.support.batches import chat_line, jsonl
 
@@ -63,3 +69,56 @@ async def test_a_byte_order_mark_at_the_start_of_the_file_is_not_part_of_the_fir
     inner = await parse_input(_pieces([jsonl([chat_line("a", "x")]) + bom + jsonl([chat_line("b", "y")])]),
                               "/v1/chat/completions", 10)  # fmt: skip
     assert inner.errors == [] and [code for _, _, code, _ in inner.malformed] == ["invalid_json"]
+
+
+async def test_a_line_longer_than_a_live_request_may_be_is_written_off_unparsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A live body past ``limits.max_body_bytes`` is refused before it is parsed; a batch line past it (and
+    its envelope) is written off as ``request_too_large`` without being parsed either (parsing it, up to
+    ``max_file_bytes``, would hold the event loop). Its neighbours are read as ever."""
+    from gateway.batch.lines import LINE_ENVELOPE, too_large
+
+    limit = 2048
+    parsed_lines: list[bytes] = []
+    check = lines_module.check_line
+
+    def counting(raw: bytes, endpoint: str) -> Any:
+        parsed_lines.append(raw)
+        return check(raw, endpoint)
+
+    monkeypatch.setattr(lines_module, "check_line", counting)
+    small = chat_line("a", "x" * 100)
+    fits = chat_line("b", "y" * (limit + LINE_ENVELOPE - 200))  # body over the limit: refused when it runs
+    big = orjson.dumps(chat_line("c", "z" * (limit + LINE_ENVELOPE)))
+    data = jsonl([small, fits, big, small | {"custom_id": "d"}])
+    parsed = await parse_input(_pieces([data]), "/v1/chat/completions", 10, limit)
+    assert big not in parsed_lines and len(parsed_lines) == 3
+    assert [index for index, raw in enumerate(parsed.lines) if raw] == [0, 1, 3]
+    assert parsed.malformed == [(2, None, *too_large(limit))]
+    assert parsed.malformed[0][2] == "request_too_large" and not parsed.errors
+
+
+async def test_validating_a_long_file_gives_the_event_loop_its_turn() -> None:
+    """The file is read in one piece (no await of its own): validation still lets other tasks run every
+    ``YIELD_EVERY`` (64) lines, so a long file never holds the loop for the whole of it."""
+    data = jsonl([chat_line(f"q-{i}", "hi") for i in range(20 * 64)])
+    turns = 0
+    done = False
+
+    async def other_task() -> None:
+        nonlocal turns
+        while not done:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other_task())
+    await asyncio.sleep(0)
+    before = turns
+    try:
+        parsed = await parse_input(_pieces([data]), "/v1/chat/completions", 100_000)
+    finally:
+        done = True
+        await task
+    assert len(parsed.lines) == 20 * 64
+    assert turns - before >= 19, turns - before

@@ -4,16 +4,22 @@ for the other endpoints."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 import redis
+import redis.asyncio as aioredis
 
-from tests.support.batches import batches_section, chat_line, jsonl, parse_jsonl, start, wait_for
+from gateway.batch.jobs import Jobs
+from gateway.batch.work import Work
+from gateway.pipeline.batch_config import BatchesConfig
+from tests.support.batches import batch_in_progress, batches_section, chat_line, jsonl, parse_jsonl, start, wait_for
 from tests.support.cache import cache_gateway_config, namespace, redis_client, wait_stored
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
@@ -536,3 +542,47 @@ def test_a_batch_that_fails_to_move_on_holds_up_no_other(
             assert wait_for(client, other, ("completed",), timeout_s=15).request_counts.completed == 1
         assert client.batches.retrieve(ids[0]).status == "validating"
     assert failed == {ids[0]}
+
+
+def test_a_line_far_larger_than_a_live_request_may_be_is_written_off_unread(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """Past the body bound and the line's envelope, a line is not parsed at all (it could be up to
+    max_file_bytes, parsed on the event loop): written off as request_too_large, named by its place."""
+    config = base_config([upstream_url], batches=batches_section(batch_names), limits={"max_body_bytes": 2048})
+    huge = chat_line("huge", "x" * 8000)
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        done = wait_for(client, start(client, [chat_line("small", "hi"), huge]).id, ("completed",))
+        by_id = every_custom_id_once(client, done)
+    assert by_id["small"]["response"]["status_code"] == 200
+    written_off = by_id[None]
+    assert written_off["response"] is None and written_off["error"]["code"] == "request_too_large", written_off
+    assert written_off["error"]["message"].startswith("Line 2: ")
+    assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["hi"]
+
+
+def test_a_claimed_line_past_the_body_bound_is_written_off_unread(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """A line loaded within an earlier, larger bound (``limits.max_body_bytes`` lowered since) is written
+    off as request_too_large when it is claimed, without being parsed, named by its place."""
+    config = base_config([upstream_url], batches=batches_section(batch_names), limits={"max_body_bytes": 2048})
+    lines = [orjson.dumps(chat_line("small", "hi")), orjson.dumps(chat_line("huge", "x" * 8000))]
+
+    async def loaded() -> str:
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"]))
+            return await batch_in_progress(jobs, Work(client, jobs.config, jobs.key), lines)
+        finally:
+            await client.aclose()
+
+    with gateway_factory(config) as (_, server):
+        client = sdk(server)
+        done = wait_for(client, asyncio.run(loaded()), ("completed",))
+        by_id = every_custom_id_once(client, done)
+    assert by_id["small"]["response"]["status_code"] == 200
+    written_off = by_id[None]
+    assert written_off["response"] is None and written_off["error"]["code"] == "request_too_large", written_off
+    assert [r.body["messages"][0]["content"] for r in upstream.requests] == ["hi"]

@@ -169,3 +169,31 @@ def test_a_finalization_taken_over_midway_leaves_the_whole_file(
             await slow.aclose()
 
     asyncio.run(scenario())
+
+
+def test_lines_past_the_body_bound_are_not_parsed_when_a_cancel_writes_them_off(batch_names: dict[str, Any]) -> None:
+    """Lines loaded within an earlier, larger bound (``limits.max_body_bytes`` lowered since): a cancel
+    writes them off (``batch_cancelled``) without parsing them for their custom_id, named by their place."""
+
+    async def scenario() -> None:
+        config = BatchesConfig(redis_prefix=batch_names["prefix"], files_dir=batch_names["dir"], lease_s=30)
+        client = aioredis.Redis()
+        try:
+            jobs = Jobs(client, config)
+            work = Work(client, config, jobs.key)
+            files = Files(client, DirectoryStore(config.files_dir), config)
+            huge = orjson.dumps(chat_line("huge", "x" * 8000))
+            batch_id = await batch_in_progress(jobs, work, [huge, huge.replace(b"huge", b"other")])
+            lifecycle = Lifecycle(jobs, files, work, config, "replica-1", BatchMetrics(Metrics()), lambda: 1024)
+            record = await jobs.load(batch_id)
+            assert record is not None
+            assert await lifecycle.finalize(batch_id, record, "cancelled")
+            final = await jobs.load(batch_id)
+            assert final is not None and final["status"] == "cancelled"
+            content = b"".join([piece async for piece in files.content(final["error_file_id"])])
+            lines = [orjson.loads(line) for line in content.splitlines()]
+        finally:
+            await client.aclose()
+        assert [(line["custom_id"], line["error"]["code"]) for line in lines] == [(None, "batch_cancelled")] * 2
+
+    asyncio.run(scenario())
