@@ -9,7 +9,8 @@
 - ``<prefix>:batches:<scope>``: the scope's batch ids by creation time (listing, newest first); pruned
   of expired batches as it is read.
 - ``<prefix>:active``: the ids of batches not yet in a final state: what the runners look at.
-- ``<prefix>:active:<scope>``: the same for one scope (``batches.max_active_batches`` counts it).
+- ``<prefix>:active:<scope>``: the same for one scope (``batches.max_active_batches`` bounds it: a
+  batch is added only while it holds fewer, in the script that creates it).
 - ``<prefix>:all``: every batch id by creation time, for operators (the admin API); pruned of expired
   batches as it is read.
 
@@ -62,6 +63,25 @@ end
 return 0
 """
 
+# KEYS[1] the batch hash, KEYS[2] the scope's index, KEYS[3] the runners' active set, KEYS[4] the scope's
+# active set, KEYS[5] every batch; ARGV[1] the most batches the scope's active set may hold ('' for no
+# bound), ARGV[2] the batch id, ARGV[3] its score (creation, µs), ARGV[4..] field, value pairs. 1 when
+# created, 0 when the scope already has its most. Counting and adding are one step, so creates at once, on
+# any replicas, never pass the bound together.
+_CREATE = """
+if ARGV[1] ~= '' and redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[1]) then return 0 end
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[2])
+redis.call('SADD', KEYS[4], ARGV[2])
+redis.call('ZADD', KEYS[5], ARGV[3], ARGV[2])
+return 1
+"""
+
+
+class TooManyActive(Exception):
+    """The scope already has the most unfinished batches it may (``Jobs.create``'s ``most``)."""
+
 
 def new_batch_id() -> str:
     return "batch_" + secrets.token_hex(12)
@@ -73,6 +93,7 @@ class Jobs:
     def __init__(self, redis: aioredis.Redis, config: BatchesConfig) -> None:
         self.redis, self.config = redis, config
         self._move = redis.register_script(_MOVE)
+        self._create = redis.register_script(_CREATE)
 
     def key(self, batch_id: str) -> str:
         return f"{self.config.redis_prefix}:batch:{batch_id}"
@@ -110,8 +131,17 @@ class Jobs:
             return count - len(stale)
 
     async def create(
-        self, scope: str, caller: Caller, input_file_id: str, endpoint: str, metadata: dict[str, str] | None
+        self,
+        scope: str,
+        caller: Caller,
+        input_file_id: str,
+        endpoint: str,
+        metadata: dict[str, str] | None,
+        *,
+        most: int | None = None,
     ) -> dict[str, Any]:
+        """A new batch, validating. With ``most``: only while the scope's active set holds fewer batches
+        (``TooManyActive`` else), checked and added in one script."""
         batch_id = new_batch_id()
         now = int(time.time())
         obj: dict[str, Any] = {
@@ -139,14 +169,14 @@ class Jobs:
         fields["_scope"] = scope.encode()
         fields["_caller"] = orjson.dumps({"tenant": caller.tenant, "key_id": caller.key_id})
         fields.update(dict.fromkeys(COUNTERS, 0))
+        keys = [self.key(batch_id), self._index(scope), self.active_key, self._active_of(scope), self._all_key]
+        args: list[Any] = ["" if most is None else most, batch_id, time.time_ns() // 1000]  # within a second too
+        for name, value in fields.items():
+            args += [name, value]
         async with guarded("create the batch"):
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.hset(self.key(batch_id), mapping=fields)  # type: ignore[arg-type]
-            pipe.zadd(self._index(scope), {batch_id: time.time_ns() // 1000})  # ordered within a second too
-            pipe.sadd(self.active_key, batch_id)
-            pipe.sadd(self._active_of(scope), batch_id)
-            pipe.zadd(self._all_key, {batch_id: time.time_ns() // 1000})
-            await pipe.execute()
+            created = await self._create(keys=keys, args=args)
+        if not created:
+            raise TooManyActive(scope)
         return {**obj, "request_counts": {"total": 0, "completed": 0, "failed": 0}}
 
     async def load(self, batch_id: str) -> dict[str, Any] | None:

@@ -216,6 +216,44 @@ def test_a_tenant_may_have_only_so_many_unfinished_batches(
         upstream.behavior.hold.set()
 
 
+def test_creates_at_once_never_pass_max_active_batches(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """30 creates sent at once for a scope that may have 2 unfinished batches: exactly 2 are created (the
+    count and the add are one step in Redis), the others are 429 ``batch_limit_reached``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    upstream.behavior.hold = threading.Event()  # the lines wait at the worker: the batches stay unfinished
+    config = base_config([upstream_url], batches=batches_section(batch_names, max_active_batches=2))
+    try:
+        with gateway_factory(config) as (_, server):
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            source = client.files.create(file=("in.jsonl", jsonl([chat_line("a", "hi")])), purpose="batch")
+            body = {"input_file_id": source.id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+            barrier = threading.Barrier(30)
+
+            def create(_: int) -> tuple[int, Any]:
+                with httpx.Client(timeout=60) as http:
+                    barrier.wait()
+                    answer = http.post(server.url + "/v1/batches", json=body)
+                    return answer.status_code, answer.json()
+
+            with ThreadPoolExecutor(30) as pool:
+                answers = list(pool.map(create, range(30)))
+            listed = client.batches.list(limit=100).data
+            for batch in listed:
+                client.batches.cancel(batch.id)
+            upstream.behavior.hold.set()
+            for batch in listed:
+                wait_for(client, batch.id, ("cancelled", "completed"), timeout_s=30)
+        codes = [code for code, _ in answers]
+        assert codes.count(200) == 2 and codes.count(429) == 28, codes
+        assert {a["error"]["code"] for code, a in answers if code == 429} == {"batch_limit_reached"}
+        assert len(listed) == 2
+    finally:
+        upstream.behavior.hold.set()
+
+
 def cut_midway(
     gateway_factory: GatewayFactory,
     upstream: FakeUpstream,
