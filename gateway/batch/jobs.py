@@ -11,6 +11,9 @@
 - ``<prefix>:active``: the ids of batches not yet in a final state: what the runners look at.
 - ``<prefix>:active:<scope>``: the same for one scope (``batches.max_active_batches`` bounds it: a
   batch is added only while it holds fewer, in the script that creates it).
+- ``<prefix>:inputs:<scope>``: batch id -> its input file's size, for the scope's unfinished batches
+  (``batches.max_tenant_batch_bytes`` bounds their sum: each copies its input's lines into Redis while it
+  runs, ``gateway.batch.work``); entries of batches no longer active are dropped as a create reads it.
 - ``<prefix>:all``: every batch id by creation time, for operators (the admin API); pruned of expired
   batches as it is read.
 
@@ -64,23 +67,45 @@ return 0
 """
 
 # KEYS[1] the batch hash, KEYS[2] the scope's index, KEYS[3] the runners' active set, KEYS[4] the scope's
-# active set, KEYS[5] every batch; ARGV[1] the most batches the scope's active set may hold ('' for no
-# bound), ARGV[2] the batch id, ARGV[3] its score (creation, µs), ARGV[4..] field, value pairs. 1 when
-# created, 0 when the scope already has its most. Counting and adding are one step, so creates at once, on
-# any replicas, never pass the bound together.
+# active set, KEYS[5] every batch, KEYS[6] the scope's input bytes (batch id -> its input file's size);
+# ARGV[1] the most batches the scope's active set may hold and ARGV[5] the most input bytes ('' for no
+# bound), ARGV[2] the batch id, ARGV[3] its score (creation, µs), ARGV[4] its input file's size, ARGV[6..]
+# field, value pairs. {1} when created, {0} when the scope already has its most batches, {-1, held} when its
+# unfinished batches' inputs leave no room for this one. Counting and adding are one step, so creates at
+# once, on any replicas, never pass the bounds together. A batch no longer in the scope's active set (final,
+# or dropped as gone) holds no input bytes: its entry is dropped here, whichever version finalized it.
 _CREATE = """
-if ARGV[1] ~= '' and redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[1]) then return 0 end
-for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if ARGV[1] ~= '' and redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[1]) then return {0} end
+local held = 0
+for _, id in ipairs(redis.call('HKEYS', KEYS[6])) do
+  if redis.call('SISMEMBER', KEYS[4], id) == 1 then
+    held = held + tonumber(redis.call('HGET', KEYS[6], id))
+  else
+    redis.call('HDEL', KEYS[6], id)
+  end
+end
+if ARGV[5] ~= '' and held + tonumber(ARGV[4]) > tonumber(ARGV[5]) then return {-1, held} end
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('SADD', KEYS[4], ARGV[2])
 redis.call('ZADD', KEYS[5], ARGV[3], ARGV[2])
-return 1
+redis.call('HSET', KEYS[6], ARGV[2], ARGV[4])
+return {1}
 """
 
 
 class TooManyActive(Exception):
     """The scope already has the most unfinished batches it may (``Jobs.create``'s ``most``)."""
+
+
+class InputsFull(Exception):
+    """The scope's unfinished batches hold too many input bytes for another (``Jobs.create``'s
+    ``most_bytes``): ``held`` is what they hold."""
+
+    def __init__(self, held: int) -> None:
+        super().__init__(held)
+        self.held = held
 
 
 def new_batch_id() -> str:
@@ -107,6 +132,9 @@ class Jobs:
 
     def _active_of(self, scope: str) -> str:
         return self._active_prefix + scope
+
+    def _inputs_of(self, scope: str) -> str:
+        return f"{self.config.redis_prefix}:inputs:{scope}"
 
     @property
     def _active_prefix(self) -> str:
@@ -139,9 +167,13 @@ class Jobs:
         metadata: dict[str, str] | None,
         *,
         most: int | None = None,
+        input_bytes: int = 0,
+        most_bytes: int | None = None,
     ) -> dict[str, Any]:
-        """A new batch, validating. With ``most``: only while the scope's active set holds fewer batches
-        (``TooManyActive`` else), checked and added in one script."""
+        """A new batch, validating, counted as holding ``input_bytes`` (its input file's size: what its
+        lines take in Redis at most) until it is final. With ``most``: only while the scope's active set
+        holds fewer batches (``TooManyActive`` else); with ``most_bytes``: only while the scope's unfinished
+        batches' inputs and this one's fit in it (``InputsFull`` else). Checked and added in one script."""
         batch_id = new_batch_id()
         now = int(time.time())
         obj: dict[str, Any] = {
@@ -170,13 +202,17 @@ class Jobs:
         fields["_caller"] = orjson.dumps({"tenant": caller.tenant, "key_id": caller.key_id})
         fields.update(dict.fromkeys(COUNTERS, 0))
         keys = [self.key(batch_id), self._index(scope), self.active_key, self._active_of(scope), self._all_key]
+        keys.append(self._inputs_of(scope))
         args: list[Any] = ["" if most is None else most, batch_id, time.time_ns() // 1000]  # within a second too
+        args += [input_bytes, "" if most_bytes is None else most_bytes]
         for name, value in fields.items():
             args += [name, value]
         async with guarded("create the batch"):
-            created = await self._create(keys=keys, args=args)
-        if not created:
+            reply = await self._create(keys=keys, args=args)
+        if int(reply[0]) == 0:
             raise TooManyActive(scope)
+        if int(reply[0]) < 0:
+            raise InputsFull(int(reply[1]))
         return {**obj, "request_counts": {"total": 0, "completed": 0, "failed": 0}}
 
     async def load(self, batch_id: str) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.batch.blobs import BlobStore, DirectoryStore
 from gateway.batch.files import Files
-from gateway.batch.jobs import Jobs, TooManyActive
+from gateway.batch.jobs import InputsFull, Jobs, TooManyActive
 from gateway.batch.lifecycle import DEFAULT_MAX_BODY_BYTES, Lifecycle
 from gateway.batch.lines import ENDPOINTS
 from gateway.batch.metrics import BatchMetrics
@@ -79,16 +79,33 @@ class BatchService:
             )
         await self._check_storage(scope)
         most = self.config.max_active_batches
+        bounds: dict[str, Any] = {
+            "most": most,
+            "input_bytes": int(source["bytes"]),  # its lines in Redis take at most that
+            "most_bytes": self.config.max_tenant_batch_bytes,
+        }
         try:
-            batch = await self.jobs.create(scope, caller, input_file_id, endpoint, metadata, most=most)
-        except TooManyActive:
-            # the count may hold batches gone without turning final (a Redis flush): dropped, then tried once
-            if await self.jobs.active_count(scope) >= most:
-                raise _too_many_active(most) from None
             try:
-                batch = await self.jobs.create(scope, caller, input_file_id, endpoint, metadata, most=most)
+                batch = await self.jobs.create(scope, caller, input_file_id, endpoint, metadata, **bounds)
             except TooManyActive:
-                raise _too_many_active(most) from None
+                # the count may hold batches gone without turning final (a Redis flush): dropped, tried again
+                if await self.jobs.active_count(scope) >= most:
+                    raise
+                batch = await self.jobs.create(scope, caller, input_file_id, endpoint, metadata, **bounds)
+        except TooManyActive:
+            raise RateLimited(
+                f"This tenant has {most} batches that are not finished, the most it may have; wait for one "
+                "to finish or cancel one.",
+                code="batch_limit_reached",
+            ) from None
+        except InputsFull as full:
+            raise RateLimited(
+                f"This tenant's unfinished batches hold {full.held} bytes of input in the gateway's work queue "
+                f"and this one's input has {source['bytes']}: more than the "
+                f"{self.config.max_tenant_batch_bytes} it may (batches.max_tenant_batch_bytes); wait for a "
+                "batch to finish or cancel one.",
+                code="batch_bytes_limit_reached",
+            ) from None
         self.runner.wake()
         return batch
 
@@ -144,14 +161,6 @@ class BatchService:
                 param="batch_id",
                 code="batch_not_cancellable",
             )
-
-
-def _too_many_active(most: int) -> RateLimited:
-    return RateLimited(
-        f"This tenant has {most} batches that are not finished, the most it may have; wait for one to finish "
-        "or cancel one.",
-        code="batch_limit_reached",
-    )
 
 
 def _max_body_bytes(holder: RuntimeHolder) -> int:

@@ -79,6 +79,14 @@ class BatchesConfig(BaseModel):
         description="batches one tenant may have that are not final yet (each holds its input's lines in "
         "Redis while it runs); creating another is a 429",
     )
+    max_tenant_batch_bytes: int = Field(
+        1024**3,
+        ge=1024,
+        le=2**50,
+        description="most bytes of input one tenant's unfinished batches may hold in Redis together (each "
+        "batch copies its input file's lines there while it runs, counted at the file's size, however many "
+        "batches share one file); creating one past it is a 429 batch_bytes_limit_reached",
+    )
     redis_prefix: str = Field(
         "gw:batch", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$", description="Redis key prefix"
     )

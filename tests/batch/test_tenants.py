@@ -254,6 +254,48 @@ def test_creates_at_once_never_pass_max_active_batches(
         upstream.behavior.hold.set()
 
 
+def test_batches_over_one_input_count_its_lines_in_redis_once_each(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, batch_names: dict[str, Any]
+) -> None:
+    """Each unfinished batch copies its input's lines into Redis, however many batches share the file: past
+    ``max_tenant_batch_bytes`` of inputs held by a scope's unfinished batches, a create is a 429
+    ``batch_bytes_limit_reached``; a batch that ends gives its input's bytes back."""
+    data = jsonl([chat_line(f"q-{i}", "y" * 500) for i in range(20)])
+    upstream.behavior.hold = threading.Event()  # the lines wait at the worker: the batches stay unfinished
+    section = batches_section(batch_names, max_tenant_batch_bytes=2 * len(data) + len(data) // 2)
+    config = base_config([upstream_url], batches=section)
+    store = redis.Redis()
+    try:
+        with gateway_factory(config) as (_, server):
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            source = client.files.create(file=("in.jsonl", data), purpose="batch")
+            first = start_on(client, source.id)
+            start_on(client, source.id)
+            with pytest.raises(openai.RateLimitError) as caught:
+                start_on(client, source.id)
+            assert caught.value.code == "batch_bytes_limit_reached"
+            assert len(client.batches.list().data) == 2
+            client.batches.cancel(first.id)  # an ended batch gives its input's bytes back
+            wait_for(client, first.id, ("cancelled",), timeout_s=30)
+            start_on(client, source.id)
+            listed = client.batches.list().data
+            for batch in listed:
+                client.batches.cancel(batch.id)
+            upstream.behavior.hold.set()
+            for batch in listed:
+                wait_for(client, batch.id, ("cancelled", "completed"), timeout_s=30)
+            prefix = batch_names["prefix"]
+            loaded = list(store.scan_iter(match=f"{prefix}:b:*:lines"))
+            assert loaded == [], loaded  # every batch's copy dropped once it ended
+    finally:
+        upstream.behavior.hold.set()
+        store.close()
+
+
+def start_on(client: openai.OpenAI, input_file_id: str) -> Any:
+    return client.batches.create(input_file_id=input_file_id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
 def cut_midway(
     gateway_factory: GatewayFactory,
     upstream: FakeUpstream,
