@@ -11,7 +11,8 @@ bench/bench_clients.py).
 Every wait is bounded: connect, first byte (response headers), and the idle gap between two body reads.
 Failures before the headers are raised as ``UpstreamFailure`` with ``retryable`` set when no byte can
 have been processed by the worker's client-facing side in a way that matters (connect refused, timeout
-before headers, 502/503).
+before headers, 502/503). The answers the gateway reads for itself (health, listings, metrics, adapter
+loads) are bounded in size too (``max_small_answer_bytes``): a longer one is ``AnswerTooLarge``, unread.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ from gateway.wire.errors import BadGateway, GatewayError, GatewayTimeout, Servic
 log = logging.getLogger("gateway.upstream")
 
 _BASE_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+
+#: Default bound on a worker's answer to the gateway's own calls (``UpstreamConfig.max_small_answer_bytes``).
+#: The largest legitimate one is the /metrics page of a busy vLLM worker, a few hundred KB (histograms per
+#: model and adapter); 8 MiB leaves room for that and for a /v1/models listing thousands of adapters, while a
+#: worker that answers more is broken or hostile and is not read into memory and parsed on the event loop.
+SMALL_ANSWER_MAX_BYTES = 8 << 20
 
 
 class UpstreamConfig(BaseModel):
@@ -77,6 +84,12 @@ class UpstreamConfig(BaseModel):
     slow_first_byte_min_s: float = Field(
         2.0, gt=0, description="a first byte faster than this never counts as slow, whatever the factor"
     )
+    max_small_answer_bytes: int = Field(
+        SMALL_ANSWER_MAX_BYTES,
+        ge=64 << 10,
+        description="largest answer read from a worker for the gateway's own calls (/health, /v1/models, /metrics, "
+        "/version, /kv_event_sources, adapter loads and unloads); a larger one fails that call, unread",
+    )
     eject_min_tenants: int = Field(
         2,
         ge=1,
@@ -107,6 +120,20 @@ class UpstreamFailure(Exception):
         self.kind = kind  # "connect" | "timeout" | "status" | "protocol"
 
 
+class AnswerTooLarge(UpstreamFailure):
+    """A worker's answer to one of the gateway's own calls was longer than ``max_small_answer_bytes``: the
+    call failed (a broken or hostile worker, not retried), and the rest of the answer was not read."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(
+            BadGateway(
+                f"The model worker's answer was longer than {max_bytes:,} bytes.", code="upstream_answer_too_large"
+            ),
+            retryable=False,
+            kind="protocol",
+        )
+
+
 class UpstreamResponse:
     """A worker's response whose headers have arrived; the body is read on demand. Transport failures
     while reading are raised as ``UpstreamFailure``."""
@@ -130,6 +157,30 @@ class UpstreamResponse:
             raise _failure(exc, "The model worker stopped sending its response.") from None
         finally:
             self._http.close()
+
+    async def read_at_most(self, max_bytes: int) -> bytes:
+        """The whole body, if it is no longer than ``max_bytes``; ``AnswerTooLarge`` otherwise, raised
+        before the rest is read (the connection is then closed, not reused). For the small answers the
+        gateway parses itself; each wait is bounded by the idle timeout, and transport failures are raised
+        as for ``read``."""
+        http, idle_s = self._http, self._idle_s
+        try:
+            length = http.header("content-length")
+            if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+                raise AnswerTooLarge(max_bytes)
+            body = bytearray()
+            while True:
+                try:
+                    chunk = await http.chunk(idle_s)
+                except (TimeoutError, OSError, ProtocolError) as exc:
+                    raise _failure(exc, "The model worker stopped sending its response.") from None
+                if not chunk:
+                    return bytes(body)
+                body += chunk
+                if len(body) > max_bytes:
+                    raise AnswerTooLarge(max_bytes)
+        finally:
+            http.close()
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive; each wait bounded by the idle timeout."""
@@ -261,11 +312,12 @@ class UpstreamClient:
 
     async def count_tokens(self, base_url: str, body: bytes, timeout_s: float) -> int | None:
         """The token count vLLM's ``/tokenize`` gives for ``body`` on the worker at ``base_url``, within
-        ``timeout_s``; None on any failure (no such route, an error, no answer in time)."""
+        ``timeout_s``; None on any failure (no such route, an error, no answer in time, an answer longer
+        than ``max_small_answer_bytes``)."""
         try:
             async with asyncio.timeout(timeout_s):
                 response = await self.open(base_url, "/tokenize", body)
-                raw = await response.read()
+                raw = await response.read_at_most(self.config.max_small_answer_bytes)
             count = orjson.loads(raw).get("count") if response.status == 200 else None
         except (TimeoutError, UpstreamFailure, orjson.JSONDecodeError, AttributeError) as exc:
             log.info("no token count from %s: %s", base_url, exc)
@@ -273,9 +325,24 @@ class UpstreamClient:
         return count if isinstance(count, int) and count >= 0 else None
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        """A small bounded GET (health checks, model listings)."""
+        """A small GET of the gateway's own (health checks, model listings, metrics scrapes, versions): the
+        status and body, within ``timeout_s`` for the whole exchange and ``max_small_answer_bytes`` for the
+        body. A longer body raises ``AnswerTooLarge`` before the rest is read (callers already treat any
+        exception as a failed call); a timeout raises ``TimeoutError``, a transport failure aiohttp's or
+        the OS's error."""
+        max_bytes = self.config.max_small_answer_bytes
         async with asyncio.timeout(timeout_s), self.session.get(url) as resp:
-            return resp.status, await resp.read()
+            length = resp.content_length
+            if length is not None and length > max_bytes:
+                resp.close()  # not read: the connection is not reused
+                raise AnswerTooLarge(max_bytes)
+            body = bytearray()
+            async for chunk in resp.content.iter_any():
+                body += chunk
+                if len(body) > max_bytes:
+                    resp.close()
+                    raise AnswerTooLarge(max_bytes)
+            return resp.status, bytes(body)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -175,10 +175,14 @@ class AdapterLoader:
         log.info("unloaded adapter %s from %s (%s)", name, worker.url, reason)
 
     async def _post(self, url: str, path: str, payload: dict[str, object]) -> tuple[int, bytes]:
+        """POST ``payload`` to the worker at ``url``: its status and body, within ``timeout_s`` (else a 504
+        ``adapter_load_timeout``). An unreachable worker, a broken answer or one longer than
+        ``upstream.max_small_answer_bytes`` is an ``UpstreamFailure`` (``AnswerTooLarge`` for the last)."""
+        max_bytes = self.upstream.config.max_small_answer_bytes
         try:
             async with asyncio.timeout(self.timeout_s):
                 response = await self.upstream.open(url, path, orjson.dumps(payload))
-                return response.status, await response.read()
+                return response.status, await response.read_at_most(max_bytes)
         except TimeoutError:
             log.warning("%s on %s took longer than %g s", path, url, self.timeout_s)
             raise GatewayTimeout(

@@ -129,12 +129,14 @@ ADAPTER = AdapterConfig(name="sql-lora", path="/adapters/sql")
 class _Loaded:
     status = 200
 
-    async def read(self) -> bytes:
+    async def read_at_most(self, max_bytes: int) -> bytes:
         return b"Success"
 
 
 class LoraWorkers:
     """Workers' ``/v1/load_lora_adapter`` as the loader calls it: each load succeeds, once ``hold`` is set."""
+
+    config = UpstreamConfig()  # the bounds the loader reads its answers with
 
     def __init__(self) -> None:
         self.hold = asyncio.Event()
