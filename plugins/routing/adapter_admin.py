@@ -12,19 +12,27 @@
 ``GET /admin/workers`` lists them). ``unpin_adapter`` and ``unload_adapter`` also take an adapter the live
 config does not give that worker (removed by a reload, its base model moved to other workers, loaded by
 another gateway): by the name the worker holds it under, on any worker the gateway knows that holds it.
+
+A load or unload that fails on the way to the worker is the loader's error (502 ``adapter_load_failed``,
+504 ``adapter_load_timeout``), never a 500: the request path retries that failure elsewhere, an action on
+one named worker cannot.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.pipeline.adapters import LoraSettings
 from gateway.pipeline.config import AdapterModel
+from gateway.upstream.client import UpstreamFailure
 from gateway.upstream.workers import Worker
-from gateway.wire.errors import GatewayError, InvalidRequest, NotFound
+from gateway.wire.errors import BadGateway, GatewayError, GatewayTimeout, InvalidRequest, NotFound
 from plugins.routing.adapter_loader import AdapterLoader
+
+log = logging.getLogger("gateway.routing.adapters")
 
 ACTIONS = ("adapters", "pin_adapter", "unpin_adapter", "unload_adapter")
 
@@ -49,9 +57,21 @@ class AdapterAdmin:
         self._every_worker = every_worker
 
     async def handle(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Run ``action``; its result, or a ``GatewayError`` the admin API answers in the OpenAI shape. A
+        worker that cannot be reached, is too slow or answers garbage is a 502 ``adapter_load_failed``
+        (504 ``adapter_load_timeout`` for a timeout) naming the worker, as the loader's own errors are:
+        on the request path the same failure is retried on another worker, here there is no other."""
         if action == "adapters":
             return self.overview()
         model, worker, name = self._target(action, body)
+        try:
+            return await self._act(action, body, model, worker, name)
+        except UpstreamFailure as failure:
+            raise worker_failed(action, name, worker.url, failure) from None
+
+    async def _act(
+        self, action: str, body: dict[str, Any], model: AdapterModel | None, worker: Worker, name: str
+    ) -> dict[str, Any]:
         state = worker.adapters
         if action == "pin_adapter":
             assert model is not None  # a pin loads the adapter: _target finds it in the config or refuses
@@ -116,3 +136,14 @@ class AdapterAdmin:
             param="worker",
             code="worker_not_found",
         )
+
+
+def worker_failed(action: str, name: str, url: str, failure: UpstreamFailure) -> GatewayError:
+    """An admin action's load or unload that failed on the way to or from the worker (``failure``), as the
+    error the operator gets. The admin API may name the worker (the public port never does)."""
+    verb = "loaded on" if action == "pin_adapter" else "unloaded from"
+    message = f"LoRA adapter '{name}' could not be {verb} {url}: {failure.error.message}"
+    log.warning("%s of adapter %s on %s failed: %s", action, name, url, failure.error.message)
+    if failure.kind == "timeout":
+        return GatewayTimeout(message, code="adapter_load_timeout")
+    return BadGateway(message, code="adapter_load_failed")
