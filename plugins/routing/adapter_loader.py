@@ -33,6 +33,8 @@ log = logging.getLogger("gateway.routing.adapters")
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
+#: The first sentence of vLLM's answer to a load of an adapter it already holds under that name.
+ALREADY_LOADED = "The lora adapter '{name}' has already been loaded."
 
 
 class AdapterLoader:
@@ -141,7 +143,7 @@ class AdapterLoader:
                 status, body = await self._post(worker.url, LOAD_PATH, payload)
                 # A load that finds the adapter there (another replica, a state forgotten on a health flap)
                 # is as good as done.
-                if status != 200 and not (status == 400 and body.find(b"already") >= 0):
+                if status != 200 and not already_loaded(name, status, body):
                     self.metrics.adapter_loads.labels(worker.url, name, "error").inc()
                     raise load_refused(name, worker.url, status, body)
                 state.added(name, self._clock(), adapter.path)
@@ -191,6 +193,15 @@ class AdapterLoader:
             ) from None
         except UpstreamFailure:
             raise  # unreachable worker: the core counts it against the worker and tries another
+
+
+def already_loaded(name: str, status: int, body: bytes) -> bool:
+    """Whether a worker's answer to a load of ``name`` says it holds that adapter already: vLLM's 400
+    ``The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, ...``
+    (``vllm/entrypoints/openai/models/serving.py``). Matched on that sentence for that name only: a load
+    refused for another reason may mention "already" (in the adapter's name or path, or the worker's
+    words), and counting it as done would send requests to a worker that does not hold the adapter."""
+    return status == 400 and from_upstream(status, body).message.startswith(ALREADY_LOADED.format(name=name))
 
 
 def load_refused(name: str, url: str, status: int, body: bytes, action: str = "load") -> GatewayError:
