@@ -122,8 +122,8 @@ class Trip:
         the plan believed the worker held (``again``: tried there once more)."""
         ctx = self._ctx
         with lease:
-            try:
-                raw = await upstream.read()
+            try:  # read for the gateway to parse, as its own calls' answers are: bounded
+                raw = await upstream.read_at_most(self._services.upstream.config.max_small_answer_bytes)
             except UpstreamFailure as failure:
                 raise failure.error from None
             unsupported = endpoint_not_served(upstream.status, raw, ctx.requested_model, ctx.endpoint)

@@ -23,6 +23,7 @@ from gateway.wire.errors import (
     model_not_on_worker,
 )
 from tests.support.fakes import FakeUpstream, ServerThread
+from tests.support.gateways import GatewayFactory, base_config
 from tests.wire.test_error_shape import assert_error_shape
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
@@ -228,3 +229,21 @@ def test_a_workers_404_for_a_model_it_does_not_serve_is_told_from_any_other(
     status: int, body: bytes, expected: bool
 ) -> None:
     assert model_not_on_worker(status, body, "sql") is expected
+
+
+def test_a_worker_error_answer_longer_than_the_bound_is_not_read_whole(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    """A worker's error answer is read for the gateway to parse (its message, its status): as the answers to
+    the gateway's own calls, at most ``upstream.max_small_answer_bytes`` of it. A longer one is the worker's
+    failure, a 502 that says so; the client never gets a part of it."""
+    bound = 64 << 10
+    config = base_config([upstream_url], upstream={**base_config([])["upstream"], "max_small_answer_bytes": bound})
+    upstream.behavior.status = 400
+    upstream.behavior.error_body = orjson.dumps({"message": "x" * (2 * bound)})
+    with gateway_factory(config) as (_, server):
+        error = assert_error_shape(httpx.post(server.url + "/v1/chat/completions", json=CHAT), 502)
+        assert error["code"] == "upstream_answer_too_large" and "x" * 100 not in error["message"]
+        upstream.behavior.error_body = orjson.dumps({"message": "y" * (bound // 2)})  # within it: read as before
+        error = assert_error_shape(httpx.post(server.url + "/v1/chat/completions", json=CHAT), 400)
+        assert error["type"] == "invalid_request_error"
