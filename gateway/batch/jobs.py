@@ -108,6 +108,9 @@ class InputsFull(Exception):
         self.held = held
 
 
+_CHUNK = 100  # batch ids read per round trip while a page is filled
+
+
 def new_batch_id() -> str:
     return "batch_" + secrets.token_hex(12)
 
@@ -242,23 +245,38 @@ class Jobs:
         return public(record)
 
     async def listing(self, scope: str, *, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
-        async with guarded("list the batches"):
-            ids = [text(i) for i in await self.redis.zrange(self._index(scope), 0, -1, desc=True)]
+        """A page of the scope's batches, newest first, after the batch ``after`` (none for an id the index
+        does not hold); and whether more follow. Read a chunk at a time from where the page starts, never
+        the whole index (it holds every batch of the scope's last ``output_ttl_s``: a whole read per page
+        would cost the event loop in proportion to a tenant's history). Batches expired with their output
+        files are dropped from the index as they are met."""
+        index = self._index(scope)
+        start = 0
         if after is not None:
-            ids = ids[ids.index(after) + 1 :] if after in ids else []
-        page: list[dict[str, Any]] = []
-        stale: list[str] = []
-        for batch_id in ids:
-            if len(page) > limit:
-                break
-            obj = await self.get(scope, batch_id)
-            if obj is None:  # expired with its output files (output_ttl_s): dropped from the index
-                stale.append(batch_id)
-            else:
-                page.append(obj)
-        if stale:
             async with guarded("list the batches"):
-                await self.redis.zrem(self._index(scope), *stale)
+                rank: Any = await self.redis.zrevrank(index, after)
+            if rank is None:
+                return [], False
+            start = int(rank) + 1
+        page: list[dict[str, Any]] = []
+        while len(page) <= limit:
+            async with guarded("list the batches"):
+                chunk = [text(i) for i in await self.redis.zrange(index, start, start + _CHUNK - 1, desc=True)]
+            stale: list[str] = []
+            for batch_id in chunk:
+                if len(page) > limit:
+                    break
+                obj = await self.get(scope, batch_id)
+                if obj is None:  # expired with its output files (output_ttl_s): dropped from the index
+                    stale.append(batch_id)
+                else:
+                    page.append(obj)
+            if stale:
+                async with guarded("list the batches"):
+                    await self.redis.zrem(index, *stale)
+            if len(chunk) < _CHUNK:
+                break
+            start += _CHUNK - len(stale)  # the stale ones are gone from the index: the next ones moved up
         return page[:limit], len(page) > limit
 
     @property
