@@ -24,6 +24,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from gateway.batch.blobs import BlobStore
+from gateway.batch.index_pages import SKIP, Skip, page
 from gateway.batch.redis_errors import guarded, text
 from gateway.batch.usage import FileKeys, Hold, StorageFull, Usage
 from gateway.pipeline.batch_config import BatchesConfig
@@ -53,9 +54,6 @@ class Stored:
     file_id: str
     size: int
     hold: Hold | None = None
-
-
-_CHUNK = 100  # file records read per round trip while a page is filled
 
 
 class Files:
@@ -214,23 +212,13 @@ class Files:
         start = await self._start(scope, after, desc)
         if start is None:
             return [], False
-        page: list[dict[str, Any]] = []
-        while len(page) <= limit:
-            async with guarded("list the files"):
-                chunk = [text(i) for i in await self.redis.zrange(index, start, start + _CHUNK - 1, desc=desc)]
-                raws = await self.redis.mget([self._key(i) for i in chunk]) if chunk else []
-            stale = [file_id for file_id, raw in zip(chunk, raws, strict=True) if raw is None]
-            for raw in raws:
-                obj = orjson.loads(raw)["file"] if raw is not None else None
-                if obj is not None and (purpose is None or obj["purpose"] == purpose):
-                    page.append(obj)
-            if stale:
-                async with guarded("list the files"):
-                    await self.redis.zrem(index, *stale)
-            if len(chunk) < _CHUNK:
-                break
-            start += _CHUNK - len(stale)  # the stale ones are gone from the index: the next ones moved up
-        return page[:limit], len(page) > limit
+
+        async def fetch(chunk: list[str]) -> list[dict[str, Any] | Skip | None]:
+            raws = await self.redis.mget([self._key(i) for i in chunk])
+            objs = [orjson.loads(raw)["file"] if raw is not None else None for raw in raws]
+            return [SKIP if obj is not None and purpose not in (None, obj["purpose"]) else obj for obj in objs]
+
+        return await page(self.redis, index, start, desc=desc, limit=limit, fetch=fetch, doing="list the files")
 
     async def _start(self, scope: str, after: str | None, desc: bool) -> int | None:
         """Where in the index (in ``desc`` order or not) a page after the file ``after`` starts: past it,

@@ -36,6 +36,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
+from gateway.batch.index_pages import page
 from gateway.batch.redis_errors import guarded, text
 from gateway.pipeline.batch_config import BatchesConfig, Caller
 
@@ -69,13 +70,25 @@ return 0
 # KEYS[1] the batch hash, KEYS[2] the scope's index, KEYS[3] the runners' active set, KEYS[4] the scope's
 # active set, KEYS[5] every batch, KEYS[6] the scope's input bytes (batch id -> its input file's size);
 # ARGV[1] the most batches the scope's active set may hold and ARGV[5] the most input bytes ('' for no
-# bound), ARGV[2] the batch id, ARGV[3] its score (creation, µs), ARGV[4] its input file's size, ARGV[6..]
-# field, value pairs. {1} when created, {0} when the scope already has its most batches, {-1, held} when its
-# unfinished batches' inputs leave no room for this one. Counting and adding are one step, so creates at
-# once, on any replicas, never pass the bounds together. A batch no longer in the scope's active set (final,
-# or dropped as gone) holds no input bytes: its entry is dropped here, whichever version finalized it.
-_CREATE = """
-if ARGV[1] ~= '' and redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[1]) then return {0} end
+# bound), ARGV[2] the batch id, ARGV[3] its score (creation, µs), ARGV[4] its input file's size, ARGV[6]
+# the prefix of the batch hashes, ARGV[7..] field, value pairs. {1} when created, {0} when the scope already
+# has its most batches, {-1, held} when its unfinished batches' inputs leave no room for this one. Counting
+# and adding are one step, so creates at once, on any replicas, never pass the bounds together. At the
+# bound, batches of the active set that are gone or final without having left it (a Redis flush, an
+# expiry) are dropped first, so they never hold a place for good. A batch no longer in the scope's active
+# set holds no input bytes: its entry is dropped here, whichever version finalized it.
+_CREATE = (
+    "local final = {"
+    + ", ".join(f"[{orjson.dumps(orjson.dumps(status).decode()).decode()}] = true" for status in sorted(FINAL))
+    + "}"
+    + """
+if ARGV[1] ~= '' and redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[1]) then
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+    local status = redis.call('HGET', ARGV[6] .. id, 'status')
+    if not status or final[status] then redis.call('SREM', KEYS[4], id) end
+  end
+  if redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[1]) then return {0} end
+end
 local held = 0
 for _, id in ipairs(redis.call('HKEYS', KEYS[6])) do
   if redis.call('SISMEMBER', KEYS[4], id) == 1 then
@@ -85,7 +98,7 @@ for _, id in ipairs(redis.call('HKEYS', KEYS[6])) do
   end
 end
 if ARGV[5] ~= '' and held + tonumber(ARGV[4]) > tonumber(ARGV[5]) then return {-1, held} end
-for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('SADD', KEYS[4], ARGV[2])
@@ -93,6 +106,7 @@ redis.call('ZADD', KEYS[5], ARGV[3], ARGV[2])
 redis.call('HSET', KEYS[6], ARGV[2], ARGV[4])
 return {1}
 """
+)
 
 
 class TooManyActive(Exception):
@@ -106,9 +120,6 @@ class InputsFull(Exception):
     def __init__(self, held: int) -> None:
         super().__init__(held)
         self.held = held
-
-
-_CHUNK = 100  # batch ids read per round trip while a page is filled
 
 
 def new_batch_id() -> str:
@@ -144,22 +155,9 @@ class Jobs:
         return f"{self.config.redis_prefix}:active:"
 
     async def active_count(self, scope: str) -> int:
-        """How many of the scope's batches are not final. The scope's set loses a batch when it turns
-        final; one that expired or was deleted before that (a Redis flush, say) is dropped here
-        when the count reaches the limit, so it never holds a place for good."""
-        key = self._active_of(scope)
+        """How many of the scope's batches hold a place among its running ones (``max_active_batches``)."""
         async with guarded("count the running batches"):
-            count = int(await self.redis.scard(key))
-            if count < self.config.max_active_batches:
-                return count
-            stale = []
-            for batch_id in [text(i) for i in await self.redis.smembers(key)]:
-                record = await self.load(batch_id)
-                if record is None or record["status"] in FINAL:
-                    stale.append(batch_id)
-            if stale:
-                await self.redis.srem(key, *stale)
-            return count - len(stale)
+            return int(await self.redis.scard(self._active_of(scope)))
 
     async def create(
         self,
@@ -207,7 +205,7 @@ class Jobs:
         keys = [self.key(batch_id), self._index(scope), self.active_key, self._active_of(scope), self._all_key]
         keys.append(self._inputs_of(scope))
         args: list[Any] = ["" if most is None else most, batch_id, time.time_ns() // 1000]  # within a second too
-        args += [input_bytes, "" if most_bytes is None else most_bytes]
+        args += [input_bytes, "" if most_bytes is None else most_bytes, self.key("")]
         for name, value in fields.items():
             args += [name, value]
         async with guarded("create the batch"):
@@ -220,22 +218,19 @@ class Jobs:
 
     async def load(self, batch_id: str) -> dict[str, Any] | None:
         """The stored record: the OpenAI object's fields, ``_scope``, ``_caller`` and the counters."""
-        if not batch_id.startswith("batch_") or len(batch_id) > 64:
+        if not _batch_id(batch_id):
             return None
         async with guarded("read the batch"):
             raw = await self.redis.hgetall(self.key(batch_id))
-        if not raw:
-            return None
-        record: dict[str, Any] = {}
-        for name_b, value in raw.items():
-            name = text(name_b)
-            if name in COUNTERS:
-                record[name] = int(value)
-            elif name == "_scope":
-                record[name] = text(value)
-            else:
-                record[name] = orjson.loads(value)
-        return record
+        return _record(raw)
+
+    async def _load_many(self, batch_ids: list[str]) -> list[dict[str, Any] | None]:
+        """The records of ``batch_ids`` (None for an unknown one), read in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for batch_id in batch_ids:
+                pipe.hgetall(self.key(batch_id))
+            raws = await pipe.execute()
+        return [_record(raw) if _batch_id(batch_id) else None for batch_id, raw in zip(batch_ids, raws, strict=True)]
 
     async def get(self, scope: str, batch_id: str) -> dict[str, Any] | None:
         """The OpenAI batch object, or None when unknown or another scope's (the same 404)."""
@@ -258,26 +253,12 @@ class Jobs:
             if rank is None:
                 return [], False
             start = int(rank) + 1
-        page: list[dict[str, Any]] = []
-        while len(page) <= limit:
-            async with guarded("list the batches"):
-                chunk = [text(i) for i in await self.redis.zrange(index, start, start + _CHUNK - 1, desc=True)]
-            stale: list[str] = []
-            for batch_id in chunk:
-                if len(page) > limit:
-                    break
-                obj = await self.get(scope, batch_id)
-                if obj is None:  # expired with its output files (output_ttl_s): dropped from the index
-                    stale.append(batch_id)
-                else:
-                    page.append(obj)
-            if stale:
-                async with guarded("list the batches"):
-                    await self.redis.zrem(index, *stale)
-            if len(chunk) < _CHUNK:
-                break
-            start += _CHUNK - len(stale)  # the stale ones are gone from the index: the next ones moved up
-        return page[:limit], len(page) > limit
+
+        async def fetch(chunk: list[str]) -> list[dict[str, Any] | None]:
+            records = await self._load_many(chunk)
+            return [public(r) if r is not None and r["_scope"] == scope else None for r in records]
+
+        return await page(self.redis, index, start, desc=True, limit=limit, fetch=fetch, doing="list the batches")
 
     @property
     def _all_key(self) -> str:
@@ -287,14 +268,11 @@ class Jobs:
         """The newest ``limit`` batches of every scope, as stored records (operators only)."""
         async with guarded("list the batches"):
             ids = [text(i) for i in await self.redis.zrange(self._all_key, 0, limit - 1, desc=True)]
-        records = []
-        for batch_id in ids:
-            record = await self.load(batch_id)
-            if record is None:
-                await self.redis.zrem(self._all_key, batch_id)
-            else:
-                records.append(record)
-        return records
+            records = await self._load_many(ids)
+            gone = [batch_id for batch_id, record in zip(ids, records, strict=True) if record is None]
+            if gone:
+                await self.redis.zrem(self._all_key, *gone)
+        return [record for record in records if record is not None]
 
     async def move(self, batch_id: str, allowed: tuple[str, ...], status: str, **fields: Any) -> bool:
         """Set ``status`` (and ``fields``) if the batch is in one of ``allowed``; whether it was.
@@ -358,3 +336,24 @@ def public(record: dict[str, Any]) -> dict[str, Any]:
             "total_tokens": inp + out,
         }
     return obj
+
+
+def _batch_id(batch_id: str) -> bool:
+    """Whether ``batch_id`` can name a batch (any other is unknown without a Redis read)."""
+    return batch_id.startswith("batch_") and len(batch_id) <= 64
+
+
+def _record(raw: dict[Any, Any]) -> dict[str, Any] | None:
+    """A batch's stored record from its hash (None for an empty one: unknown, or expired)."""
+    if not raw:
+        return None
+    record: dict[str, Any] = {}
+    for name_b, value in raw.items():
+        name = text(name_b)
+        if name in COUNTERS:
+            record[name] = int(value)
+        elif name == "_scope":
+            record[name] = text(value)
+        else:
+            record[name] = orjson.loads(value)
+    return record

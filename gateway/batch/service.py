@@ -85,13 +85,7 @@ class BatchService:
             "most_bytes": self.config.max_tenant_batch_bytes,
         }
         try:
-            try:
-                batch = await self.jobs.create(scope, caller, input_file_id, endpoint, metadata, **bounds)
-            except TooManyActive:
-                # the count may hold batches gone without turning final (a Redis flush): dropped, tried again
-                if await self.jobs.active_count(scope) >= most:
-                    raise
-                batch = await self.jobs.create(scope, caller, input_file_id, endpoint, metadata, **bounds)
+            batch = await self.jobs.create(scope, caller, input_file_id, endpoint, metadata, **bounds)
         except TooManyActive:
             raise RateLimited(
                 f"This tenant has {most} batches that are not finished, the most it may have; wait for one "

@@ -9,10 +9,11 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
+import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.batch.jobs import Jobs
+from gateway.batch.jobs import Jobs, TooManyActive
 from gateway.pipeline.batch_config import BatchesConfig, Caller
 from gateway.wire.errors import ServiceUnavailable
 
@@ -93,5 +94,38 @@ async def test_only_an_applied_final_status_ends_a_batch(batch_names: dict[str, 
         assert record is not None and (record["status"], record["output_file_id"]) == ("completed", "file-o")
         assert await client.ttl(jobs.key(batch["id"])) > 0
         assert await jobs.active() == [] and await jobs.active_count("acme:team") == 0
+    finally:
+        await client.aclose()
+
+
+async def test_batches_gone_or_final_without_leaving_the_active_set_free_their_place(
+    batch_names: dict[str, Any],
+) -> None:
+    """A batch that vanished (a Redis flush of its record, an expiry) or turned final by a path that did not
+    take it off its tenant's active set never holds a place among the ``max_active_batches`` for good: the
+    create at the bound drops them, in the same script that counts and adds, and creates. A batch still
+    running keeps its place."""
+    config = BatchesConfig(redis_prefix=batch_names["prefix"])
+    client = aioredis.Redis()
+    try:
+        jobs = Jobs(client, config)
+
+        async def create() -> dict[str, Any]:
+            return await jobs.create("acme:team", Caller("acme"), "file-x", "/v1/chat/completions", None, most=3)
+
+        running, vanished, finished = [(await create())["id"] for _ in range(3)]
+        await client.delete(jobs.key(vanished))
+        await client.hset(jobs.key(finished), "status", b'"completed"')  # final, still in the active set
+        assert await jobs.active_count("acme:team") == 3
+
+        created = await create()
+        assert await client.smembers(f"{batch_names['prefix']}:active:acme:team") == {
+            running.encode(),
+            created["id"].encode(),
+        }
+        await create()  # the third place, freed
+        with pytest.raises(TooManyActive):
+            await create()  # three running: the bound holds
+        assert await jobs.active_count("acme:team") == 3
     finally:
         await client.aclose()
