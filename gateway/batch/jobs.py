@@ -76,12 +76,17 @@ return 0
 # and adding are one step, so creates at once, on any replicas, never pass the bounds together. At the
 # bound, batches of the active set that are gone or final without having left it (a Redis flush, an
 # expiry) are dropped first, so they never hold a place for good. A batch no longer in the scope's active
-# set holds no input bytes: its entry is dropped here, whichever version finalized it.
+# set holds no input bytes: its entry is dropped here, whichever version finalized it. Last, a sample of
+# ids of the scope's index and of every batch's is read, and those whose batch expired are dropped: a
+# listing drops only the expired ids it meets, so without this the indexes kept every batch ever made
+# past the pages anyone reads. Each create adds one id and drops each sampled stale one, so at most about
+# one id in SAMPLED of an index is stale while the scope creates batches.
 _CREATE = (
     "local final = {"
     + ", ".join(f"[{orjson.dumps(orjson.dumps(status).decode()).decode()}] = true" for status in sorted(FINAL))
     + "}"
     + """
+local SAMPLED = 8
 if ARGV[1] ~= '' and redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[1]) then
   for _, id in ipairs(redis.call('SMEMBERS', KEYS[4])) do
     local status = redis.call('HGET', ARGV[6] .. id, 'status')
@@ -104,6 +109,11 @@ redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('SADD', KEYS[4], ARGV[2])
 redis.call('ZADD', KEYS[5], ARGV[3], ARGV[2])
 redis.call('HSET', KEYS[6], ARGV[2], ARGV[4])
+for _, index in ipairs({KEYS[2], KEYS[5]}) do
+  for _, id in ipairs(redis.call('ZRANDMEMBER', index, SAMPLED)) do
+    if redis.call('EXISTS', ARGV[6] .. id) == 0 then redis.call('ZREM', index, id) end
+  end
+end
 return {1}
 """
 )

@@ -96,3 +96,17 @@ async def test_a_page_reads_its_chunk_of_records_in_one_round_trip(batch_names: 
         assert await jobs.get("acme", ids[0]) is not None and client.reads == 1  # one batch: one read
     finally:
         await client.aclose()
+
+
+async def test_a_create_drops_expired_batches_from_the_indexes(
+    batch_names: dict[str, Any], counted: tuple[_Counting, Jobs]
+) -> None:
+    """Listings drop only the expired ids they meet; each create also drops the expired ones among a sample
+    of the scope's index and of every batch's (all of them, in an index this small), so ids of batches long
+    gone do not pile up past the pages anyone reads."""
+    client, jobs = counted
+    old = await _created(jobs, 5)
+    await client.delete(*(jobs.key(batch_id) for batch_id in old[1:]))  # expired with their output files
+    new = await _created(jobs, 1)
+    for index in (f"{batch_names['prefix']}:batches:acme", f"{batch_names['prefix']}:all"):
+        assert {i.decode() for i in await client.zrange(index, 0, -1)} == {old[0], *new}
