@@ -76,11 +76,12 @@ def test_a_batch_expires_after_its_window_with_what_was_done(
         with gateway_factory(config) as (_, server):
             client = sdk(server)
             batch = start(client, [chat_line(f"e-{i}", f"q{i}") for i in range(3)])
-            wait_for(client, batch.id, ("in_progress",))
             done = wait_for(client, batch.id, ("expired",))
             lines = every_custom_id_once(client, done)
     finally:
         upstream.behavior.hold.set()
+    # it ran before it expired (read from the record: a poll may miss a short in_progress on a loaded machine)
+    assert done.in_progress_at and done.in_progress_at <= done.expired_at
     assert done.expired_at and done.expires_at and done.expired_at >= done.expires_at
     assert set(lines) == {"e-0", "e-1", "e-2"}
     assert {line["error"]["code"] for line in lines.values()} == {"batch_expired"}
