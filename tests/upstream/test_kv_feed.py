@@ -15,7 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.upstream import kv_feed
+from gateway.upstream import kv_subscriber
 from gateway.upstream.kv_feed import KvFeed
 from gateway.upstream.kv_source import FeedSettings, KvSource, source_from_discovery
 from gateway.upstream.kv_wire import (
@@ -73,7 +73,7 @@ async def followed(
     """A feed following ``pub`` (with its sockets from ``context`` when given), with its live socket
     connected (a batch came through it)."""
     feed = KvFeed(clock=clock) if clock else KvFeed()
-    feed._ctx = context
+    feed._subscriber._ctx = context
     await feed.follow([URL], {URL: pub.source}, no_fetch, FeedSettings(**settings))  # type: ignore[arg-type]
     state = feed.workers[URL]
     while state.received == 0:
@@ -265,8 +265,8 @@ def _payloads_decoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         sizes.append(len(frames[-1]))
         return decode_replay(frames)
 
-    monkeypatch.setattr(kv_feed, "decode_message", live)
-    monkeypatch.setattr(kv_feed, "decode_replay", replayed)
+    monkeypatch.setattr(kv_subscriber, "decode_message", live)
+    monkeypatch.setattr(kv_subscriber, "decode_replay", replayed)
     return sizes
 
 
@@ -351,13 +351,13 @@ async def test_a_message_over_the_frame_bound_is_never_taken_in_and_the_worker_r
         bound = feed.settings.max_frame_bytes
         assert bound == 4 * 4096 and context.sockets[zmq.SUB].getsockopt(zmq.MAXMSGSIZE) == bound
         sizes: list[int] = []
-        unread = feed._unread
+        unread = feed._subscriber._unread
 
         def seen(url: str, frames: list[zmq.Frame]) -> Batch | None:
             sizes.append(max(len(frame) for frame in frames))
             return unread(url, frames)
 
-        feed._unread = seen  # type: ignore[method-assign]
+        feed._subscriber._unread = seen  # type: ignore[method-assign]
         await publisher.publish([stored([150])])
         await until(lambda: feed.index.copies(URL, 150) == 1, "stored")
         huge = [stored(list(range(1 << 40, (1 << 40) + 4000)))]  # ~36 kB: over the bound, live and replayed
@@ -454,7 +454,7 @@ async def test_a_connection_that_held_is_made_again_at_once_when_dropped(
         for _ in range(3):
             await dropped(feed, publisher)
             await connected(feed, publisher)
-        clock.now += kv_feed._RECONNECT_CAP_S  # this connection has held as long as the longest wait
+        clock.now += kv_subscriber._RECONNECT_CAP_S  # this connection has held as long as the longest wait
         await dropped(feed, publisher)
         await connected(feed, publisher)
         await dropped(feed, publisher)  # right after: one more of a new run
@@ -492,7 +492,7 @@ async def test_a_connection_that_cannot_be_watched_leaves_no_socket_open(publish
     not left open for as long as the process runs, one more per attempt."""
     context = UnwatchableContext()
     feed = KvFeed()
-    feed._ctx = context
+    feed._subscriber._ctx = context
     settings = FeedSettings(discover_interval_s=0.01)
     await feed.follow([URL], {URL: publisher.source}, no_fetch, settings)  # type: ignore[arg-type]
     try:
