@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from gateway.ops.metrics import LATENCY_BUCKETS
 from gateway.pipeline.capacity import ADMISSION_OF, ModelAdmission
+from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.services import Services
 from gateway.upstream.kv_index import BlockIndex
 from gateway.upstream.workers import WorkerTable
@@ -71,9 +72,10 @@ class RoutingShared:
     def __init__(self, services: Services) -> None:
         self.gates: dict[str, ModelGate] = {}
         self.budgets: dict[str, RetryBudget] = {}
-        #: The routing plugin whose config is live (set by its ``went_live``): the one that may re-point
-        #: the worker table's KV event and load feeds and forget discovered refs.
-        self.live: object | None = None
+        #: The routing plugin (``RoutingPlugin``) whose config is live (set by its ``went_live``): the one
+        #: that may re-point the worker table's KV event and load feeds and forget discovered refs. Typed
+        #: by the base class: ``plugin`` imports this module, and no module imports one that imports it back.
+        self.live: Plugin | None = None
         r = services.metrics.registry
         self.rejected = Counter(
             "gateway_routing_rejected",
