@@ -27,6 +27,7 @@ from plugins.routing import precise_setup
 from tests.support.dns import NAME, scripted_routing
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
+from tests.support.kv_fleet import kv_sources, kv_workers
 from tests.support.kv_publisher import ThreadedPublisher
 
 TOKEN = "reload-admin-token"
@@ -365,14 +366,9 @@ def test_a_config_refused_by_a_later_plugins_start_leaves_the_feeds_following_th
 
     monkeypatch.setattr(precise_setup.PromptTokenizer, "load", any_tokenizer)
     with contextlib.ExitStack() as stack:
-        fakes = [FakeUpstream(name=f"w{i}") for i in range(2)]
-        servers = [stack.enter_context(ServerThread(f)) for f in fakes]
-        pubs = [ThreadedPublisher(f"kv@w{i}") for i in range(2)]
-        for pub in pubs:
-            stack.callback(pub.close)
+        fakes, servers, pubs = kv_workers(stack)
         urls = [s.url for s in servers]
-        sources = {s.url: {"endpoint": p.source.endpoint, "replay_endpoint": p.source.replay_endpoint,
-                           "topic": p.source.topic} for s, p in zip(servers, pubs, strict=True)}  # fmt: skip
+        sources = kv_sources(servers, pubs)
         routing = {"default": {"policy": "precise_prefix", "precise": {"tokenizer": "/any", "block_size": 4}},
                    "kv_events": {"sources": sources, "load_interval_s": 0.1}}  # fmt: skip
         live = base_config(urls, plugins=[{"name": "routing", "config": routing}])

@@ -25,6 +25,7 @@ from tests.support.dns import NAME, scripted_routing, two_addresses
 from tests.support.fakes import FakeUpstream, ServerThread, free_port
 from tests.support.faults import wait_for
 from tests.support.gateways import REPO, GatewayFactory, base_config
+from tests.support.kv_fleet import kv_sources, kv_workers
 from tests.support.kv_publisher import ThreadedPublisher, stored
 
 MODEL_DIR = REPO / "models" / "smollm2"
@@ -60,14 +61,8 @@ def fleet(
     gateway_factory: GatewayFactory, followed: int = 2, **precise: Any
 ) -> Iterator[tuple[list[FakeUpstream], list[ThreadedPublisher], GatewayApp, ServerThread]]:
     with contextlib.ExitStack() as stack:
-        fakes = [FakeUpstream(name=f"w{i}") for i in range(2)]
-        servers = [stack.enter_context(ServerThread(f)) for f in fakes]
-        pubs = [ThreadedPublisher(f"kv@w{i}") for i in range(2)]
-        for pub in pubs:
-            stack.callback(pub.close)
-        pairs = list(zip(servers, pubs, strict=True))[:followed]
-        sources = {s.url: {"endpoint": p.source.endpoint, "replay_endpoint": p.source.replay_endpoint,
-                           "topic": p.source.topic} for s, p in pairs}  # fmt: skip
+        fakes, servers, pubs = kv_workers(stack)
+        sources = kv_sources(servers[:followed], pubs[:followed])
         routing = {
             "default": {"policy": "precise_prefix", "precise": {
                 "tokenizer": str(MODEL_DIR), "block_size": BLOCK, "accuracy_min_samples": 4,
