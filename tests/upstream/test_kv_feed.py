@@ -31,17 +31,10 @@ from gateway.upstream.kv_wire import (
 )
 from gateway.upstream.workers import WorkerTable
 from tests.support.cancellation import CutAwait, stopped_when_cancelled
+from tests.support.clock import Clock
 from tests.support.kv_publisher import CLEARED, FakePublisher, removed, stored
 
 URL = "http://127.0.0.1:9"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def no_fetch(url: str, timeout_s: float) -> tuple[int, bytes]:

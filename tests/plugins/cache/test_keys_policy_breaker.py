@@ -10,6 +10,7 @@ from plugins.cache.breaker import CircuitBreaker
 from plugins.cache.config import CacheConfig
 from plugins.cache.keys import entry_pattern, make_key
 from plugins.cache.policy import decide, is_complete, is_deterministic, parse_cache_control
+from tests.support.clock import Clock
 
 BASE: dict[str, Any] = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
@@ -174,16 +175,8 @@ def test_only_complete_answers_are_storable() -> None:
     assert is_complete({"object": "list", "data": []})
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_breaker_opens_after_failures_then_lets_one_probe_through() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     breaker = CircuitBreaker(failures=2, cooldown_s=5, clock=clock)
     breaker.failure()
     assert breaker.allow() and breaker.state == "closed"
@@ -202,7 +195,7 @@ def test_breaker_opens_after_failures_then_lets_one_probe_through() -> None:
 
 
 def test_a_probe_that_never_reports_gives_up_its_slot() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     breaker = CircuitBreaker(failures=1, cooldown_s=2, clock=clock)
     breaker.failure()
     clock.now += 2
