@@ -57,11 +57,19 @@ class AdapterLoader:
         self._users: dict[str, int] = {}  # url -> loads and unloads holding or awaiting its lock
         self._gone: set[str] = set()  # removed from the worker table while a load or unload was at it
 
-    async def ensure(self, worker: Worker, adapter: AdapterConfig, settings: LoraSettings) -> None:
+    async def ensure(
+        self,
+        worker: Worker,
+        adapter: AdapterConfig,
+        settings: LoraSettings,
+        starting: Callable[[], None] | None = None,
+    ) -> None:
         """Return once ``worker`` holds ``adapter`` (loading it, and evicting to make room, if needed).
 
         Registers the load before its first wait, so a request placed right after this one is called
-        sees the worker as loading it."""
+        sees the worker as loading it. ``starting`` is called, with nothing sent yet, when this call is
+        about to start a load of an adapter the worker does not hold (not when it joins another request's
+        load, nor for a reload in place, which takes no other slot): what it raises refuses the load."""
         state = worker.adapters
         name = adapter.upstream_name
         key = (worker.url, name)
@@ -70,6 +78,8 @@ class AdapterLoader:
         while not state.holds_from(name, adapter.path):
             flight = self._flights.get(key)
             if flight is None:
+                if starting is not None and name not in state.held:
+                    starting()
                 self._gone.discard(worker.url)  # back in the table (the same address): its series stay
                 state.loading.add(name)
                 flight = asyncio.create_task(self._load(worker, adapter, settings), name=f"lora-load {name}")

@@ -188,8 +188,8 @@ class KvEventsConfig(_Strict):
 
 
 class AdaptersConfig(_Strict):
-    """LoRA adapters (models' ``adapters:``): how a request for one is placed, and how often each worker's
-    adapters are read back from it (``GET /v1/models``)."""
+    """LoRA adapters (models' ``adapters:``): how a request for one is placed, how often each worker's
+    adapters are read back from it (``GET /v1/models``), and how many loads one tenant may cause."""
 
     affinity_weight: float = Field(
         100.0, ge=0, description="score of a worker that holds the adapter and is not overloaded"
@@ -201,6 +201,13 @@ class AdaptersConfig(_Strict):
     sync_interval_s: float = Field(5.0, gt=0, description="how often each worker's adapters are read back")
     sync_timeout_s: float = Field(2.0, gt=0, description="time budget of one read")
     load_timeout_s: float = Field(60.0, gt=0, description="time budget of one load on a worker")
+    tenant_loads_per_minute: int | None = Field(
+        60,
+        ge=0,
+        le=1_000_000,
+        description="adapter loads this gateway process starts for one tenant a minute (a token bucket in memory);"
+        " past it a request goes to a worker holding its adapter, else a 429 (null or 0: no bound)",
+    )
 
 
 class RoutingConfig(_Strict):

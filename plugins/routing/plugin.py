@@ -340,7 +340,9 @@ class RoutingPlugin(Plugin):
             on_budget_refused=self._count_budget_refused,
         )
         if isinstance(plan, AdapterPlan):
-            plan.use(self.shared.loader(self.config.adapters.load_timeout_s), self.lora_of)
+            settings = self.config.adapters
+            quota = self.shared.load_quota(settings.tenant_loads_per_minute, ctx.tenant)
+            plan.use(self.shared.loader(settings.load_timeout_s), self.lora_of, quota)
         ctx.plan = plan
         return None
 

@@ -23,6 +23,7 @@ from plugins.routing.adapter_loader import AdapterLoader
 from plugins.routing.admission import ModelGate
 from plugins.routing.cache_keys import KeyHomes
 from plugins.routing.config import AdmissionConfig, RetryBudgetConfig
+from plugins.routing.load_quota import ANONYMOUS, LoadQuota, TenantLoadBuckets
 from plugins.routing.pending import PendingBlocks
 from plugins.routing.plan import RetryBudget
 from plugins.routing.prompt_tokens import PromptTokenizer
@@ -79,7 +80,7 @@ class RoutingShared:
         r = services.metrics.registry
         self.rejected = Counter(
             "gateway_routing_rejected",
-            "Requests refused by admission or health, by model and reason",
+            "Requests refused by admission, health or their tenant's adapter load bound, by model and reason",
             ["model", "reason"],
             registry=r,
         )
@@ -118,6 +119,8 @@ class RoutingShared:
         self._queued_gauge = services.metrics.queued
         self._services = services
         self._loader: AdapterLoader | None = None
+        #: Per tenant, the adapter loads this process started lately (``adapters.tenant_loads_per_minute``).
+        self.tenant_loads = TenantLoadBuckets(0)
         services.shared[ADMISSION_OF] = self.admission_of
 
     def _declare_precise_metrics(self, r: CollectorRegistry) -> None:
@@ -178,6 +181,18 @@ class RoutingShared:
             self._services.workers.on_removed.append(self._loader.forget)
         self._loader.timeout_s = timeout_s
         return self._loader
+
+    def load_quota(self, per_minute: int | None, tenant: str | None) -> LoadQuota | None:
+        """A request's share of its tenant's adapter loads (None: unbounded); the buckets outlive reloads,
+        which may change the rate."""
+        if not per_minute:
+            return None
+        buckets = self.tenant_loads
+        buckets.per_minute = per_minute
+        return LoadQuota(buckets, tenant or ANONYMOUS, self._refused_load)
+
+    def _refused_load(self, model: str) -> None:
+        self.rejected.labels(model, "adapter_load_rate").inc()
 
     def budget(self, model: str, config: RetryBudgetConfig) -> RetryBudget:
         budget = self.budgets.get(model)
