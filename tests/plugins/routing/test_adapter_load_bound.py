@@ -1,8 +1,8 @@
 """The bound on the adapter loads one tenant causes (``adapters.tenant_loads_per_minute``), through the real
 gateway on the fake LoRA workers: a tenant asking for more adapters than the workers hold is refused past
 its bound instead of evicting the others' adapters, a request past it goes to a worker that holds its
-adapter, the bucket refills, a stream cut midway is continued whatever the bucket says, and without a bound
-every load happens as before."""
+adapter, the bucket refills, later attempts of a request (a cut stream's continuation, the retry after a
+worker's 404) load whatever the bucket says, and without a bound every load happens as before."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from plugins.tenancy.keys import hash_key
 from tests.plugins.routing.test_adapters_through_the_gateway import (
     ADAPTERS,
     CHAT,
+    STALE,
     Fleet,
     ask,
+    evict_at_the_worker,
     fleet,
     loads,
     lora_config,
@@ -42,7 +44,8 @@ KEYS = {"a": "sk-gw-loads-a", "b": "sk-gw-loads-b"}
 
 def bounded(workers: Fleet, per_minute: int | None, max_loras: int = 2, **routing: Any) -> dict[str, Any]:
     config = lora_config(workers, max_loras=max_loras, **routing)
-    config["plugins"][0]["config"]["adapters"]["tenant_loads_per_minute"] = per_minute
+    routing = config["plugins"][0]["config"]
+    routing["adapters"] = {**routing["adapters"], "tenant_loads_per_minute": per_minute}  # not STALE's own dict
     config["models"][0]["adapters"] = [*ADAPTERS, {"name": "docs", "path": "/adapters/docs"}]
     return config
 
@@ -101,7 +104,7 @@ def test_the_refusal_is_an_openai_429_with_the_seconds_until_the_next_token_and_
         error = refused.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["type"] == "rate_limit_error" and error["code"] == "adapter_load_rate_exceeded"
-        assert "at most 2 adapters a minute" in error["message"] and "Retry after 30 s" in error["message"]
+        assert "(at most 2 a minute on this gateway)" in error["message"] and "Retry after 30 s" in error["message"]
         clock.now += 15  # half a token
         assert post(gw, "legal").headers["retry-after"] == "15"
         clock.now += 15
@@ -158,6 +161,20 @@ def test_a_stream_cut_midway_is_continued_on_a_worker_that_loads_its_adapter_pas
         text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         assert text
         assert "sql" in loads(fake1) and [r.body["model"] for r in fake1.requests][-1] == "sql"
+
+
+def test_the_retry_after_a_workers_404_loads_the_adapter_again_past_the_bound(gateway_factory: GatewayFactory) -> None:
+    """Another replica unloaded sql behind this one: the request that finds it gone loads it again, though
+    its tenant has no token left, and is served."""
+    with fleet(1) as workers, gateway_factory(bounded(workers, 1, **STALE)) as (app, gw):
+        fake, server = workers[0]
+        clocked(app)
+        assert post(gw, "sql").status_code == 200  # the one token
+        assert post(gw, "support").status_code == 429
+        evict_at_the_worker(server, "sql")
+        assert post(gw, "sql").status_code == 200
+        assert loads(fake) == ["sql", "sql"]
+        assert [r.body["model"] for r in fake.requests] == ["sql", "sql", "sql"]  # the 404, then served
 
 
 @pytest.mark.parametrize("unbounded", [None, 0])
