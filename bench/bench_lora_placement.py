@@ -69,7 +69,8 @@ def workload(n: int, seed: int) -> list[str]:
 
 
 def gateway_config(workers: list[str], adapters: dict[str, str], placement: dict[str, float]) -> dict[str, Any]:
-    routing = {"adapters": {"sync_interval_s": 1, **placement}}
+    # Placement alone: no bound on the loads the one anonymous tenant causes (each scorer set gets every load).
+    routing = {"adapters": {"sync_interval_s": 1, "tenant_loads_per_minute": None, **placement}}
     config = base_config(workers, plugins=[{"name": "routing", "config": routing}])
     config["models"][0] |= {
         "name": ENGINE_MODEL,
