@@ -90,9 +90,9 @@ class LoadQuota:
         self.on_refused(model)
         retry_after = max(1, math.ceil(wait))
         raise RateLimited(
-            f"Too many LoRA adapter loads for this tenant: the gateway loads at most {self.buckets.per_minute} "
-            f"adapters a minute on its behalf, and model '{model}' is not loaded on any worker that can take "
-            f"the request now. Retry after {retry_after} s, or use an adapter that is loaded already.",
+            f"Too many LoRA adapter loads for this tenant (at most {self.buckets.per_minute} a minute on this "
+            f"gateway), and model '{model}' is not loaded on any worker that can take the request now. Retry "
+            f"after {retry_after} s, or use an adapter that is loaded already.",
             code="adapter_load_rate_exceeded",
             headers={"retry-after": str(retry_after)},
         )
