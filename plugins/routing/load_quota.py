@@ -37,7 +37,7 @@ class TenantLoadBuckets:
     def __init__(
         self, per_minute: int, *, max_tenants: int = MAX_TENANTS, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.per_minute = per_minute  # a reload may change it; the buckets' levels are kept
+        self.per_minute = per_minute  # the live config's (0: unbounded); a reload keeps the buckets' levels
         self.max_tenants = max_tenants
         self.clock = clock
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tenant -> (tokens, at)
@@ -54,11 +54,14 @@ class TenantLoadBuckets:
         return min(capacity, tokens + max(0.0, now - at) * capacity / 60.0)
 
     def ready(self, tenant: str) -> bool:
-        """Whether ``tenant`` has a token now (none taken)."""
-        return self._level(tenant, self.clock()) >= 1.0
+        """Whether ``tenant`` has a token now (none taken); always, with no bound."""
+        return not self.per_minute or self._level(tenant, self.clock()) >= 1.0
 
     def take(self, tenant: str) -> float:
-        """Take one of ``tenant``'s tokens: 0 when taken, else the seconds until it has one (none taken)."""
+        """Take one of ``tenant``'s tokens: 0 when taken (or with no bound: a reload may have lifted it
+        since the request's quota was made), else the seconds until it has one (none taken)."""
+        if not self.per_minute:
+            return 0.0
         now = self.clock()
         tokens = self._level(tenant, now)
         if tokens < 1.0:

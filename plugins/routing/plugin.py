@@ -241,12 +241,13 @@ class RoutingPlugin(Plugin):
     def went_live(self) -> None:
         """This config's routing now says what the process-wide state follows: the discovered ``dns://``
         refs it no longer names are forgotten, and the KV event and load feeds follow its precise models'
-        workers (``_follow``).
+        workers (``_follow``), and the tenants' adapter load buckets refill at its rate.
 
         Pins are kept on the workers across reloads; a pin this config no longer backs (its adapter was
         removed or renamed, or the worker no longer serves the adapter's base model) is dropped, so the
         adapter is evicted as any other when room is needed, or unloaded by the operator."""
         self.shared.live = self
+        self.shared.tenant_loads.per_minute = self.config.adapters.tenant_loads_per_minute or 0
         if self._discovery is not None:
             self._discovery.retain()
         self._follow()
@@ -340,9 +341,8 @@ class RoutingPlugin(Plugin):
             on_budget_refused=self._count_budget_refused,
         )
         if isinstance(plan, AdapterPlan):
-            settings = self.config.adapters
-            quota = self.shared.load_quota(settings.tenant_loads_per_minute, ctx.tenant)
-            plan.use(self.shared.loader(settings.load_timeout_s), self.lora_of, quota)
+            quota = self.shared.load_quota(ctx.tenant)
+            plan.use(self.shared.loader(self.config.adapters.load_timeout_s), self.lora_of, quota)
         ctx.plan = plan
         return None
 

@@ -182,14 +182,12 @@ class RoutingShared:
         self._loader.timeout_s = timeout_s
         return self._loader
 
-    def load_quota(self, per_minute: int | None, tenant: str | None) -> LoadQuota | None:
-        """A request's share of its tenant's adapter loads (None: unbounded); the buckets outlive reloads,
-        which may change the rate."""
-        if not per_minute:
+    def load_quota(self, tenant: str | None) -> LoadQuota | None:
+        """A request's share of its tenant's adapter loads (None: unbounded). The buckets outlive reloads;
+        the live config sets their rate (``RoutingPlugin.went_live``)."""
+        if not self.tenant_loads.per_minute:
             return None
-        buckets = self.tenant_loads
-        buckets.per_minute = per_minute
-        return LoadQuota(buckets, tenant or ANONYMOUS, self._refused_load)
+        return LoadQuota(self.tenant_loads, tenant or ANONYMOUS, self._refused_load)
 
     def _refused_load(self, model: str) -> None:
         self.rejected.labels(model, "adapter_load_rate").inc()

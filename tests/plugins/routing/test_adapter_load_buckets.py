@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plugins.routing.load_quota import TenantLoadBuckets
+from plugins.routing.load_quota import LoadQuota, TenantLoadBuckets
 from tests.support.clock import Clock
 
 
@@ -35,3 +35,15 @@ def test_the_buckets_keep_at_most_max_tenants_the_least_recently_used_dropped() 
     assert buckets.take("c") == 0.0  # a is dropped: the least recently charged
     assert len(buckets) == 2 and buckets.ready("a")
     assert not buckets.ready("b") and not buckets.ready("c")
+
+
+def test_a_bound_lifted_by_a_reload_refuses_nothing_even_to_a_quota_made_before() -> None:
+    """A request's quota is made when it is planned; a reload that sets the rate to 0 (no bound) before
+    its load starts lets it load, and never divides by that 0."""
+    buckets = TenantLoadBuckets(1, clock=Clock())
+    quota = LoadQuota(buckets, "a", on_refused=lambda model: None)
+    quota.charge("m")
+    assert not quota.ready()
+    buckets.per_minute = 0
+    assert quota.ready() and buckets.take("a") == 0.0
+    quota.charge("m")  # no RateLimited
