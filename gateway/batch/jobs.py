@@ -82,8 +82,9 @@ return 0
 # past the pages anyone reads. Each create adds one id and drops each sampled stale one, so at most about
 # one id in SAMPLED of an index is stale while the scope creates batches.
 _CREATE = (
+    # the final statuses as the record stores them (JSON strings: '"completed"')
     "local final = {"
-    + ", ".join(f"[{orjson.dumps(orjson.dumps(status).decode()).decode()}] = true" for status in sorted(FINAL))
+    + ", ".join(f"['{orjson.dumps(status).decode()}'] = true" for status in sorted(FINAL))
     + "}"
     + """
 local SAMPLED = 8
