@@ -306,17 +306,29 @@ class RequestContext:
         body = self.body
         if wants_usage(body):
             return not self.usage_added
-        options = body.get("stream_options")
-        absent = "stream_options" not in body
-        body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-        raw = self.raw_body.lstrip()
-        if absent and not self.body_changed and raw[:1] == b"{":
-            # The body has a "model" member, so a comma always follows the one put in front.
-            self.raw_body = b'{"stream_options":{"include_usage":true},' + raw[1:]
-        else:
+        if "stream_options" in body:
+            options = body["stream_options"]
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
             self.mark_body_changed()
+        else:
+            self.put_member("stream_options", {"include_usage": True}, b'{"stream_options":{"include_usage":true},')
         self.usage_added = True
         return False
+
+    def put_member(self, name: str, value: Any, head: bytes | None = None) -> None:
+        """Add the top-level member ``name``, which the body does not have. While the body is otherwise
+        unchanged it is added to the bytes, as one member in front of the client's JSON, not by
+        re-serializing the whole body (a long prompt is not run through the encoder again); ``head`` is
+        that front, ``{"name":value,``, when the caller has it ready."""
+        body = self.body
+        raw = self.raw_body.lstrip()
+        # A member in front needs one after it for its comma: an empty body is re-serialized instead.
+        if body and not self.body_changed and raw[:1] == b"{":
+            front = head if head is not None else b"{" + orjson.dumps(name) + b":" + orjson.dumps(value) + b","
+            self.raw_body = front + raw[1:]
+        else:
+            self.mark_body_changed()
+        body[name] = value
 
     def add_finalizer(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once when the request is over, whatever the outcome (answered, refused,

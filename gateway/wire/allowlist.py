@@ -162,6 +162,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "audio/translations": _VLLM_AUDIO,
 }
 
+#: Endpoints whose requests carry a ``cache_salt`` to vLLM, which hashes it into the prompt's first KV block.
+SALTED = frozenset(endpoint for endpoint, names in ALLOWED.items() if "cache_salt" in names)
+
 
 class ParamAllowList:
     """The allow-list of one config snapshot: the built-in sets plus ``limits.extra_params``."""

@@ -134,6 +134,12 @@ class TenancyConfig(BaseModel):
     priority_header: str = Field(
         "x-priority", min_length=1, description="the header a tenant with client_priority_max may set priority by"
     )
+    prefix_cache: Literal["tenant", "shared"] = Field(
+        "tenant",
+        description="tenant: a worker reuses a prompt's cached prefix for the same tenant's requests only (a "
+        "cache_salt bound to the tenant); shared: for any tenant's (more reuse of common prompts, and a tenant "
+        "can tell from cached_tokens or latency whether another sent a prefix)",
+    )
 
     @field_validator("priority_header")
     @classmethod

@@ -20,7 +20,9 @@ charge is queued in Redis's batch before the answer is sent, ahead of every comm
 a later request, and the answer does not wait for Redis's reply); the rest when the request is over (a
 finalizer). The key's allow-list goes with the request (``ctx.model_allowed``: routing checks canaries
 and fallbacks), and the tenant's configured priority
-(``ctx.priority``) orders the routing queue.
+(``ctx.priority``) orders the routing queue. With ``prefix_cache: tenant`` (the default) every request
+carries a ``cache_salt`` bound to its tenant, so a worker's prefix cache is shared within a tenant only
+(``plugins.tenancy.prefix_salt``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from plugins.tenancy.keys import KeyInfo, KeyStore
 from plugins.tenancy.limits import REDIS_ERRORS, Decision, LocalLimiter, Plan, RedisLimiter
 from plugins.tenancy.metrics import TenancyMetrics
 from plugins.tenancy.plans import Plans
+from plugins.tenancy.prefix_salt import TenantSalts
 from plugins.tenancy.refusals import invalid_key, missing_key, refusal, unavailable
 
 log = logging.getLogger("gateway.tenancy")
@@ -103,6 +106,7 @@ class TenancyPlugin(Plugin):
         self._context: dict[str, int] = {}  # model name -> the longest context a request for it may reach
         self._names: dict[str, tuple[str, ...]] = {}  # model name -> it and its aliases
         self.plans = Plans(config, lambda: type(self).clock())
+        self._salts = TenantSalts() if config.prefix_cache == "tenant" else None
 
     def prepare(self, config: GatewayConfig) -> None:
         """Learn each model's context: its max_model_len, else its managed workers', else the default."""
@@ -200,6 +204,8 @@ class TenancyPlugin(Plugin):
             ctx.mark_body_changed()
             ctx.response_headers[CLAMP_HEADER] = str(ctx.body["max_tokens"])
         ctx.response_headers.update(decision.headers())
+        if self._salts is not None:
+            self._salts.apply(ctx, tenant)
         admitted = ctx.state[self.name] = Admitted(plan, reserved, prompt, via_redis, factor=factor)
         ctx.add_finalizer(lambda: self._finish(ctx, admitted))
         self.metrics.admitted.labels(tenant, info.id if info else "-").inc()

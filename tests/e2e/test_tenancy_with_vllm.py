@@ -6,6 +6,7 @@ is clamped to what the key has left."""
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,3 +123,52 @@ def test_without_max_tokens_the_context_is_reserved_or_max_tokens_clamped(
     usage = clamped.json()["usage"]
     assert usage["completion_tokens"] <= limit < 30
     assert clamped.json()["choices"][0]["finish_reason"] == "length"
+
+
+OTHER_KEY = "sk-gw-e2e-tenancy-other"
+
+
+def prefix_hits(worker_url: str) -> float:
+    """The worker's prompt tokens served from its prefix cache so far, once no request is adding to it."""
+    last = -1.0
+    while True:
+        text = httpx.get(worker_url + "/metrics", timeout=10).text
+        hits = sum(
+            float(line.rsplit(" ", 1)[-1])
+            for line in text.splitlines()
+            if line.startswith("vllm:prefix_cache_hits_total")
+        )
+        if hits == last:
+            return hits
+        last = hits
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("scope", ["tenant", "shared"])
+def test_a_tenants_prompt_prefix_is_reused_for_that_tenant_only(
+    gateway_factory: GatewayFactory, real_worker: Any, prefix: str, scope: str
+) -> None:
+    config = gateway_config(prefix, real_worker.url, {}, prefix_cache=scope)
+    other = {"id": "k2", "tenant": "t2", "hash": hash_key(OTHER_KEY, PEPPER.encode())}
+    config["plugins"][0]["config"]["keys"].append(other)
+    # a system prompt of several KV blocks (128 tokens each on the CPU build) that no earlier run sent
+    words = " ".join(f"clause {n} of the merger plan {uuid.uuid4().hex[:6]}" for n in range(40))
+    body = {"model": "smollm2", "messages": [{"role": "system", "content": words}, *ASK], "max_tokens": 1}
+
+    def reused(key: str) -> float:
+        before = prefix_hits(real_worker.url)
+        reply = httpx.post(
+            server.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=300
+        )
+        assert reply.status_code == 200, reply.text
+        return prefix_hits(real_worker.url) - before
+
+    with gateway_factory(config) as (_, server):
+        assert reused(KEY) == 0  # t1 sends it first
+        by_other_tenant = reused(OTHER_KEY)
+        by_same_tenant = reused(KEY)
+    assert by_same_tenant >= 128  # the worker does reuse the prefix for the tenant that sent it
+    if scope == "tenant":
+        assert by_other_tenant == 0
+    else:
+        assert by_other_tenant >= 128

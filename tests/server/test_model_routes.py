@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from plugins.tenancy.keys import hash_key
+from plugins.tenancy.prefix_salt import salt_of
 from tests.support.fakes import ServerThread
 from tests.support.gateways import GatewayFactory
 
@@ -137,7 +138,8 @@ def test_each_route_goes_to_a_worker_of_the_bodys_model(
     reply = post(server, path, {"model": "bge", **BODIES[path]})
     assert reply.status_code == 200, reply.text
     assert reply.json()["route"] == path and reply.json()["model"] == "BAAI/bge-reranker"
-    assert worker.requests[-1] == (path, {**BODIES[path], "model": "BAAI/bge-reranker"})
+    # with tenancy, each request carries its tenant's cache_salt (plugins/tenancy/prefix_salt.py)
+    assert worker.requests[-1] == (path, {**BODIES[path], "model": "BAAI/bge-reranker", "cache_salt": salt_of("acme")})
 
     # a model none of whose workers serves the route: a 404 that says so, nothing retried
     missing = post(server, path, {"model": "m1", **BODIES[path]})
