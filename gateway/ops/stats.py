@@ -2,10 +2,10 @@
 
 Nothing is scraped: ``LiveStats.sample()`` collects the families of ``Metrics`` (the registry every core
 and plugin metric lives on, or the multiprocess files when several processes share them) and keeps a few
-recent samples. Each answer compares the newest sample with the oldest one inside ``window_s``, so rates
-(requests/s, tokens/s) and percentiles (TTFT, latency, read from the histogram buckets' increase) describe
-the last few seconds, not the process's lifetime. Before a second sample exists they are computed since
-start.
+recent samples (at most ``per_window + 1``, however often it is called). Each answer compares the newest
+sample with the oldest one inside ``window_s``, so rates (requests/s, tokens/s) and percentiles (TTFT,
+latency, read from the histogram buckets' increase) describe the last few seconds, not the process's
+lifetime. Before a second sample exists they are computed since start.
 
 By model: requests/s, errors/s (status >= 400), refusals/s (status 429: rate limits, budgets, a full
 queue), tokens/s, in-flight, queued, TTFT p50/p95/p99, latency
@@ -102,16 +102,28 @@ def quantile(buckets: Iterable[tuple[float, float]], q: float) -> float | None:
 
 
 class LiveStats:
-    """Keeps the samples of the last ``window_s`` seconds and answers the console's figures."""
+    """Keeps samples of the last ``window_s`` seconds and answers the console's figures.
+
+    Bounded whatever the callers' pace: a sample is kept only when the newest kept one is at least
+    ``window_s / per_window`` seconds old, so at most ``per_window + 1`` are held (each a flat table of
+    every model's counters and histogram buckets). A caller polling faster than that gets figures
+    measured from the oldest kept sample as before, and adds nothing."""
 
     def __init__(
-        self, metrics: Metrics, *, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+        self,
+        metrics: Metrics,
+        *,
+        window_s: float = 10.0,
+        per_window: int = 10,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.metrics = metrics
         self.window_s = window_s
+        self.spacing_s = window_s / per_window
         self.clock = clock
         self._started = Sample(at=clock())
-        self._samples: deque[Sample] = deque()
+        # maxlen: the spacing already bounds it; a clock that jumps back must not undo that
+        self._samples: deque[Sample] = deque(maxlen=per_window + 1)
 
     def sample(self) -> dict[str, Any]:
         now = self.clock()
@@ -119,7 +131,8 @@ class LiveStats:
         while self._samples and now - self._samples[0].at > self.window_s:
             self._samples.popleft()
         oldest = self._samples[0] if self._samples else self._started
-        self._samples.append(newest)
+        if not self._samples or now - self._samples[-1].at >= self.spacing_s:
+            self._samples.append(newest)
         return report(oldest, newest)
 
 

@@ -180,3 +180,15 @@ def test_playground_goes_through_the_real_pipeline(
         wrong = httpx.post(server.url + "/admin/ui/chat", json=body, headers={"x-admin-token": "nope"})
         assert wrong.status_code == 403
         assert len(upstream.requests) == 2
+
+
+def test_polling_the_stats_stores_a_bounded_number_of_samples(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    """``GET /admin/stats`` called as fast as a client can: the samples its answers are measured from stay
+    at most one per tenth of the window (and the newest), not one per call."""
+    with gateway_factory(base_config([upstream_url]), admin_token=TOKEN) as (app, server):
+        with httpx.Client(base_url=server.url, headers=AUTH) as client:
+            for _ in range(300):
+                assert client.get("/admin/stats").status_code == 200
+        assert len(app.state.live_stats._samples) <= 11

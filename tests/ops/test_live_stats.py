@@ -78,3 +78,20 @@ def test_statuses_counted_by_class_are_errors_too() -> None:
     m1 = stats.sample()["models"]["m1"]
     assert m1["requests_per_s"] == pytest.approx(5.0)
     assert m1["errors_per_s"] == pytest.approx(2.0)
+
+
+def test_polling_faster_than_the_window_keeps_a_bounded_number_of_samples() -> None:
+    """A caller polling every millisecond for 30 s of the stats' clock: at most 11 samples are held (one
+    per tenth of the 10 s window, and the newest), and each answer still covers the last window."""
+    now = [0.0]
+    metrics = Metrics()
+    stats = LiveStats(metrics, window_s=10, clock=lambda: now[0])
+    most = 0
+    for step in range(30_000):
+        now[0] = step / 1000
+        metrics.requests.labels("m1", "chat/completions", "200").inc()
+        report = stats.sample()
+        most = max(most, len(stats._samples))
+    assert most <= 11
+    assert 9.0 <= report["window_s"] <= 10.0
+    assert report["models"]["m1"]["requests_per_s"] == pytest.approx(1000.0, rel=0.01)
