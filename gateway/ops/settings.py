@@ -37,6 +37,14 @@ class Settings(BaseSettings):
         ),
     )
     admin_port: int | None = Field(None, ge=1, le=65535, description="serve /admin on its own port")
+    admin_hosts: str = Field(
+        "",
+        description=(
+            "comma-separated names the admin port answers in the Host header besides IP addresses and localhost "
+            "(e.g. the Service name Prometheus scrapes it by); any other Host gets a 421, so a web page on a "
+            "rebinding domain cannot read it through a browser"
+        ),
+    )
     forwarded_allow_ips: str = Field(
         "",
         description=(
@@ -124,6 +132,10 @@ class Settings(BaseSettings):
         from 127.0.0.1, so anything on the host could name any address)."""
         ips = self.forwarded_allow_ips.strip()
         return {"proxy_headers": bool(ips), "forwarded_allow_ips": ips or None}
+
+    def admin_host_names(self) -> list[str]:
+        """``admin_hosts`` as a list of names (empty entries dropped)."""
+        return [name.strip() for name in self.admin_hosts.split(",") if name.strip()]
 
     def server_options(self) -> dict[str, Any]:
         """uvicorn's options for every server the gateway runs (the public port, the admin port): the proxy

@@ -2,7 +2,9 @@
 
 On its own port it is a second FastAPI app and uvicorn server on the same event loop, sharing the app's
 state, so a reload through it changes what the public port serves; the public port then has no admin
-routes at all, so no Host header, path trick or proxy header can reach them there.
+routes at all, so no Host header, path trick or proxy header can reach them there. The admin port itself
+answers only IP literals, ``localhost`` and ``GATEWAY_ADMIN_HOSTS`` in ``Host`` (``admin_hosts``: DNS
+rebinding).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from gateway.server.admin_hosts import HostGuard, host_names
 from gateway.server.console.playground import playground_route
 from gateway.server.console.routes import console_router
 from gateway.server.errors_asgi import PathGuard, RequestIdTagger, install_error_handlers
@@ -50,7 +53,7 @@ def admin_port(state: AppState, assets: Any, playground: Any) -> AdminServer:
     include_admin_routes(api, assets, playground, token_required=False)
     assert settings.admin_port is not None
     return AdminServer(
-        PathGuard(RequestIdTagger(api)),
+        HostGuard(PathGuard(RequestIdTagger(api)), host_names(settings.admin_host_names())),
         settings.host,
         settings.admin_port,
         keepalive_timeout_s=settings.keepalive_timeout_s,

@@ -21,9 +21,11 @@ import yaml
 
 from gateway.engine.launch import build_argv, build_env
 from gateway.engine.spec import ManagedWorkerSpec, SpeculativeSpec
+from gateway.ops.settings import Settings
 from gateway.pipeline.config import load_config, parse_config
 from gateway.pipeline.registry import PluginRegistry
 from gateway.pipeline.validate import resolve_plugins
+from gateway.server.admin_hosts import host_allowed, host_names
 from tests.support.fakes import FakeUpstream, free_port
 from tests.support.tenancy import prefix
 
@@ -214,7 +216,11 @@ def test_prometheus_scrapes_the_compose_services() -> None:
     targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
     # The gateway's admin port: every series (its public /metrics sums models and workers away).
     assert targets == {"gateway:8001", "worker-cpu:8000"}
-    assert "8001" in compose()["services"]["gateway"]["environment"]["GATEWAY_ADMIN_PORT"]
+    environment = compose()["services"]["gateway"]["environment"]
+    assert "8001" in environment["GATEWAY_ADMIN_PORT"]
+    # The admin port answers a DNS name in Host only when it is listed: the one Prometheus scrapes it by.
+    listed = host_names(Settings(admin_hosts=environment.get("GATEWAY_ADMIN_HOSTS", "")).admin_host_names())
+    assert host_allowed("gateway:8001", listed)
     pods = yaml.safe_load((DEPLOY / "prometheus" / "kubernetes-pods.yml").read_text())
     labels = {r.get("target_label") for r in pods["scrape_configs"][0]["relabel_configs"]}
     assert {"namespace", "pod"} <= labels, "prometheus-adapter maps series to pods by these labels"
