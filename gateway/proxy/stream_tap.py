@@ -35,6 +35,7 @@ import orjson
 from gateway.pipeline.context import ModelResponse
 from gateway.proxy.answer import is_error_event
 from gateway.proxy.token_limit import length_end
+from gateway.wire.chat_answer import count
 from gateway.wire.streaming import (
     DONE_MARK,
     USAGE_MEMBER,
@@ -160,11 +161,12 @@ class StreamTap:
         return held
 
     def completion_tokens(self) -> int:
-        """The completion tokens the client was sent: the usage's when the worker reported it, else the
-        deltas that carried output."""
+        """The completion tokens the client was sent: the usage's when the worker reported a count (a
+        non-negative integer: a negative one would be billed as a credit), else the deltas that carried
+        output."""
         usage = self.usage
-        counted = usage.get("completion_tokens") if usage is not None else None
-        return counted if isinstance(counted, int) else self.tokens
+        counted = count(usage.get("completion_tokens")) if usage is not None else None
+        return counted if counted is not None else self.tokens
 
     def _take_usage(self, piece: bytes) -> bytes:
         """Keep the usage of the (whole) event that carries it; drop that event when the client did not

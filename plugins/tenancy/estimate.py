@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from gateway.wire.chat_answer import count
 from gateway.wire.protocol import requested_completion_tokens
 from plugins.tenancy.config import MediaTokens
 
@@ -178,12 +179,14 @@ def reserved_completion(endpoint: str, body: dict[str, Any]) -> int:
 
 def reported_usage(response: dict[str, Any]) -> tuple[int | None, int] | None:
     """(prompt, completion) tokens from the response's ``usage``; without usage (a stream that did not
-    ask for it) the prompt is unknown (None) and the completion is estimated from its text."""
+    ask for it), or with counts that are not non-negative integers (a faulty or hostile worker's negative
+    count would be billed as a credit), the prompt is unknown (None) and the completion is estimated
+    from its text."""
     usage = response.get("usage")
     if isinstance(usage, dict):
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens") or 0
-        if isinstance(prompt, int) and isinstance(completion, int):
+        prompt = count(usage.get("prompt_tokens"))
+        completion = count(usage.get("completion_tokens") or 0)
+        if prompt is not None and completion is not None:
             return prompt, completion
     choices = response.get("choices")
     text = response.get("text")

@@ -38,6 +38,7 @@ from gateway.pipeline.config import GatewayConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin, SideCall
 from gateway.pipeline.services import TENANT_OF, Services
+from gateway.wire.chat_answer import count
 from gateway.wire.errors import GatewayError, model_not_found
 from gateway.wire.protocol import requested_choices, requested_prompts
 from plugins.tenancy import estimate
@@ -395,5 +396,5 @@ class TenancyPlugin(Plugin):
             return admitted.answer
         if sent.stream_tokens == 0 and not (sent.complete or answered or ctx.client_gone):
             return 0, 0  # the worker cut it before any token went out: a failure, like an error before the first byte
-        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        return (prompt if isinstance(prompt, int) else admitted.prompt_estimate), sent.stream_tokens
+        prompt = count(usage.get("prompt_tokens")) if isinstance(usage, dict) else None  # a worker's -1: not believed
+        return (prompt if prompt is not None else admitted.prompt_estimate), sent.stream_tokens

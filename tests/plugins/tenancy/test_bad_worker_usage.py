@@ -1,0 +1,91 @@
+"""A worker's ``usage`` is believed only when its counts are non-negative integers: a faulty or hostile
+worker that answers negative (or non-integer) counts is not a credit to the tenant. The request's estimate
+(the prompt estimate, and the answer's text or the stream's token events) is charged instead, once,
+whether the answer is JSON or a stream. A scripted worker sends the exact bytes, against real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.plugins.tenancy.test_billing import HEADERS, MESSAGES, config, settled, usage
+from tests.support.fakes import ServerThread
+from tests.support.gateways import GatewayFactory
+from tests.support.scripted_worker import ScriptedWorker, chunk, completion
+from tests.support.tenancy import prefix
+
+__all__ = ["prefix"]  # the fixture, used by name
+
+PROMPT_ESTIMATE = 5  # "abcd" in one message: 1 token of text and 4 of the template
+BAD_USAGES = {
+    "negative": {"prompt_tokens": -1_000_000, "completion_tokens": -1_000_011, "total_tokens": -2_000_011},
+    "negative-completion": {"prompt_tokens": 5, "completion_tokens": -1_000_000, "total_tokens": -999_995},
+    "boolean": {"prompt_tokens": True, "completion_tokens": True, "total_tokens": 2},
+    "fractional": {"prompt_tokens": 2.5, "completion_tokens": 0.5, "total_tokens": 3.0},
+    "text": {"prompt_tokens": "5", "completion_tokens": "9", "total_tokens": "14"},
+}
+
+
+@pytest.fixture
+def scripted(gateway_factory: GatewayFactory, prefix: str) -> Iterator[tuple[ScriptedWorker, ServerThread]]:
+    worker = ScriptedWorker()
+    with ServerThread(worker) as upstream:
+        cfg = config(prefix, upstream.url, {"tokens_per_day": 1000})
+        with gateway_factory(cfg, admin_token="adm") as (_, gateway):
+            yield worker, gateway
+
+
+def _charged(gateway: ServerThread, *, stream: bool) -> dict[str, Any]:
+    body = {"model": "m1", "messages": MESSAGES, "max_tokens": 16, "stream": stream}
+    reply = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=30)
+    assert reply.status_code == 200, reply.text
+    if stream:
+        assert reply.text.rstrip().endswith("data: [DONE]")
+    # Settled once the 16 tokens reserved beyond the estimate are given back.
+    return settled(gateway, lambda d: d["requests"] == 1 and d["tokens"] < PROMPT_ESTIMATE + 16)
+
+
+@pytest.mark.parametrize("bad", BAD_USAGES.values(), ids=BAD_USAGES.keys())
+def test_an_answers_bad_usage_is_ignored_and_its_estimate_charged(
+    scripted: tuple[ScriptedWorker, ServerThread], bad: dict[str, Any]
+) -> None:
+    worker, gateway = scripted
+    worker.body = completion(usage=bad)  # "Hello": 2 tokens by its text
+    day = _charged(gateway, stream=False)
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (PROMPT_ESTIMATE, 2, PROMPT_ESTIMATE + 2)
+
+
+@pytest.mark.parametrize("bad", BAD_USAGES.values(), ids=BAD_USAGES.keys())
+def test_a_streams_bad_usage_is_ignored_and_its_estimate_charged(
+    scripted: tuple[ScriptedWorker, ServerThread], bad: dict[str, Any]
+) -> None:
+    worker, gateway = scripted
+    worker.events = [
+        chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}),
+        chunk({"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}),
+        chunk({"index": 0, "delta": {"content": "lo"}, "finish_reason": None}),
+        chunk({"index": 0, "delta": {}, "finish_reason": "stop"}),
+        chunk(None, usage=bad),
+        b"[DONE]",
+    ]
+    day = _charged(gateway, stream=True)
+    # The two events that carried text are the completion's tokens.
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (PROMPT_ESTIMATE, 2, PROMPT_ESTIMATE + 2)
+
+
+def test_a_budget_is_never_credited_by_negative_usage(scripted: tuple[ScriptedWorker, ServerThread]) -> None:
+    """Ten answers claiming -2,000,011 tokens each leave the day's budget spent by their estimates, and
+    used only upward: no request ever makes room for more."""
+    worker, gateway = scripted
+    worker.body = completion(usage=BAD_USAGES["negative"])
+    seen = []
+    for done in range(1, 11):
+        body = {"model": "m1", "messages": MESSAGES, "max_tokens": 16}
+        reply = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=30)
+        assert reply.status_code == 200, reply.text
+        seen.append(settled(gateway, lambda d, n=done: d["requests"] == n and d["tokens"] <= 7 * n)["tokens"])
+    assert seen == [7 * n for n in range(1, 11)]
+    assert usage(gateway)["tokens"] == 70
