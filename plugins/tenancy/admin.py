@@ -2,7 +2,9 @@
 
 - ``create_key`` ``{"tenant", "id"?, "models"?, "limits"?}``: stores a new key and returns it, the only
   time it is ever shown.
-- ``revoke_key`` ``{"id"}``: deletes a key created here; every replica refuses it within a second.
+- ``revoke_key`` ``{"id"}``: deletes a key created here; every replica refuses it within a second. A key
+  config.yaml declares is removed there; a created key whose id a later config.yaml reuses is still
+  revoked here (the config's key stays, and the answer says so).
 - ``list_keys``: ids, tenants and where each key is defined (never keys or digests).
 - ``usage`` ``{"key_id"}`` or ``{"tenant"}``: tokens and requests in the current UTC day and month,
   with the budgets and when they reset.
@@ -114,14 +116,24 @@ class TenancyAdmin:
         }
 
     async def revoke_key(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Revoke the key created here under ``id``. A config.yaml loaded after it was created may declare
+        a key with the same id (``create_key`` refuses only ids the running config has): the created key
+        is revoked all the same, and the answer says the config's stays; a config key alone is a 400."""
         ref = _parse(KeyRef, body)
-        if self._keys.config_key(ref.id) is not None:
+        declared = self._keys.config_key(ref.id) is not None
+        if await self._keys.revoke(ref.id):
+            if not declared:
+                return {"id": ref.id, "revoked": True}
+            return {
+                "id": ref.id,
+                "revoked": True,
+                "note": f"config.yaml also declares a key '{ref.id}': it stays valid until removed there and reloaded.",
+            }
+        if declared:
             raise InvalidRequest(
                 f"Key '{ref.id}' is defined in config.yaml; remove it there and reload.", param="id", code="config_key"
             )
-        if not await self._keys.revoke(ref.id):
-            raise NotFound(f"No key with id '{ref.id}'.", param="id", code="key_not_found")
-        return {"id": ref.id, "revoked": True}
+        raise NotFound(f"No key with id '{ref.id}'.", param="id", code="key_not_found")
 
     async def list_keys(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"keys": await self._keys.list()}

@@ -178,3 +178,38 @@ def test_keys_never_appear_in_logs_or_metrics(
     for secret in secrets:
         assert secret not in metrics
         assert not [line for line in lines if secret in line]
+
+
+def test_a_created_key_whose_id_a_later_config_declares_can_still_be_revoked(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    """``create_key`` refuses an id the running config declares, but a config loaded afterwards may take
+    the id of a key created before it: revoking that id revokes the created key (which would otherwise
+    keep working with no way to stop it), and the config's key stays valid until removed there."""
+    with gateway_factory(tenancy(prefix, upstream_url), admin_token=ADMIN) as (_, server):
+        created = admin(server, "create_key", {"tenant": "team-a", "id": "shared-id"})
+        assert created.status_code == 200, created.text
+        made = created.json()["result"]["key"]
+        declared = "sk-gw-declared-later-in-config"
+        keys = [{"id": "shared-id", "tenant": "team-b", "hash": hash_key(declared, PEPPER.encode())}]
+        reloaded = httpx.put(
+            server.url + "/admin/config",
+            json=tenancy(prefix, upstream_url, keys=keys),
+            headers={"authorization": f"Bearer {ADMIN}"},
+        )
+        assert reloaded.status_code == 200, reloaded.text
+        assert chat(server, made).status_code == 200
+        assert chat(server, declared).status_code == 200
+
+        revoked = admin(server, "revoke_key", {"id": "shared-id"})
+        assert revoked.status_code == 200, revoked.text
+        assert revoked.json()["result"]["revoked"] is True
+        assert "config.yaml also declares" in revoked.json()["result"]["note"]
+        refused = chat(server, made)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert chat(server, declared).status_code == 200
+        listed = admin(server, "list_keys", {}).json()["result"]["keys"]
+        assert listed == [{"id": "shared-id", "tenant": "team-b", "source": "config"}]
+        # Nothing created is left under the id: the config's key is removed in config.yaml.
+        again = admin(server, "revoke_key", {"id": "shared-id"})
+        assert again.status_code == 400 and again.json()["error"]["code"] == "config_key"
