@@ -39,6 +39,7 @@ from gateway.wire.errors import InvalidRequest, ServiceUnavailable
 from plugins.guided_json.bounds import BoundsPusher
 from plugins.guided_json.config import GuidedJSONConfig
 from plugins.guided_json.forms import Constraint
+from plugins.guided_json.patterns import compile_pattern, linear_validator
 from plugins.guided_json.schemas import GENERIC_OBJECT, SchemaProblem, bound_free_form, check_structure, validator
 from plugins.guided_json.states import CompilerBusy, count_states, start_server
 
@@ -78,6 +79,14 @@ def _expanded_size(items: Any) -> int:
     return total
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a constraint cannot be enforced, and the error code that says so; remembered like a result."""
+
+    reason: str
+    code: str = "invalid_guided_request"
+
+
 class Compiler:
     """Turns a ``Constraint`` into a ``Compiled`` synchronously (call it in a worker thread)."""
 
@@ -113,7 +122,7 @@ class Compiler:
             size = len(orjson.dumps(schema))
             if size > cfg.max_schema_bytes:
                 raise SchemaProblem(f"it is too large: {size} bytes (the limit is {cfg.max_schema_bytes})")
-            checker = validator(schema)
+            checker = linear_validator(schema)
             check_structure(schema, cfg.max_schema_nodes)
             decoding = bound_free_form(schema)
         whitespace = constraint.whitespace if constraint.whitespace is not None else cfg.whitespace_pattern
@@ -143,14 +152,11 @@ class Compiler:
         return regex, check
 
     def _regex(self, pattern: str) -> tuple[str, Checker]:
-        try:
-            compiled = re.compile(pattern)
-        except re.error as exc:
-            raise SchemaProblem(f"it is not a valid regular expression: {exc}") from None
+        compiled = compile_pattern(pattern, "it")  # RE2: an answer is checked in linear time
         self._check_regex_size(pattern)
 
         def check(text: str) -> str | None:
-            return None if compiled.fullmatch(text) else "the answer does not match the regular expression"
+            return None if compiled.fullmatch(text) is not None else "the answer does not match the regular expression"
 
         return pattern, check
 
@@ -199,8 +205,8 @@ class CompileCache:
     """
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[str, Compiled | str] = OrderedDict()
-        self._pending: dict[str, asyncio.Task[Compiled | str]] = {}
+        self._entries: OrderedDict[str, Compiled | Refusal] = OrderedDict()
+        self._pending: dict[str, asyncio.Task[Compiled | Refusal]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-json-compile")
         self._config: GuidedJSONConfig | None = None
         self._compiler: Compiler | None = None
@@ -216,7 +222,7 @@ class CompileCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, key: str) -> Compiled | str | None:
+    def lookup(self, key: str) -> Compiled | Refusal | None:
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
@@ -239,18 +245,18 @@ class CompileCache:
                 entry = await asyncio.wait_for(asyncio.shield(task), WALL_FACTOR * config.compile_timeout_ms / 1000)
             except TimeoutError:  # the compile goes on (shielded), and its result is kept for the retry
                 raise _busy() from None
-        if isinstance(entry, str):
+        if isinstance(entry, Refusal):
             what = "regular expression" if constraint.kind == "regex" else f"{constraint.kind} constraint"
             if constraint.kind == "json":
                 what = "JSON schema"
             raise InvalidRequest(
-                f"The {what} in '{constraint.param}' cannot be enforced: {entry}.",
+                f"The {what} in '{constraint.param}' cannot be enforced: {entry.reason}.",
                 param=constraint.param.split(".")[0],
-                code="invalid_guided_request",
+                code=entry.code,
             )
         return entry, hit
 
-    async def _compile(self, compiler: Compiler, constraint: Constraint, key: str) -> Compiled | str:
+    async def _compile(self, compiler: Compiler, constraint: Constraint, key: str) -> Compiled | Refusal:
         """Compile in the thread and remember the outcome; ``ServiceUnavailable`` (not remembered) when
         the thread does not take it up in time, or the machine is too busy for a verdict."""
         loop = asyncio.get_running_loop()
@@ -269,15 +275,15 @@ class CompileCache:
             future.cancel()
             raise _busy() from None
         try:
-            result: Compiled | str = await future
+            result: Compiled | Refusal = await future
         except SchemaProblem as problem:
-            result = str(problem)
+            result = Refusal(str(problem), problem.code)
         except CompilerBusy:
             raise _busy() from None
         self._remember(key, result)
         return result
 
-    def _remember(self, key: str, entry: Compiled | str) -> None:
+    def _remember(self, key: str, entry: Compiled | Refusal) -> None:
         assert self._config is not None
         self._entries[key] = entry
         self._entries.move_to_end(key)

@@ -40,18 +40,27 @@ _CHILD_NODES = ("items", "additionalProperties", "not", "if", "then", "else", "c
 
 
 class SchemaProblem(ValueError):
-    """Why a schema is refused, in words a client can act on."""
+    """Why a schema is refused, in words a client can act on; ``code`` is the error code it gets."""
+
+    code = "invalid_guided_request"
 
 
-def validator(schema: dict[str, Any]) -> Validator:
-    """A validator for ``schema`` (its ``$schema`` draft, 2020-12 by default) after checking the schema."""
-    cls = validator_for(schema, default=Draft202012Validator)
+def checked_validator_class(schema: dict[str, Any]) -> type[Validator]:
+    """The validator class of ``schema``'s ``$schema`` draft (2020-12 by default), once the schema has
+    been checked against that draft's metaschema."""
+    cls: type[Validator] = validator_for(schema, default=Draft202012Validator)
     try:
         cls.check_schema(schema)
     except SchemaError as exc:  # check_schema already raises the most relevant error
         where = "/".join(str(p) for p in exc.path) or "(top level)"
         raise SchemaProblem(f"it is not a valid JSON schema at {where}: {exc.message}") from None
-    return cls(schema)
+    return cls
+
+
+def validator(schema: dict[str, Any]) -> Validator:
+    """A validator for ``schema`` after checking the schema (for the gateway's own schemas: a client's
+    goes through ``patterns.linear_validator``, whose patterns run on RE2)."""
+    return checked_validator_class(schema)(schema)
 
 
 def _resolve(root: dict[str, Any], ref: str) -> Any:
