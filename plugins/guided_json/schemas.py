@@ -116,7 +116,12 @@ def check_structure(schema: dict[str, Any], max_nodes: int) -> None:
                 raise SchemaProblem(
                     f"it is recursive ($ref '{ref}' refers back to itself); recursive schemas cannot be enforced"
                 )
-            stack.append((_resolve(schema, ref), (*chain, ref)))
+            target = _resolve(schema, ref)
+            if not isinstance(target, dict | bool):  # jsonschema would fail on it only when an answer is checked
+                raise SchemaProblem(
+                    f"$ref '{ref}' points at a {type(target).__name__}, not a schema; a $ref must point at a schema"
+                )
+            stack.append((target, (*chain, ref)))
         stack.extend((child, chain) for child in _children(node) if isinstance(child, dict | list))
 
 

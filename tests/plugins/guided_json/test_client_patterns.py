@@ -4,6 +4,8 @@
   worker's answer on the event loop: with a backtracking engine, ``(a|aa)*c`` against 36 ``a``s held the
   loop for about 3 s (every other request waited). They run on RE2 now; what RE2 cannot run is a 400
   ``unsupported_regex`` before anything reaches a worker.
+- A ``$ref`` that points at something other than a schema is a 400 at request time (it was a 503
+  once the worker had answered).
 """
 
 from __future__ import annotations
@@ -188,3 +190,23 @@ def test_a_pattern_inside_an_enum_value_is_data_not_a_pattern(guided: ServerThre
     upstream.behavior.text = '{"pattern": "(?=x)"}'
     reply = _chat(guided, **_schema({"enum": [{"pattern": "(?=x)"}]}))
     assert reply.status_code == 200, reply.text
+
+
+#: Beside ``properties`` outlines ignores the ``$ref`` and compiles the rest; jsonschema then failed on the
+#: answer (a 503 once the worker had answered).
+_SHAPE = {"type": "object", "properties": {"x": {"type": "string", "maxLength": 3}}, "required": ["x"]}
+
+
+@pytest.mark.parametrize(
+    "ref", ["#/properties/x/type", "#/required", "#/properties/x/maxLength"], ids=["string", "list", "number"]
+)
+def test_a_ref_to_something_that_is_not_a_schema_is_refused_at_request_time(
+    guided: ServerThread, upstream: FakeUpstream, ref: str
+) -> None:
+    upstream.behavior.text = '{"x": "a"}'
+    reply = _chat(guided, **_schema({**_SHAPE, "$ref": ref}))
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_guided_request", "response_format")
+    assert "not a schema" in error["message"]
+    assert upstream.requests == []
