@@ -251,7 +251,7 @@ class CompileCache:
                 what = "JSON schema"
             raise InvalidRequest(
                 f"The {what} in '{constraint.param}' cannot be enforced: {entry.reason}.",
-                param=constraint.param.split(".")[0],
+                param=constraint.field,
                 code=entry.code,
             )
         return entry, hit

@@ -41,12 +41,18 @@ _SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 @dataclass(frozen=True, slots=True)
 class Constraint:
     """What the client asked for. ``value``: a schema dict (None = any JSON object), a regex, a list of
-    choices or a grammar. ``param`` names the request field it came from, for error messages."""
+    choices or a grammar. ``param`` names where in the request it came from, for error messages."""
 
     kind: Kind
     value: Any
     param: str
     whitespace: str | None = None  # the client's own whitespace pattern, if it gave one
+    error_param: str | None = None  # a refusal's ``param``; None: the top-level field, param's first part
+
+    @property
+    def field(self) -> str:
+        """What a refusal names as its ``param``."""
+        return self.error_param or self.param.split(".")[0]
 
     def key(self, default_whitespace: str) -> str:
         """A stable hash of everything that changes the compiled result (key order does not)."""
@@ -149,6 +155,26 @@ def normalise(body: dict[str, Any]) -> Constraint | None:
         names = ", ".join(c.param for c in found)
         raise _refuse(f"Only one output constraint may be given per request (got {names}).", found[1].param)
     return found[0] if found else None
+
+
+def forced_tool(body: dict[str, Any]) -> Constraint | None:
+    """The ``parameters`` schema of the function ``tool_choice`` names, or None.
+
+    The worker decodes a forced call under that schema as guided output (vLLM compiles it as it would a
+    ``response_format`` schema), so it goes through the same compile budgets at the gateway. The body is
+    left as it is: the worker needs the tool, and its answer is a tool call."""
+    choice = body.get("tool_choice")
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    tools = body.get("tools")
+    if name is None or not isinstance(tools, list):
+        return None
+    for i, tool in enumerate(tools):
+        spec = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(spec, dict) and spec.get("name") == name and spec.get("parameters") is not None:
+            param = f"tools[{i}].function.parameters"
+            return Constraint("json", _schema_value(spec["parameters"], param), param, error_param=param)
+    return None
 
 
 def rewrite(body: dict[str, Any], upstream: dict[str, Any]) -> None:

@@ -6,7 +6,8 @@ enforce constraints (``probe``), then rewrite the body into the one form vLLM 0.
 ``on_response``: check every answer (``validate``): a cut answer goes back as it is (finish_reason
 ``length``; retried once first only when the client set no token limit and it was not streamed; a
 stream that would have been is marked ``Cache-Control: no-store``), an invalid complete one is refused
-with a 422.
+with a 422. A forced tool call's ``parameters`` schema (``tool_choice`` naming a function: the worker decodes
+the call under it) is compiled under the same budgets, for its refusal only; the body keeps the tool.
 
 The cache plugin runs before this one (a config that lists this one first is refused:
 ``replaces_answers``), so its key is computed from the client's own fields and it only stores answers
@@ -28,7 +29,7 @@ from gateway.upstream.client import UpstreamFailure
 from gateway.wire.errors import GatewayError, ServiceUnavailable, from_upstream
 from plugins.guided_json.compile import CompileCache, Compiled
 from plugins.guided_json.config import GuidedJSONConfig
-from plugins.guided_json.forms import normalise, rewrite
+from plugins.guided_json.forms import Constraint, forced_tool, normalise, rewrite
 from plugins.guided_json.probe import CapabilityTable
 from plugins.guided_json.validate import error_for, find_problems, retry_budget, with_budget
 
@@ -93,22 +94,31 @@ class GuidedJSONPlugin(Plugin):
         self.shared = shared
 
     async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
-        constraint = normalise(ctx.body) if ctx.endpoint in _GUIDED_ENDPOINTS else None
+        guided = ctx.endpoint in _GUIDED_ENDPOINTS
+        tool = forced_tool(ctx.body) if guided else None
+        if tool is not None:  # the worker decodes the call under it: the same budgets as response_format's
+            await self._compile(tool)
+        constraint = normalise(ctx.body) if guided else None
         if constraint is None:
             ctx.step_aside(self)  # nothing to check on the way back
             return None
-        try:
-            compiled, cached = await self.shared.compiles.get(constraint)
-        except GatewayError as error:
-            self.shared.compile_outcomes.labels("refused").inc()
-            raise error
-        self.shared.compile_outcomes.labels("cached" if cached else "compiled").inc()
+        compiled = await self._compile(constraint)
         if self.config.probe:
             await self._require_capable_workers(ctx)
         rewrite(ctx.body, compiled.upstream)
         ctx.mark_body_changed()
         ctx.state[self.name] = compiled
         return None
+
+    async def _compile(self, constraint: Constraint) -> Compiled:
+        """The compiled constraint (from the cache, or compiled under the budgets); a refusal is raised."""
+        try:
+            compiled, cached = await self.shared.compiles.get(constraint)
+        except GatewayError as error:
+            self.shared.compile_outcomes.labels("refused").inc()
+            raise error
+        self.shared.compile_outcomes.labels("cached" if cached else "compiled").inc()
+        return compiled
 
     async def _require_capable_workers(self, ctx: RequestContext) -> None:
         """Probe the model's workers once; refuse rather than send a constraint a worker would ignore."""

@@ -6,6 +6,8 @@
   ``unsupported_regex`` before anything reaches a worker.
 - A ``$ref`` that points at something other than a schema is a 400 at request time (it was a 503
   once the worker had answered).
+- A forced tool call's ``parameters`` schema (the worker decodes the call under it) goes through the
+  same compile budgets as the same schema in ``response_format``.
 """
 
 from __future__ import annotations
@@ -210,3 +212,46 @@ def test_a_ref_to_something_that_is_not_a_schema_is_refused_at_request_time(
     assert (error["code"], error["param"]) == ("invalid_guided_request", "response_format")
     assert "not a schema" in error["message"]
     assert upstream.requests == []
+
+
+def _forced(parameters: Any) -> dict[str, Any]:
+    tools = [
+        {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "f", "parameters": parameters}},
+    ]
+    return {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}
+
+
+# Refused in response_format by test_schema_bombs; the same refusal for a forced tool's parameters.
+TOOL_BOMBS = [
+    {"type": "object", "properties": {"s": {"type": "string", "pattern": "(a|b)*a(a|b){24}"}}},  # 2**24 states
+    {"type": "array", "items": {"type": "integer"}, "minItems": 100_000},
+    {"type": "object", "properties": {"s": {"type": "string", "pattern": "(?=a)a"}}},
+    {**_SHAPE, "$ref": "#/properties/x/type"},
+]
+
+
+@pytest.mark.parametrize("parameters", TOOL_BOMBS, ids=["dfa-blowup", "min-items", "lookahead", "ref-to-string"])
+def test_a_forced_tool_schema_is_refused_as_the_same_response_format_schema_is(
+    guided: ServerThread, upstream: FakeUpstream, parameters: dict[str, Any]
+) -> None:
+    as_tool = _chat(guided, **_forced(parameters))  # first: compiled for the tool, not found in the cache
+    as_format = _chat(guided, **_schema(parameters))
+    assert as_format.status_code == as_tool.status_code == 400, (as_format.text, as_tool.text)
+    expected, got = as_format.json()["error"], as_tool.json()["error"]
+    assert got["param"] == "tools[1].function.parameters"
+    assert (got["type"], got["code"]) == (expected["type"], expected["code"])
+    assert got["message"] == expected["message"].replace("'response_format'", "'tools[1].function.parameters'")
+    assert upstream.requests == []
+
+
+def test_a_forced_tool_with_a_sound_schema_goes_to_the_worker_unchanged(
+    guided: ServerThread, upstream: FakeUpstream
+) -> None:
+    fields = _forced({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    upstream.behavior.tool_calls = [{"id": "call_1", "name": "f", "arguments": '{"city": "Paris"}'}]
+    reply = _chat(guided, **fields)
+    assert reply.status_code == 200, reply.text
+    sent = upstream.requests[-1].body
+    assert (sent["tools"], sent["tool_choice"]) == (fields["tools"], fields["tool_choice"])
+    assert "structured_outputs" not in sent  # the worker builds the call's constraint from the tool itself
