@@ -39,7 +39,7 @@ from gateway.wire.errors import InvalidRequest, ServiceUnavailable
 from plugins.guided_json.bounds import BoundsPusher
 from plugins.guided_json.config import GuidedJSONConfig
 from plugins.guided_json.forms import Constraint
-from plugins.guided_json.patterns import compile_pattern, linear_validator
+from plugins.guided_json.patterns import compile_pattern, linear_validator, utf8
 from plugins.guided_json.schemas import GENERIC_OBJECT, SchemaProblem, bound_free_form, check_structure, validator
 from plugins.guided_json.states import CompilerBusy, count_states, start_server
 
@@ -156,7 +156,9 @@ class Compiler:
         self._check_regex_size(pattern)
 
         def check(text: str) -> str | None:
-            return None if compiled.fullmatch(text) is not None else "the answer does not match the regular expression"
+            if compiled.fullmatch(utf8(text)) is None:
+                return "the answer does not match the regular expression"
+            return None
 
         return pattern, check
 
