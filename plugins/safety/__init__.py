@@ -1,12 +1,14 @@
 """Safety: screen prompts before they reach cache or engine, and optionally check completions.
 
 On the way in (``on_request``), in this order, all per model: shape limits (body bytes, messages,
-max_tokens, n, tools, JSON depth), prompt characters, the input rules (block, redact or log) over every
-text the model will read (``texts.py``), normalised (``normalize.py``) and joined across messages and
-parts (``scan.py``), prompt tokens (counted only when the prompt could be over the limit), then the
-optional classifier. A block is a 400 ``content_filter`` naming the rule, with zero upstream calls; a
-redaction rewrites the body that goes upstream. Every hit is counted per rule and written as an audit
-line without the text (``report.py``: its length, and a keyed hash only when a key is set).
+max_tokens, n, tools, JSON depth), a prompt given as token ids (refused where a rule or the classifier
+would have to read its text: the gateway cannot decode ids), prompt characters, the input rules (block,
+redact or log) over every text the model will read (``texts.py``), normalised (``normalize.py``) and
+joined across messages and parts (``scan.py``), prompt tokens (counted only when the prompt could be
+over the limit; token ids one each), then the optional classifier. A block is a 400 ``content_filter``
+naming the rule, with zero upstream calls; a redaction rewrites the body that goes upstream. Every hit
+is counted per rule and written as an audit line without the text (``report.py``: its length, and a
+keyed hash only when a key is set).
 
 ``POST /tokenize`` and ``/detokenize`` run no rules (nothing is generated) but get the same limits
 (``on_side_request``, ``side.py``).
@@ -32,11 +34,18 @@ from plugins.safety.config import SafetyConfig
 from plugins.safety.limits import TokenCounter, check_chars, check_shape, check_tokens, may_exceed_tokens
 from plugins.safety.output import StreamGuard
 from plugins.safety.policy import Policies, Policy
-from plugins.safety.report import SafetyMetrics, audit, content_filter
+from plugins.safety.report import SafetyMetrics, audit, content_filter, token_ids_refused
 from plugins.safety.rules import Hit, Rule
 from plugins.safety.scan import clip, redact_texts, scan_texts
 from plugins.safety.side import bound_side_call
-from plugins.safety.texts import ANSWER_TEXT_FIELDS, TextSlot, completion_slots, content_param, prompt_slots
+from plugins.safety.texts import (
+    ANSWER_TEXT_FIELDS,
+    TextSlot,
+    completion_slots,
+    content_param,
+    prompt_slots,
+    prompt_token_ids,
+)
 
 __all__ = ["OutputSafetyPlugin", "SafetyConfig", "SafetyPlugin"]
 
@@ -44,6 +53,8 @@ log = logging.getLogger("gateway.safety")
 _STREAM = "safety.stream"
 _FIELDS = "safety.fields"  # per choice index: the reasoning/refusal fields held
 _TOOL_CALLS = "safety.tool_calls"  # per choice index: the indices of the tool calls that hold arguments back
+#: Refusals on the way in that are not a limit (not counted in ``gateway_safety_limit_refusals``).
+_NOT_LIMIT_CODES = frozenset({None, "content_filter", "tokenizer_unavailable", "token_ids_not_allowed"})
 
 
 class SafetyPlugin(Plugin):
@@ -94,15 +105,19 @@ class SafetyPlugin(Plugin):
         try:
             check_shape(limits, ctx.body, ctx.raw_body, param)
             slots = prompt_slots(ctx.endpoint, ctx.body)
+            ids = prompt_token_ids(ctx.endpoint, ctx.body)
+            if ids and (policy.input or self.classifier is not None):
+                raise token_ids_refused(param)  # text no rule can read must not pass as if it were clean
             if limits.max_prompt_chars is not None:
                 check_chars(limits, sum(len(s.text) for s in slots), param)
             if policy.input:
                 self._apply_input_rules(ctx, policy, slots, param)
-            if policy.tokenizer is not None and may_exceed_tokens(limits, sum(len(s.text.encode()) for s in slots)):
-                await check_tokens(limits, self.tokens, policy.tokenizer, [s.text for s in slots], param)
+            tokenizer = policy.tokenizer
+            if tokenizer is not None and may_exceed_tokens(limits, ids + sum(len(s.text.encode()) for s in slots)):
+                await check_tokens(limits, self.tokens, tokenizer, [s.text for s in slots], param, ids=ids)
         except Exception as exc:
             param_name = getattr(exc, "param", None)
-            if getattr(exc, "code", None) not in (None, "content_filter", "tokenizer_unavailable"):
+            if getattr(exc, "code", None) not in _NOT_LIMIT_CODES:
                 self.metrics.limit_refusals.labels(param_name or "-").inc()
             raise
         if self.classifier is not None and slots:

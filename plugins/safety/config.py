@@ -30,7 +30,10 @@ class LimitsConfig(_Strict):
     max_messages: int | None = Field(None, ge=1, description="most messages in a chat request")
     max_prompt_chars: int | None = Field(None, ge=1, description="longest prompt text, in characters")
     max_prompt_tokens: int | None = Field(
-        None, ge=1, description="counted with the model's tokenizer on the prompt text (chat template excluded)"
+        None,
+        ge=1,
+        description="counted with the model's tokenizer on the prompt text (chat template excluded); "
+        "a prompt given as token ids counts one token per id",
     )
     max_tokens: int | None = Field(None, ge=1, description="applies to max_tokens and max_completion_tokens")
     max_n: int | None = Field(None, ge=1, description="largest n (choices per request)")

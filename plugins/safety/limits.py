@@ -4,7 +4,8 @@ JSON nesting depth. Each failure is a 400 whose ``param`` names the field to cha
 Prompt tokens are counted with the model's own tokenizer (``tokenizers``, off the event loop), and
 only when the prompt could be over the limit: a byte-level tokenizer never makes more tokens than the
 text has UTF-8 bytes (+1 for a leading marker), so a prompt of at most ``max_prompt_tokens - 1`` bytes
-is never counted. The count covers the prompt text, not the chat template's own tokens.
+is never counted. The count covers the prompt text, not the chat template's own tokens. A prompt given
+as token ids counts one token per id, without the tokenizer.
 """
 
 from __future__ import annotations
@@ -121,9 +122,15 @@ class TokenCounter:
         return sum(len(e.ids) for e in encodings)
 
 
-async def check_tokens(limits: LimitsConfig, counter: TokenCounter, path: str, texts: list[str], param: str) -> None:
+async def check_tokens(
+    limits: LimitsConfig, counter: TokenCounter, path: str, texts: list[str], param: str, *, ids: int = 0
+) -> None:
+    """Raise when ``texts`` (counted with the tokenizer at ``path``) and ``ids`` token ids given as such
+    (one token each) are together over ``max_prompt_tokens``. Ids alone over it need no tokenizer."""
     assert limits.max_prompt_tokens is not None
-    tokens = await counter.count(path, texts)
+    tokens = ids
+    if tokens <= limits.max_prompt_tokens and texts:
+        tokens += await counter.count(path, texts)
     if tokens > limits.max_prompt_tokens:
         raise limit_error(
             f"The prompt has {tokens} tokens; this model accepts at most {limits.max_prompt_tokens}.",

@@ -89,3 +89,14 @@ def content_filter(rule_id: str, param: str) -> InvalidRequest:
         param=param,
         code="content_filter",
     )
+
+
+def token_ids_refused(param: str) -> InvalidRequest:
+    """The refusal of a prompt given as token ids where a rule must read the prompt's text: the gateway
+    has no tokenizer to decode the ids with, so their text cannot be checked."""
+    return InvalidRequest(
+        f"'{param}' is given as token ids, which this model's content policy cannot check: the gateway reads "
+        f"prompts as text and does not decode token ids. Send '{param}' as text.",
+        param=param,
+        code="token_ids_not_allowed",
+    )

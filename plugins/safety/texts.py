@@ -186,6 +186,34 @@ def prompt_slots(endpoint: str, body: dict[str, Any]) -> list[TextSlot]:
     return slots
 
 
+#: The endpoints that take a prompt as token ids, and the field that carries them (vLLM reads a list of
+#: ints as one prompt's ids and a list of such lists as a batch of prompts).
+_TOKEN_ID_FIELDS = {"completions": "prompt", "embeddings": "input", "classify": "input", "pooling": "input"}
+
+
+def prompt_token_ids(endpoint: str, body: dict[str, Any]) -> int:
+    """How many token ids the request gives its prompt as (0: none, every prompt is text).
+
+    ``prompt_slots`` has no text for them (the gateway has no tokenizer to decode ids with): the caller
+    counts them against the token limit, and refuses them where a rule would have to read their text.
+    Any int in the list, or in a list inside it, counts, wherever it stands: vLLM's request models read
+    ``["5", 6]`` as the ids 5 and 6 (a digit string is coerced to an int), so a list is not taken for
+    text by its first element alone."""
+    name = _TOKEN_ID_FIELDS.get(endpoint)
+    value = body.get(name) if name is not None else None
+    if type(value) is not list or not value:
+        return 0
+    if type(value[0]) is int:  # one prompt's ids: the usual form, counted without a loop
+        return len(value)
+    count = 0
+    for item in value:
+        if type(item) is int:
+            count += 1
+        elif type(item) is list and any(type(t) is int for t in item):
+            count += len(item)
+    return count
+
+
 def _is_conversation(value: object) -> bool:
     """A list of chat messages (dicts with a string role), as vLLM tells chat embeddings apart."""
     return (

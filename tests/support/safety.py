@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import orjson
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from gateway.ops.metrics import Metrics
 from gateway.ops.settings import Settings
@@ -89,3 +91,14 @@ def finish_reasons(events: list[dict[str, Any] | str]) -> list[str]:
 def services() -> Services:
     """Process services for building a plugin outside a gateway (no I/O until used)."""
     return Services(Settings(), UpstreamClient(UpstreamConfig()), WorkerTable(), Metrics())
+
+
+def word_tokenizer(path: Path) -> str:
+    """A real tokenizer.json (word level, whitespace split) written into ``path``, made here instead of
+    downloaded: one token per word, the known words ``one`` to ``seven``."""
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(["one", "two", "three", "four", "five", "six", "seven"])}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    file = path / "tokenizer.json"
+    tokenizer.save(str(file))
+    return str(file)

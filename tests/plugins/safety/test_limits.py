@@ -10,13 +10,12 @@ from typing import Any
 import httpx
 import pytest
 from pydantic import ValidationError
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from gateway.pipeline.config import GatewayConfig
 from plugins.safety import SafetyConfig, SafetyPlugin
 from tests.support.fakes import FakeUpstream, ServerThread
 from tests.support.gateways import GatewayFactory, base_config
-from tests.support.safety import chat, safety, services
+from tests.support.safety import chat, safety, services, word_tokenizer
 
 LIMITS = {
     "max_body_bytes": 4000,
@@ -95,21 +94,11 @@ def test_per_model_limits_override_the_default(
             assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=10).status_code == status
 
 
-def _word_tokenizer(path: Path) -> str:
-    """A real tokenizer.json (word level, whitespace split), made here instead of downloaded."""
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(["one", "two", "three", "four", "five", "six", "seven"])}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    file = path / "tokenizer.json"
-    tokenizer.save(str(file))
-    return str(file)
-
-
 def test_prompt_tokens_are_counted_with_the_model_tokenizer(
     gateway_factory: GatewayFactory, upstream_url: str, upstream: FakeUpstream, tmp_path: Path
 ) -> None:
     (tmp_path / "m1").mkdir()
-    _word_tokenizer(tmp_path / "m1")
+    word_tokenizer(tmp_path / "m1")
     config = {"limits": {"max_prompt_tokens": 10}, "tokenizer": str(tmp_path / "{model}" / "tokenizer.json")}
     with gateway_factory(base_config([upstream_url], plugins=safety(config))) as (_, server):
         # 12 words but 23 characters of long-ish words: over 10 tokens.
