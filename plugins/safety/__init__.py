@@ -40,6 +40,7 @@ from plugins.safety.scan import clip, redact_texts, scan_texts
 from plugins.safety.side import bound_side_call
 from plugins.safety.texts import (
     ANSWER_TEXT_FIELDS,
+    TOKEN_ID_ENDPOINTS,
     TextSlot,
     completion_slots,
     content_param,
@@ -105,7 +106,7 @@ class SafetyPlugin(Plugin):
         try:
             check_shape(limits, ctx.body, ctx.raw_body, param)
             slots = prompt_slots(ctx.endpoint, ctx.body)
-            ids = prompt_token_ids(ctx.endpoint, ctx.body)
+            ids = prompt_token_ids(ctx.endpoint, ctx.body) if ctx.endpoint in TOKEN_ID_ENDPOINTS else 0
             if ids and (policy.input or self.classifier is not None):
                 raise token_ids_refused(param)  # text no rule can read must not pass as if it were clean
             if limits.max_prompt_chars is not None:

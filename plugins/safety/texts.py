@@ -189,6 +189,8 @@ def prompt_slots(endpoint: str, body: dict[str, Any]) -> list[TextSlot]:
 #: The endpoints that take a prompt as token ids, and the field that carries them (vLLM reads a list of
 #: ints as one prompt's ids and a list of such lists as a batch of prompts).
 _TOKEN_ID_FIELDS = {"completions": "prompt", "embeddings": "input", "classify": "input", "pooling": "input"}
+#: The endpoints ``prompt_token_ids`` can find ids on (a caller skips the call for the others: chat).
+TOKEN_ID_ENDPOINTS = frozenset(_TOKEN_ID_FIELDS)
 
 
 def prompt_token_ids(endpoint: str, body: dict[str, Any]) -> int:
