@@ -23,7 +23,9 @@ rules. The one entry point (``plugins.safety:SafetyPlugin``) thus serves both.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gateway.pipeline.context import ModelResponse, RequestContext
@@ -36,7 +38,7 @@ from plugins.safety.output import StreamGuard
 from plugins.safety.policy import Policies, Policy
 from plugins.safety.report import SafetyMetrics, audit, content_filter, token_ids_refused
 from plugins.safety.rules import Hit, Rule
-from plugins.safety.scan import clip, redact_texts, scan_texts
+from plugins.safety.scan import INLINE_SCAN_CHARS, Finding, clip, redact_texts, scan_texts
 from plugins.safety.side import bound_side_call
 from plugins.safety.texts import (
     ANSWER_TEXT_FIELDS,
@@ -76,6 +78,10 @@ class SafetyPlugin(Plugin):
         self.classifier: Classifier | None = None
         secret = services.settings.audit_hmac_key
         self.audit_key: bytes | None = secret.get_secret_value().encode() if secret is not None else None
+        # Prompts longer than INLINE_SCAN_CHARS are scanned on this thread, off the event loop. One: the scan
+        # holds the GIL most of the time, so a second would not scan faster, only take more of the loop's
+        # turns; large prompts queue for it instead. No thread starts before the first such prompt.
+        self._scanner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safety-scan")
 
     async def start(self) -> None:
         try:
@@ -90,6 +96,11 @@ class SafetyPlugin(Plugin):
             )
         for path in self.policies.tokenizer_paths():
             await self.tokens.preload(path)
+
+    async def aclose(self) -> None:
+        # Retired once its in-flight requests drained, so nothing is queued; a scan whose request was
+        # cancelled runs to its end on its own, then the thread exits.
+        self._scanner.shutdown(wait=False)
 
     def policy(self, model: str) -> Policy:
         assert self.policies is not None, "start() was not awaited"
@@ -109,10 +120,15 @@ class SafetyPlugin(Plugin):
             ids = prompt_token_ids(ctx.endpoint, ctx.body) if ctx.endpoint in TOKEN_ID_ENDPOINTS else 0
             if ids and (policy.input or self.classifier is not None):
                 raise token_ids_refused(param)  # text no rule can read must not pass as if it were clean
+            chars = sum(len(s.text) for s in slots) if policy.input or limits.max_prompt_chars is not None else 0
             if limits.max_prompt_chars is not None:
-                check_chars(limits, sum(len(s.text) for s in slots), param)
+                check_chars(limits, chars, param)
             if policy.input:
-                self._apply_input_rules(ctx, policy, slots, param)
+                if chars > INLINE_SCAN_CHARS:
+                    findings = await self._scan_off_loop(policy, slots)
+                else:
+                    findings = scan_texts(policy.input, [s.text for s in slots], [s.group for s in slots])
+                self._apply_input_rules(ctx, slots, findings, param)
             tokenizer = policy.tokenizer
             if tokenizer is not None and may_exceed_tokens(limits, ids + sum(len(s.text.encode()) for s in slots)):
                 await check_tokens(limits, self.tokens, tokenizer, [s.text for s in slots], param, ids=ids)
@@ -143,11 +159,20 @@ class SafetyPlugin(Plugin):
                 self.metrics.limit_refusals.labels(getattr(exc, "param", None) or "-").inc()
             raise
 
-    def _apply_input_rules(self, ctx: RequestContext, policy: Policy, slots: list[TextSlot], param: str) -> None:
-        """Every input rule over every text the model will read (``texts.prompt_slots``), normalised and
-        joined (``scan.py``): a block refuses the request, redactions rewrite the original texts."""
-        texts = [s.text for s in slots]
-        findings = scan_texts(policy.input, texts, [s.group for s in slots])
+    async def _scan_off_loop(self, policy: Policy, slots: list[TextSlot]) -> list[Finding]:
+        """``scan_texts`` on the plugin's thread: the rules take about a second over a prompt of a few
+        megabytes, a pause every other request on the event loop would wait out. The thread reads the
+        texts only; the findings are acted on back on the loop."""
+        texts, groups = [s.text for s in slots], [s.group for s in slots]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._scanner, scan_texts, policy.input, texts, groups)
+
+    def _apply_input_rules(
+        self, ctx: RequestContext, slots: list[TextSlot], findings: list[Finding], param: str
+    ) -> None:
+        """Act on the input rules' findings over every text the model will read (``texts.prompt_slots``,
+        normalised and joined by ``scan.py``): a block refuses the request, redactions rewrite the
+        original texts."""
         if not findings:
             return
         for finding in findings:
@@ -157,6 +182,7 @@ class SafetyPlugin(Plugin):
             raise content_filter(blocked.rule.id, param)
         redactions = [f for f in findings if f.rule.action == "redact"]
         if redactions:
+            texts = [s.text for s in slots]
             # Values before keys: a value's slot names its key, which a key slot may rename.
             for index, text in sorted(redact_texts(texts, redactions).items(), key=lambda e: slots[e[0]].is_key):
                 slots[index].write(text)
