@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,7 +38,7 @@ from plugins.safety.limits import TokenCounter, check_chars, check_shape, check_
 from plugins.safety.output import StreamGuard
 from plugins.safety.policy import Policies, Policy
 from plugins.safety.report import SafetyMetrics, audit, content_filter, token_ids_refused
-from plugins.safety.rules import Hit, Rule
+from plugins.safety.rules import Hit, Rule, RuleSet
 from plugins.safety.scan import INLINE_SCAN_CHARS, Finding, clip, redact_texts, scan_texts
 from plugins.safety.side import bound_side_call
 from plugins.safety.texts import (
@@ -124,10 +125,7 @@ class SafetyPlugin(Plugin):
             if limits.max_prompt_chars is not None:
                 check_chars(limits, chars, param)
             if policy.input:
-                if chars > INLINE_SCAN_CHARS:
-                    findings = await self._scan_off_loop(policy, slots)
-                else:
-                    findings = scan_texts(policy.input, [s.text for s in slots], [s.group for s in slots])
+                findings = await self._scan(policy.input, [s.text for s in slots], [s.group for s in slots], chars)
                 self._apply_input_rules(ctx, slots, findings, param)
             tokenizer = policy.tokenizer
             if tokenizer is not None and may_exceed_tokens(limits, ids + sum(len(s.text.encode()) for s in slots)):
@@ -159,13 +157,15 @@ class SafetyPlugin(Plugin):
                 self.metrics.limit_refusals.labels(getattr(exc, "param", None) or "-").inc()
             raise
 
-    async def _scan_off_loop(self, policy: Policy, slots: list[TextSlot]) -> list[Finding]:
-        """``scan_texts`` on the plugin's thread: the rules take about a second over a prompt of a few
-        megabytes, a pause every other request on the event loop would wait out. The thread reads the
-        texts only; the findings are acted on back on the loop."""
-        texts, groups = [s.text for s in slots], [s.group for s in slots]
+    async def _scan(self, rules: RuleSet, texts: list[str], groups: Sequence[int], chars: int) -> list[Finding]:
+        """``scan_texts`` over ``texts`` (``chars`` characters together): on the event loop up to
+        ``INLINE_SCAN_CHARS``, past that on the plugin's thread. The rules take about a second over a few
+        megabytes of prompt or answer, a pause every other request on the loop would wait out. The thread
+        reads the texts only; the findings are acted on back on the loop."""
+        if chars <= INLINE_SCAN_CHARS:
+            return scan_texts(rules, texts, groups)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._scanner, scan_texts, policy.input, texts, groups)
+        return await loop.run_in_executor(self._scanner, scan_texts, rules, texts, groups)
 
     def _apply_input_rules(
         self, ctx: RequestContext, slots: list[TextSlot], findings: list[Finding], param: str
@@ -238,10 +238,12 @@ class OutputSafetyPlugin(SafetyPlugin):
         by_choice: dict[int, tuple[dict[str, Any], list[TextSlot]]] = {}
         for choice, slot in completion_slots(obj):
             by_choice.setdefault(id(choice), (choice, []))[1].append(slot)
+        # The whole answer's size decides where each choice is scanned: n choices are n scans in a row.
+        chars = sum(len(slot.text) for _, slots in by_choice.values() for slot in slots)
         for choice, slots in by_choice.values():
             texts = [slot.text for slot in slots]
             # Each field on its own, as the stream hold-back checks them (the client reads them apart).
-            findings = scan_texts(policy.output, texts, range(len(texts)))
+            findings = await self._scan(policy.output, texts, range(len(texts)), chars)
             if not findings:
                 continue
             for finding in findings:

@@ -1,5 +1,6 @@
-"""Prompts longer than ``INLINE_SCAN_CHARS`` are scanned on the safety plugin's own thread, so the event
-loop goes on serving other requests meanwhile; shorter ones are scanned on the loop (no thread hop)."""
+"""Prompts and answers longer than ``INLINE_SCAN_CHARS`` are scanned on the safety plugin's own thread, so
+the event loop goes on serving other requests meanwhile; shorter ones are scanned on the loop (no thread
+hop)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,16 @@ class LoopWatch(Plugin):
         self._ticker.cancel()
 
 
-def _config(upstream_url: str) -> dict[str, object]:
-    plugins = [{"name": "loop_watch"}, {"name": "safety", "config": {"rules": RULES}}, {"name": "routing"}]
+def _config(upstream_url: str, rules: list[dict[str, object]] = RULES) -> dict[str, object]:
+    plugins = [{"name": "loop_watch"}, {"name": "safety", "config": {"rules": rules}}, {"name": "routing"}]
     return base_config([upstream_url], plugins=plugins)
+
+
+def _orders(size: int) -> str:
+    """``size`` characters of order lines (ids and hex references, which the secret and base64 passes look
+    into) with a key at the end: about a second of scanning for 3 MB."""
+    line = "Order 1234 shipped to Alice at 10:30; ref ABCDEF0123456789xyz, total $45.67. "
+    return (line * (size // len(line))) + f"key {KEY} end"
 
 
 def _scan_threads() -> set[threading.Thread]:
@@ -56,10 +64,7 @@ def _scan_threads() -> set[threading.Thread]:
 def test_a_prompt_of_megabytes_does_not_stall_the_event_loop(
     gateway_factory: GatewayFactory, upstream_url: str, upstream: FakeUpstream
 ) -> None:
-    # 3 MB of order lines (ids and hex references, which the secret and base64 passes look into) with a
-    # key at the end: about a second of scanning. The gateway's body bound (4 MB by default) takes it.
-    line = "Order 1234 shipped to Alice at 10:30; ref ABCDEF0123456789xyz, total $45.67. "
-    prompt = (line * (3_000_000 // len(line))) + f"key {KEY} end"
+    prompt = _orders(3_000_000)  # the gateway's body bound (4 MB by default) takes it
     with gateway_factory(_config(upstream_url), plugins={"loop_watch": LoopWatch}) as (app, server):
         watch = app.state.holder.current.pipeline.plugins[0].plugin
         assert isinstance(watch, LoopWatch)
@@ -71,6 +76,25 @@ def test_a_prompt_of_megabytes_does_not_stall_the_event_loop(
     assert sent.endswith("key [SECRET] end") and KEY not in sent  # scanned off the loop, still redacted
     # Scanned on the loop this was a pause of about a second; on the thread, the loop's longest pause is
     # what the request's own parsing and forwarding take, and the scan's longest hold of the GIL.
+    assert longest < 0.5, f"the event loop paused for {longest * 1000:.0f} ms"
+
+
+def test_an_answer_of_megabytes_does_not_stall_the_event_loop(
+    gateway_factory: GatewayFactory, upstream_url: str, upstream: FakeUpstream
+) -> None:
+    upstream.behavior.text = _orders(3_000_000)
+    rules: list[dict[str, object]] = [{"id": "secrets", "kind": "secrets", "action": "redact", "apply_to": ["output"]}]
+    with gateway_factory(_config(upstream_url, rules), plugins={"loop_watch": LoopWatch}) as (app, server):
+        watch = app.state.holder.current.pipeline.plugins[0].plugin
+        assert isinstance(watch, LoopWatch)
+        watch.longest = 0.0
+        response = chat(server, "Write out the order log.", n=2)
+        longest = watch.longest
+    assert response.status_code == 200, response.text
+    answers = [choice["message"]["content"] for choice in response.json()["choices"]]
+    assert len(answers) == 2
+    assert all(a.endswith("key [SECRET] end") and KEY not in a for a in answers)  # scanned off the loop, redacted
+    # Scanned on the loop, this answer was a pause of about two seconds (a second a choice).
     assert longest < 0.5, f"the event loop paused for {longest * 1000:.0f} ms"
 
 
