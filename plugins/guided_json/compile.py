@@ -16,6 +16,13 @@ retry-after, and the compile goes on, its result kept for the retry. A busy mach
 constraint: a refusal for wall-clock time, once remembered, refused a small schema to every later
 request. Results, refusals included, are kept in an LRU keyed by the constraint's hash: a repeated
 schema costs one hash and one dict lookup.
+
+With tenancy, a tenant has at most ``max_compiles_per_tenant`` new constraints compiling or queued at
+once; a further new one is refused at once with the same 503, not queued: one client's stream of
+distinct slow schemas used to fill the thread's queue, and another tenant's harmless schema waited its
+5x budget behind them and got the 503. A tenant's slot is held by the compile itself (not by the waiting
+request, which may give up or disconnect while the compile goes on) and freed when that compile ends,
+however it ends. Joining a compile already under way, or a cached constraint, needs no slot.
 """
 
 from __future__ import annotations
@@ -209,6 +216,9 @@ class CompileCache:
     def __init__(self) -> None:
         self._entries: OrderedDict[str, Compiled | Refusal] = OrderedDict()
         self._pending: dict[str, asyncio.Task[Compiled | Refusal]] = {}
+        # tenant -> its compiles queued or running; a tenant is removed at 0, so this holds no more
+        # entries than there are compiles in flight
+        self._per_tenant: dict[str, int] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-json-compile")
         self._config: GuidedJSONConfig | None = None
         self._compiler: Compiler | None = None
@@ -230,8 +240,12 @@ class CompileCache:
             self._entries.move_to_end(key)
         return entry
 
-    async def get(self, constraint: Constraint) -> tuple[Compiled, bool]:
-        """The compiled constraint and whether it came from the cache; ``InvalidRequest`` if refused."""
+    async def get(self, constraint: Constraint, tenant: str | None = None) -> tuple[Compiled, bool]:
+        """The compiled constraint and whether it came from the cache; ``InvalidRequest`` if refused.
+
+        ``tenant`` (None without tenancy) is charged a slot only when a new compile must start; at its
+        ``max_compiles_per_tenant`` that is refused at once with ``ServiceUnavailable`` (guided_compiler_busy).
+        """
         config, compiler = self._config, self._compiler
         assert config is not None and compiler is not None, "configure() first"
         key = constraint.key(config.whitespace_pattern)
@@ -240,9 +254,7 @@ class CompileCache:
         if entry is None:
             task = self._pending.get(key)
             if task is None:
-                task = asyncio.create_task(self._compile(compiler, constraint, key))
-                self._pending[key] = task
-                task.add_done_callback(lambda _t: self._pending.pop(key, None))
+                task = self._start(compiler, constraint, key, tenant)
             try:
                 entry = await asyncio.wait_for(asyncio.shield(task), WALL_FACTOR * config.compile_timeout_ms / 1000)
             except TimeoutError:  # the compile goes on (shielded), and its result is kept for the retry
@@ -257,6 +269,29 @@ class CompileCache:
                 code=entry.code,
             )
         return entry, hit
+
+    def _start(
+        self, compiler: Compiler, constraint: Constraint, key: str, tenant: str | None
+    ) -> asyncio.Task[Compiled | Refusal]:
+        """Start compiling ``constraint`` under ``key``, holding one of ``tenant``'s slots until it ends."""
+        if tenant is not None:
+            held = self._per_tenant.get(tenant, 0)
+            if held >= compiler.config.max_compiles_per_tenant:
+                raise _busy("Another new output constraint of yours is still being compiled")
+            self._per_tenant[tenant] = held + 1
+        task = asyncio.create_task(self._compile(compiler, constraint, key))
+        self._pending[key] = task
+        # A done callback, not a finally in _compile: it runs however the task ends, even when it is
+        # cancelled before its first step (a finally would not run then, and the slot would leak).
+        task.add_done_callback(lambda _t: self._ended(key, tenant))
+        return task
+
+    def _ended(self, key: str, tenant: str | None) -> None:
+        self._pending.pop(key, None)
+        if tenant is not None:
+            held = self._per_tenant.pop(tenant, 1) - 1
+            if held > 0:
+                self._per_tenant[tenant] = held
 
     async def _compile(self, compiler: Compiler, constraint: Constraint, key: str) -> Compiled | Refusal:
         """Compile in the thread and remember the outcome; ``ServiceUnavailable`` (not remembered) when
@@ -296,9 +331,9 @@ class CompileCache:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _busy() -> ServiceUnavailable:
+def _busy(why: str = "The gateway is busy compiling output constraints") -> ServiceUnavailable:
     return ServiceUnavailable(
-        "The gateway is busy compiling output constraints; try again shortly.",
+        f"{why}; try again shortly.",
         code="guided_compiler_busy",
         headers={"retry-after": "1"},
     )

@@ -25,6 +25,13 @@ class GuidedJSONConfig(BaseModel):
     max_choices: int = Field(256, ge=1, description="most options a choice constraint may list")
     compile_timeout_ms: float = Field(2_000, gt=0, description="CPU budget of a compile (waits: 5x, then 503)")
     cache_size: int = Field(1_024, ge=1, description="compiled constraints kept (LRU by schema hash)")
+    max_compiles_per_tenant: int = Field(
+        1,
+        ge=1,
+        description="new constraints one tenant may have compiling or queued to compile at once (with tenancy);"
+        " a further new one is refused at once with 503 guided_compiler_busy, so one tenant's schemas cannot"
+        " fill the one compile thread's queue ahead of others'",
+    )
 
     # -- answers ---------------------------------------------------------------------------------------
     on_invalid: Literal["error", "retry"] = Field(

@@ -97,12 +97,12 @@ class GuidedJSONPlugin(Plugin):
         guided = ctx.endpoint in _GUIDED_ENDPOINTS
         tool = forced_tool(ctx.body) if guided else None
         if tool is not None:  # the worker decodes the call under it: the same budgets as response_format's
-            await self._compile(tool)
+            await self._compile(tool, ctx.tenant)
         constraint = normalise(ctx.body) if guided else None
         if constraint is None:
             ctx.step_aside(self)  # nothing to check on the way back
             return None
-        compiled = await self._compile(constraint)
+        compiled = await self._compile(constraint, ctx.tenant)
         if self.config.probe:
             await self._require_capable_workers(ctx)
         rewrite(ctx.body, compiled.upstream)
@@ -110,10 +110,11 @@ class GuidedJSONPlugin(Plugin):
         ctx.state[self.name] = compiled
         return None
 
-    async def _compile(self, constraint: Constraint) -> Compiled:
-        """The compiled constraint (from the cache, or compiled under the budgets); a refusal is raised."""
+    async def _compile(self, constraint: Constraint, tenant: str | None) -> Compiled:
+        """The compiled constraint (from the cache, or compiled under the budgets and ``tenant``'s limit
+        of compiles in flight); a refusal is raised."""
         try:
-            compiled, cached = await self.shared.compiles.get(constraint)
+            compiled, cached = await self.shared.compiles.get(constraint, tenant)
         except GatewayError as error:
             self.shared.compile_outcomes.labels("refused").inc()
             raise error
