@@ -157,24 +157,36 @@ def normalise(body: dict[str, Any]) -> Constraint | None:
     return found[0] if found else None
 
 
-def forced_tool(body: dict[str, Any]) -> Constraint | None:
-    """The ``parameters`` schema of the function ``tool_choice`` names, or None.
+def forced_tools(body: dict[str, Any]) -> list[Constraint]:
+    """The ``parameters`` schemas the worker decodes a tool call under: the function ``tool_choice`` names,
+    or every tool's with ``tool_choice: "required"``; empty otherwise.
 
     The worker decodes a forced call under that schema as guided output (vLLM compiles it as it would a
-    ``response_format`` schema), so it goes through the same compile budgets at the gateway. The body is
-    left as it is: the worker needs the tool, and its answer is a tool call."""
+    ``response_format`` schema; for "required", under one schema built from all the tools' schemas), so
+    each goes through the same compile budgets at the gateway. The body is left as it is: the worker needs
+    the tools, and its answer is a tool call."""
     choice = body.get("tool_choice")
+    if choice is None:
+        return []
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return []
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
-    tools = body.get("tools")
-    if name is None or not isinstance(tools, list):
-        return None
+    if name is None and choice != "required":
+        return []
+    found = []
     for i, tool in enumerate(tools):
         spec = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(spec, dict) and spec.get("name") == name and spec.get("parameters") is not None:
-            param = f"tools[{i}].function.parameters"
-            return Constraint("json", _schema_value(spec["parameters"], param), param, error_param=param)
-    return None
+        if not isinstance(spec, dict) or spec.get("parameters") is None:
+            continue
+        if name is not None and spec.get("name") != name:
+            continue
+        param = f"tools[{i}].function.parameters"
+        found.append(Constraint("json", _schema_value(spec["parameters"], param), param, error_param=param))
+        if name is not None:
+            break  # the named function's first definition, as before
+    return found
 
 
 def rewrite(body: dict[str, Any], upstream: dict[str, Any]) -> None:

@@ -7,7 +7,8 @@ enforce constraints (``probe``), then rewrite the body into the one form vLLM 0.
 ``length``; retried once first only when the client set no token limit and it was not streamed; a
 stream that would have been is marked ``Cache-Control: no-store``), an invalid complete one is refused
 with a 422. A forced tool call's ``parameters`` schema (``tool_choice`` naming a function: the worker decodes
-the call under it) is compiled under the same budgets, for its refusal only; the body keeps the tool.
+the call under it; ``"required"``: every tool's) is compiled under the same budgets, for its refusal only;
+the body keeps the tools.
 
 The cache plugin runs before this one (a config that lists this one first is refused:
 ``replaces_answers``), so its key is computed from the client's own fields and it only stores answers
@@ -29,7 +30,7 @@ from gateway.upstream.client import UpstreamFailure
 from gateway.wire.errors import GatewayError, ServiceUnavailable, from_upstream
 from plugins.guided_json.compile import CompileCache, Compiled
 from plugins.guided_json.config import GuidedJSONConfig
-from plugins.guided_json.forms import Constraint, forced_tool, normalise, rewrite
+from plugins.guided_json.forms import Constraint, forced_tools, normalise, rewrite
 from plugins.guided_json.probe import CapabilityTable
 from plugins.guided_json.validate import error_for, find_problems, retry_budget, with_budget
 
@@ -95,9 +96,8 @@ class GuidedJSONPlugin(Plugin):
 
     async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
         guided = ctx.endpoint in _GUIDED_ENDPOINTS
-        tool = forced_tool(ctx.body) if guided else None
-        if tool is not None:  # the worker decodes the call under it: the same budgets as response_format's
-            await self._compile(tool, ctx.tenant)
+        for tool in forced_tools(ctx.body) if guided else ():
+            await self._compile(tool, ctx.tenant)  # the worker decodes calls under it: response_format's budgets
         constraint = normalise(ctx.body) if guided else None
         if constraint is None:
             ctx.step_aside(self)  # nothing to check on the way back

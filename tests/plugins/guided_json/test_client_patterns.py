@@ -6,8 +6,9 @@
   ``unsupported_regex`` before anything reaches a worker.
 - A ``$ref`` that points at something other than a schema is a 400 at request time (it was a 503
   once the worker had answered).
-- A forced tool call's ``parameters`` schema (the worker decodes the call under it) goes through the
-  same compile budgets as the same schema in ``response_format``.
+- A forced tool call's ``parameters`` schema (the worker decodes the call under it), and with
+  ``tool_choice: "required"`` every tool's, goes through the same compile budgets as the same schema in
+  ``response_format``.
 """
 
 from __future__ import annotations
@@ -214,12 +215,15 @@ def test_a_ref_to_something_that_is_not_a_schema_is_refused_at_request_time(
     assert upstream.requests == []
 
 
-def _forced(parameters: Any) -> dict[str, Any]:
+def _forced(parameters: Any, choice: str = "named") -> dict[str, Any]:
+    """Two tools, the second's ``parameters`` given; ``tool_choice`` names it, or is "required" (the worker
+    then decodes the call under a schema built from both tools' schemas)."""
     tools = [
         {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}},
         {"type": "function", "function": {"name": "f", "parameters": parameters}},
     ]
-    return {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "f"}}
+    return {"tools": tools, "tool_choice": tool_choice}
 
 
 # Refused in response_format by test_schema_bombs; the same refusal for a forced tool's parameters.
@@ -231,11 +235,12 @@ TOOL_BOMBS = [
 ]
 
 
+@pytest.mark.parametrize("choice", ["named", "required"])
 @pytest.mark.parametrize("parameters", TOOL_BOMBS, ids=["dfa-blowup", "min-items", "lookahead", "ref-to-string"])
 def test_a_forced_tool_schema_is_refused_as_the_same_response_format_schema_is(
-    guided: ServerThread, upstream: FakeUpstream, parameters: dict[str, Any]
+    guided: ServerThread, upstream: FakeUpstream, parameters: dict[str, Any], choice: str
 ) -> None:
-    as_tool = _chat(guided, **_forced(parameters))  # first: compiled for the tool, not found in the cache
+    as_tool = _chat(guided, **_forced(parameters, choice))  # first: compiled for the tool, not in the cache
     as_format = _chat(guided, **_schema(parameters))
     assert as_format.status_code == as_tool.status_code == 400, (as_format.text, as_tool.text)
     expected, got = as_format.json()["error"], as_tool.json()["error"]
@@ -245,10 +250,12 @@ def test_a_forced_tool_schema_is_refused_as_the_same_response_format_schema_is(
     assert upstream.requests == []
 
 
+@pytest.mark.parametrize("choice", ["named", "required"])
 def test_a_forced_tool_with_a_sound_schema_goes_to_the_worker_unchanged(
-    guided: ServerThread, upstream: FakeUpstream
+    guided: ServerThread, upstream: FakeUpstream, choice: str
 ) -> None:
-    fields = _forced({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    fields = _forced(schema, choice)
     upstream.behavior.tool_calls = [{"id": "call_1", "name": "f", "arguments": '{"city": "Paris"}'}]
     reply = _chat(guided, **fields)
     assert reply.status_code == 200, reply.text
