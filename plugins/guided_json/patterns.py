@@ -21,10 +21,9 @@ import re2
 from jsonschema import ValidationError, validators
 from jsonschema.protocols import Validator
 
+from gateway.wire.linear_regex import re2_options
 from plugins.guided_json.schemas import SchemaProblem, checked_validator_class
 
-#: RE2's memory bound per pattern (its default): a pattern that needs more is refused, not run.
-MAX_MEM = 8 << 20
 #: Keywords whose value is a map of names to subschemas / a list of subschemas / one subschema, in any
 #: draft; what lies under the others (``enum``, ``const``, ``default``, ``examples``) is data, not schema.
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
@@ -43,13 +42,6 @@ class UnsupportedRegex(SchemaProblem):
     code = "unsupported_regex"
 
 
-def _options() -> re2.Options:
-    options = re2.Options()
-    options.log_errors = False  # a refused pattern is the client's 400, not a line on the gateway's stderr
-    options.max_mem = MAX_MEM
-    return options
-
-
 def utf8(text: str) -> bytes:
     """``text`` as RE2 matches it. Given a str, RE2's wrapper encodes it and then maps every offset back
     to characters, twice the time of a match on the bytes (16 us against 7 for a short answer); the
@@ -65,7 +57,7 @@ def compile_pattern(pattern: str, where: str) -> Any:
     except (sre_parse.error, RecursionError, OverflowError) as exc:
         raise SchemaProblem(f"{where} is not a valid regular expression: {exc}") from None
     try:
-        return re2.compile(pattern, _options())
+        return re2.compile(pattern, re2_options())
     except re2.error as exc:
         reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
         raise UnsupportedRegex(
@@ -128,7 +120,7 @@ def linear_validator(schema: dict[str, Any]) -> Validator:
         regex = table.get(pattern)
         if regex is None:  # a keyword of some draft that _subschemas does not know: still RE2, never re
             try:
-                regex = table[pattern] = re2.compile(pattern, _options())
+                regex = table[pattern] = re2.compile(pattern, re2_options())
             except re2.error:
                 return False
         return regex.search(utf8(text)) is not None

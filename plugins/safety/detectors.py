@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import phonenumbers
 import re2
 
+from gateway.wire.linear_regex import DEFAULT_MAX_MEM, re2_options
+
 
 @dataclass(frozen=True, slots=True)
 class Span:
@@ -25,14 +27,7 @@ class Span:
     label: str | None = None  # a placeholder label finer than the rule's (e.g. one per gov-ID format)
 
 
-def re2_options(*, max_mem: int = 8 << 20) -> re2.Options:
-    options = re2.Options()
-    options.log_errors = False  # a bad pattern is reported as a config error, not on stderr
-    options.max_mem = max_mem
-    return options
-
-
-def compile_re2(pattern: str, *, max_mem: int = 8 << 20) -> Any:
+def compile_re2(pattern: str, *, max_mem: int = DEFAULT_MAX_MEM) -> Any:
     """Compile with RE2 (linear time; no backreferences or look-around) or raise ValueError."""
     try:
         return re2.compile(pattern, re2_options(max_mem=max_mem))

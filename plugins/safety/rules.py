@@ -13,6 +13,7 @@ from typing import Any
 
 import re2
 
+from gateway.wire.linear_regex import re2_options
 from plugins.safety.config import Action, RuleConfig
 from plugins.safety.detectors import (
     Detector,
@@ -23,7 +24,6 @@ from plugins.safety.detectors import (
     gov_id_detector,
     iban_detector,
     ip_detector,
-    re2_options,
 )
 from plugins.safety.injection import InjectionDetector
 from plugins.safety.normalize import normalize
