@@ -2,13 +2,13 @@
 
 On the way in (``on_request``), in this order, all per model: shape limits (body bytes, messages,
 max_tokens, n, tools, JSON depth), a prompt given as token ids (refused where a rule or the classifier
-would have to read its text: the gateway cannot decode ids), prompt characters, the input rules (block,
-redact or log) over every text the model will read (``texts.py``), normalised (``normalize.py``) and
-joined across messages and parts (``scan.py``), prompt tokens (counted only when the prompt could be
-over the limit; token ids one each), then the optional classifier. A block is a 400 ``content_filter``
-naming the rule, with zero upstream calls; a redaction rewrites the body that goes upstream. Every hit
-is counted per rule and written as an audit line without the text (``report.py``: its length, and a
-keyed hash only when a key is set).
+would act on its text, since the gateway cannot decode ids; counted and passed where they only log),
+prompt characters, the input rules (block, redact or log) over every text the model will read
+(``texts.py``), normalised (``normalize.py``) and joined across messages and parts (``scan.py``), prompt
+tokens (counted only when the prompt could be over the limit; token ids one each), then the optional
+classifier. A block is a 400 ``content_filter`` naming the rule, with zero upstream calls; a redaction
+rewrites the body that goes upstream. Every hit is counted per rule and written as an audit line without
+the text (``report.py``: its length, and a keyed hash only when a key is set).
 
 ``POST /tokenize`` and ``/detokenize`` run no rules (nothing is generated) but get the same limits
 (``on_side_request``, ``side.py``).
@@ -119,8 +119,8 @@ class SafetyPlugin(Plugin):
             check_shape(limits, ctx.body, ctx.raw_body, param)
             slots = prompt_slots(ctx.endpoint, ctx.body)
             ids = prompt_token_ids(ctx.endpoint, ctx.body) if ctx.endpoint in TOKEN_ID_ENDPOINTS else 0
-            if ids and (policy.input or self.classifier is not None):
-                raise token_ids_refused(param)  # text no rule can read must not pass as if it were clean
+            if ids:
+                self._unread_prompt(policy, param)
             chars = sum(len(s.text) for s in slots) if policy.input or limits.max_prompt_chars is not None else 0
             if limits.max_prompt_chars is not None:
                 check_chars(limits, chars, param)
@@ -138,6 +138,17 @@ class SafetyPlugin(Plugin):
         if self.classifier is not None and slots:
             await self._classify(ctx, "\n".join(s.text for s in slots), param)
         return None
+
+    def _unread_prompt(self, policy: Policy, param: str) -> None:
+        """A prompt given as token ids, which no rule can read (the gateway does not decode them). Where
+        a rule or the classifier would act on the prompt, it is refused: text no rule can read must not
+        pass as if it were clean. Where every check only logs, the request passes (an observe-only policy
+        must not change what clients get) and ``gateway_safety_unread_prompts`` counts it."""
+        classifier_blocks = self.classifier is not None and self.classifier.config.action == "block"
+        if policy.input.acts or classifier_blocks:
+            raise token_ids_refused(param)
+        if policy.input or self.classifier is not None:
+            self.metrics.unread_prompts.labels(param).inc()
 
     async def on_side_request(self, call: SideCall) -> None:
         """``/tokenize`` and ``/detokenize`` get the model's size and count bounds (``side.py``)."""

@@ -32,6 +32,7 @@ class SafetyMetrics:
     rule_hits: Counter
     limit_refusals: Counter
     classifier_checks: Counter
+    unread_prompts: Counter
 
     @classmethod
     def of(cls, services: Services) -> SafetyMetrics:
@@ -57,6 +58,12 @@ class SafetyMetrics:
                 "gateway_safety_classifier_checks",
                 "Model-based safety checks, by outcome (safe|unsafe|error|timeout)",
                 ["outcome"],
+                registry=registry,
+            ),
+            unread_prompts=Counter(
+                "gateway_safety_unread_prompts",
+                "Prompts given as token ids that passed unread because every check on them only logs, by field",
+                ["param"],
                 registry=registry,
             ),
         )

@@ -129,6 +129,11 @@ class RuleSet:
     def __bool__(self) -> bool:
         return bool(self.rules)
 
+    @property
+    def acts(self) -> bool:
+        """Whether a hit of any rule changes the request (block or redact), not only logs it."""
+        return any(rule.action != "log" for rule in self.rules)
+
     def scan(self, data: bytes) -> list[Hit]:
         """Every hit of every rule in ``data``, ordered by position."""
         if self._set is None or not data:

@@ -1,6 +1,7 @@
 """Prompts given as token ids (``/v1/completions`` ``prompt``, ``/v1/embeddings`` ``input``): the gateway
-cannot decode them, so where a rule reads the prompt's text they are refused (400
-``token_ids_not_allowed``), and they always count against ``max_prompt_tokens``, one token per id."""
+cannot decode them, so where a rule or the classifier would act on the prompt's text they are refused (400
+``token_ids_not_allowed``); where every check only logs they pass and are counted as unread; and they always
+count against ``max_prompt_tokens``, one token per id."""
 
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ TOKEN_PROMPTS = [
 IDS = [f"{route}-{i}" for i, (route, _, _) in enumerate(TOKEN_PROMPTS)]
 
 
+def _unread(server: ServerThread, field: str) -> float:
+    """``gateway_safety_unread_prompts`` for ``field`` on this gateway (0 before the first)."""
+    start = f'gateway_safety_unread_prompts_total{{param="{field}"}} '
+    lines = httpx.get(server.url + "/metrics").text.splitlines()
+    return next((float(line.removeprefix(start)) for line in lines if line.startswith(start)), 0.0)
+
+
 def _post(server: ServerThread, route: str, field: str, value: Any, **extra: Any) -> httpx.Response:
     body = {"model": "m1", field: value, **extra}
     if route == "completions":
@@ -50,9 +58,9 @@ def gateway_with(gateway_factory: GatewayFactory, upstream_url: str) -> Iterator
         cm.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("action", ["block", "redact", "log"])
+@pytest.mark.parametrize("action", ["block", "redact"])
 @pytest.mark.parametrize(("route", "field", "value"), TOKEN_PROMPTS, ids=IDS)
-def test_token_ids_are_refused_where_input_rules_apply(
+def test_token_ids_are_refused_where_input_rules_act(
     gateway_with: Any, upstream: FakeUpstream, route: str, field: str, value: Any, action: str
 ) -> None:
     server = gateway_with({"rules": rules(action)})
@@ -62,6 +70,38 @@ def test_token_ids_are_refused_where_input_rules_apply(
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "token_ids_not_allowed", field)
     assert "token ids" in error["message"] and f"Send '{field}' as text" in error["message"]
     assert upstream.requests == []
+    assert _unread(server, field) == 0
+
+
+@pytest.mark.parametrize(("route", "field", "value"), TOKEN_PROMPTS, ids=IDS)
+def test_token_ids_pass_and_are_counted_where_every_rule_only_logs(
+    gateway_with: Any, upstream: FakeUpstream, route: str, field: str, value: Any
+) -> None:
+    # An observe-only policy must not change what clients get: the prompt goes on as sent, and the
+    # operator sees how many prompts no rule could read.
+    server = gateway_with({"rules": rules("log")})
+    for sent in (1, 2):
+        response = _post(server, route, field, value)
+        assert response.status_code == 200, response.text
+        assert upstream.requests[-1].body[field] == value
+        assert _unread(server, field) == sent
+
+
+def test_one_acting_rule_among_logging_ones_refuses_token_ids(gateway_with: Any, upstream: FakeUpstream) -> None:
+    server = gateway_with({"rules": [*rules("log"), {"id": "w", "kind": "words", "words": ["x"], "action": "block"}]})
+    response = _post(server, "completions", "prompt", [101, 2023])
+    assert response.json()["error"]["code"] == "token_ids_not_allowed"
+    assert upstream.requests == []
+
+
+def test_a_classifier_that_only_logs_lets_token_ids_pass(
+    gateway_with: Any, upstream: FakeUpstream, upstream_url: str
+) -> None:
+    server = gateway_with({"classifier": {"url": upstream_url, "model": "guard", "action": "log"}})
+    response = _post(server, "completions", "prompt", [101, 2023])
+    assert response.status_code == 200, response.text
+    assert [r.body["model"] for r in upstream.requests] == ["m1"]  # the guard model was not asked about ids
+    assert _unread(server, "prompt") == 1
 
 
 @pytest.mark.parametrize(("route", "field", "value"), TOKEN_PROMPTS[:3], ids=IDS[:3])
