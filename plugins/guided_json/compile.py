@@ -28,6 +28,7 @@ however it ends. Joining a compile already under way, or a cached constraint, ne
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import secrets
 import time
@@ -216,9 +217,9 @@ class CompileCache:
     def __init__(self) -> None:
         self._entries: OrderedDict[str, Compiled | Refusal] = OrderedDict()
         self._pending: dict[str, asyncio.Task[Compiled | Refusal]] = {}
-        # tenant -> its compiles queued or running; a tenant is removed at 0, so this holds no more
-        # entries than there are compiles in flight
-        self._per_tenant: dict[str, int] = {}
+        # tenant -> the wait deadlines (loop time) of its compiles queued or running; a tenant is removed
+        # at none, so this holds no more entries than there are compiles in flight
+        self._per_tenant: dict[str, list[float]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-json-compile")
         self._config: GuidedJSONConfig | None = None
         self._compiler: Compiler | None = None
@@ -258,7 +259,7 @@ class CompileCache:
             try:
                 entry = await asyncio.wait_for(asyncio.shield(task), WALL_FACTOR * config.compile_timeout_ms / 1000)
             except TimeoutError:  # the compile goes on (shielded), and its result is kept for the retry
-                raise _busy() from None
+                raise _busy(config.compile_timeout_ms / 1000) from None
         if isinstance(entry, Refusal):
             what = "regular expression" if constraint.kind == "regex" else f"{constraint.kind} constraint"
             if constraint.kind == "json":
@@ -273,25 +274,37 @@ class CompileCache:
     def _start(
         self, compiler: Compiler, constraint: Constraint, key: str, tenant: str | None
     ) -> asyncio.Task[Compiled | Refusal]:
-        """Start compiling ``constraint`` under ``key``, holding one of ``tenant``'s slots until it ends."""
+        """Start compiling ``constraint`` under ``key``, holding one of ``tenant``'s slots until it ends.
+
+        A tenant refused a slot is told to retry when its oldest compile's waiting request gives up
+        (``WALL_FACTOR`` x budget from its start), by which time that compile has usually ended: a
+        retry after 1 s, while the compile holding the slot may run 5x a budget of seconds, only
+        spends the client's retries on more refusals."""
+        budget_s = compiler.config.compile_timeout_ms / 1000
+        now = asyncio.get_running_loop().time()
+        deadline = now + WALL_FACTOR * budget_s
         if tenant is not None:
-            held = self._per_tenant.get(tenant, 0)
-            if held >= compiler.config.max_compiles_per_tenant:
-                raise _busy("Another new output constraint of yours is still being compiled")
-            self._per_tenant[tenant] = held + 1
+            deadlines = self._per_tenant.get(tenant, [])
+            if len(deadlines) >= compiler.config.max_compiles_per_tenant:
+                left = min(deadlines) - now
+                raise _busy(
+                    left if left > 0 else budget_s, "Another new output constraint of yours is still being compiled"
+                )
+            self._per_tenant[tenant] = [*deadlines, deadline]
         task = asyncio.create_task(self._compile(compiler, constraint, key))
         self._pending[key] = task
         # A done callback, not a finally in _compile: it runs however the task ends, even when it is
         # cancelled before its first step (a finally would not run then, and the slot would leak).
-        task.add_done_callback(lambda _t: self._ended(key, tenant))
+        task.add_done_callback(lambda _t: self._ended(key, tenant, deadline))
         return task
 
-    def _ended(self, key: str, tenant: str | None) -> None:
+    def _ended(self, key: str, tenant: str | None, deadline: float) -> None:
         self._pending.pop(key, None)
         if tenant is not None:
-            held = self._per_tenant.pop(tenant, 1) - 1
-            if held > 0:
-                self._per_tenant[tenant] = held
+            deadlines = self._per_tenant.pop(tenant, [])
+            deadlines.remove(deadline)
+            if deadlines:
+                self._per_tenant[tenant] = deadlines
 
     async def _compile(self, compiler: Compiler, constraint: Constraint, key: str) -> Compiled | Refusal:
         """Compile in the thread and remember the outcome; ``ServiceUnavailable`` (not remembered) when
@@ -310,13 +323,13 @@ class CompileCache:
                 await started.wait()
         except TimeoutError:
             future.cancel()
-            raise _busy() from None
+            raise _busy(compiler.config.compile_timeout_ms / 1000) from None
         try:
             result: Compiled | Refusal = await future
         except SchemaProblem as problem:
             result = Refusal(str(problem), problem.code)
         except CompilerBusy:
-            raise _busy() from None
+            raise _busy(compiler.config.compile_timeout_ms / 1000) from None
         self._remember(key, result)
         return result
 
@@ -331,9 +344,10 @@ class CompileCache:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _busy(why: str = "The gateway is busy compiling output constraints") -> ServiceUnavailable:
+def _busy(retry_after_s: float, why: str = "The gateway is busy compiling output constraints") -> ServiceUnavailable:
+    """The 503 ``guided_compiler_busy``, with ``retry-after`` in whole seconds (at least 1)."""
     return ServiceUnavailable(
         f"{why}; try again shortly.",
         code="guided_compiler_busy",
-        headers={"retry-after": "1"},
+        headers={"retry-after": str(max(1, math.ceil(retry_after_s)))},
     )
