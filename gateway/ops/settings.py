@@ -134,8 +134,9 @@ class Settings(BaseSettings):
         return {"proxy_headers": bool(ips), "forwarded_allow_ips": ips or None}
 
     def admin_host_names(self) -> list[str]:
-        """``admin_hosts`` as a list of names (empty entries dropped)."""
-        return [name.strip() for name in self.admin_hosts.split(",") if name.strip()]
+        """``admin_hosts`` split at its commas, as written: ``admin_hosts.host_names`` normalises them
+        (blanks, case, a trailing dot) and drops the empty ones, in one place."""
+        return self.admin_hosts.split(",")
 
     def server_options(self) -> dict[str, Any]:
         """uvicorn's options for every server the gateway runs (the public port, the admin port): the proxy

@@ -31,7 +31,7 @@ LOCALHOST = "localhost"
 
 def host_names(listed: Iterable[str]) -> frozenset[str]:
     """The names a ``Host`` header may carry besides IP literals: ``localhost`` and ``listed``, normalised."""
-    return frozenset({LOCALHOST, *(_name(n) for n in listed if n.strip())})
+    return frozenset({LOCALHOST, *(name for name in map(_name, listed) if name)})
 
 
 def _name(name: str) -> str:
