@@ -33,7 +33,9 @@ import asyncio
 import contextlib
 import enum
 import functools
+import logging
 import re
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -41,9 +43,12 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.ops.settings import Settings
-from gateway.server.head_answers import FrontDoorLimits, HeadRefused, answers_for, error_response
+from gateway.server.cycle import request_id_from
+from gateway.server.head_answers import FrontDoorLimits, HeadRefused, answers_for, error_response, with_request_id
 from gateway.server.uvicorn_internals import missing_internals
 from gateway.server.ws_handshake import handshake_refusal
+
+access_log = logging.getLogger("gateway.access")
 
 #: How long a refused connection is still read (and the bytes dropped) after its answer.
 LINGER_S = 2.0
@@ -384,6 +389,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._refused = True
         self._deadline = None
         self._head = None
+        if answer:
+            answer = self._tagged(answer)
         cycle: RequestResponseCycle | None = self.cycle
         after_cycle = self._phase is not Phase.BODY  # the refused request is a head after self.cycle's
         if not after_cycle and self.pipeline and self.pipeline[0][0] is cycle:
@@ -407,6 +414,21 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if cycle is not None:
             cycle.on_response = _nothing  # no keep-alive timer, no pipelined request after this
         self._answer_and_linger(answer)
+
+    def _tagged(self, answer: bytes) -> bytes:
+        """``answer`` with an ``x-request-id`` (the client's, when the refused request's head was read and
+        carried a sane one; else a new one), written to the access log as the app's answers are, so a
+        client's report of a refusal can be found there."""
+        headers = self.scope["headers"] if self._phase is Phase.BODY else []
+        request_id = request_id_from(list(headers)) if headers else uuid.uuid4().hex
+        if access_log.isEnabledFor(logging.INFO):
+            fields = {"request_id": request_id, "route": "front_door", "status": int(answer[9:12])}
+            access_log.handle(
+                access_log.makeRecord(
+                    access_log.name, logging.INFO, __file__, 0, "refused", (), None, extra={"fields": fields}
+                )
+            )
+        return with_request_id(answer, request_id)
 
     def _answer_and_linger(self, answer: bytes) -> None:
         transport = self.transport

@@ -48,6 +48,13 @@ def error_response(status: int, message: str, code: str, *, extra: bytes = b"") 
     )
 
 
+def with_request_id(answer: bytes, request_id: str) -> bytes:
+    """``answer`` (an ``error_response``) with an ``x-request-id`` field after its status line: every
+    answer the gateway gives carries one, its own refusals before the app included."""
+    line_end = answer.index(b"\r\n") + 2
+    return b"%bx-request-id: %b\r\n%b" % (answer[:line_end], request_id.encode("ascii"), answer[line_end:])
+
+
 class HeadRefused(Exception):
     """A request head outside the bounds; ``answer`` is what the client gets."""
 

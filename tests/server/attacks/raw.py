@@ -95,6 +95,7 @@ def error_of(data: bytes, status: int) -> dict[str, object]:
     assert got == status, data[:300]
     assert headers["content-type"] == "application/json"
     assert headers.get("connection") == "close"
+    assert 0 < len(headers.get("x-request-id", "")) <= 128, data[:300]  # the front door's own answers too
     error = orjson.loads(body)["error"]
     assert set(error) == {"message", "type", "param", "code"}
     return dict(error)
