@@ -157,35 +157,45 @@ def normalise(body: dict[str, Any]) -> Constraint | None:
     return found[0] if found else None
 
 
-def forced_tools(body: dict[str, Any]) -> list[Constraint]:
-    """The ``parameters`` schemas the worker decodes a tool call under: the function ``tool_choice`` names,
-    or every tool's with ``tool_choice: "required"``; empty otherwise.
+@dataclass(frozen=True, slots=True)
+class ForcedTool:
+    """A function a forcing ``tool_choice`` lets the model call: its name and its ``parameters`` schema
+    (None when the tool gives none: any arguments)."""
 
-    The worker decodes a forced call under that schema as guided output (vLLM compiles it as it would a
-    ``response_format`` schema; for "required", under one schema built from all the tools' schemas), so
-    each goes through the same compile budgets at the gateway. The body is left as it is: the worker needs
-    the tools, and its answer is a tool call."""
+    name: str
+    constraint: Constraint | None
+
+
+def forced_tools(body: dict[str, Any]) -> list[ForcedTool] | None:
+    """The functions a forcing ``tool_choice`` lets the model call: every definition of the function it
+    names, or every function tool with ``tool_choice: "required"``; None when it forces no call (absent,
+    ``"auto"``, ``"none"``, or no ``tools`` list). An empty list: it names a function the request does
+    not offer, so no call can be right.
+
+    The worker decodes a forced call under those schemas as guided output (vLLM compiles them as it would
+    a ``response_format`` schema; for "required", under one schema built from all the tools' schemas), so
+    each goes through the same compile budgets at the gateway, and each call that comes back is checked
+    against its function's. The body is left as it is: the worker needs the tools, and its answer is a
+    tool call."""
     choice = body.get("tool_choice")
-    if choice is None:
-        return []
     tools = body.get("tools")
-    if not isinstance(tools, list):
-        return []
+    if choice is None or not isinstance(tools, list):
+        return None
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if name is None and choice != "required":
-        return []
+        return None
     found = []
     for i, tool in enumerate(tools):
         spec = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(spec, dict) or spec.get("parameters") is None:
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             continue
-        if name is not None and spec.get("name") != name:
-            continue
+        if name is not None and spec["name"] != name:
+            continue  # every definition of that name: which one the worker takes is its own choice
         param = f"tools[{i}].function.parameters"
-        found.append(Constraint("json", _schema_value(spec["parameters"], param), param, error_param=param))
-        if name is not None:
-            break  # the named function's first definition, as before
+        raw = spec.get("parameters")
+        constraint = None if raw is None else Constraint("json", _schema_value(raw, param), param, error_param=param)
+        found.append(ForcedTool(spec["name"], constraint))
     return found
 
 

@@ -7,8 +7,9 @@ enforce constraints (``probe``), then rewrite the body into the one form vLLM 0.
 ``length``; retried once first only when the client set no token limit and it was not streamed; a
 stream that would have been is marked ``Cache-Control: no-store``), an invalid complete one is refused
 with a 422. A forced tool call's ``parameters`` schema (``tool_choice`` naming a function: the worker decodes
-the call under it; ``"required"``: every tool's) is compiled under the same budgets, for its refusal only;
-the body keeps the tools.
+the call under it; ``"required"``: every tool's) is compiled under the same budgets (the body keeps the
+tools), and each call of a chat answer is checked against its function's (``tool_calls``). A request
+with neither steps aside: no hook of this plugin runs on its way back.
 
 The cache plugin runs before this one (a config that lists this one first is refused:
 ``replaces_answers``), so its key is computed from the client's own fields and it only stores answers
@@ -28,11 +29,12 @@ from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.services import Services
 from gateway.upstream.client import UpstreamFailure
 from gateway.wire.errors import GatewayError, ServiceUnavailable, from_upstream
-from plugins.guided_json.compile import CompileCache, Compiled
+from plugins.guided_json.compile import Checker, CompileCache, Compiled
 from plugins.guided_json.config import GuidedJSONConfig
-from plugins.guided_json.forms import Constraint, forced_tools, normalise, rewrite
+from plugins.guided_json.forms import Constraint, ForcedTool, forced_tools, normalise, rewrite
 from plugins.guided_json.probe import CapabilityTable
-from plugins.guided_json.validate import error_for, find_problems, retry_budget, with_budget
+from plugins.guided_json.tool_calls import ForcedCalls, find_call_problems
+from plugins.guided_json.validate import Problem, error_for, find_problems, retry_budget, with_budget
 
 log = logging.getLogger("plugins.guided_json")
 _GUIDED_ENDPOINTS = frozenset({"chat/completions", "completions"})
@@ -46,6 +48,15 @@ def _finish_label(reason: object) -> str:
     if not reason:
         return "none"
     return reason if isinstance(reason, str) and reason in _FINISH_REASONS else "other"
+
+
+@dataclass(frozen=True, slots=True)
+class Checks:
+    """What a request's answer is checked against: its output constraint, its forced tool calls (chat
+    only: a legacy completion has no tool calls), or both."""
+
+    compiled: Compiled | None
+    calls: ForcedCalls | None
 
 
 @dataclass
@@ -72,7 +83,7 @@ class GuidedShared:
             invalid_answers=Counter(
                 "gateway_guided_json_invalid_answers",
                 "Answers that did not satisfy their constraint, by model, finish_reason and what followed"
-                " (refused|retried|retry_ok|returned)",
+                " (refused|retried|retry_ok|returned; forced tool calls: tool_refused|tool_returned)",
                 ["model", "finish_reason", "action"],
                 registry=registry,
             ),
@@ -96,19 +107,32 @@ class GuidedJSONPlugin(Plugin):
 
     async def on_request(self, ctx: RequestContext) -> ModelResponse | None:
         guided = ctx.endpoint in _GUIDED_ENDPOINTS
-        for tool in forced_tools(ctx.body) if guided else ():
-            await self._compile(tool, ctx.tenant)  # the worker decodes calls under it: response_format's budgets
+        forced = forced_tools(ctx.body) if guided else None
+        calls = None if forced is None else await self._compile_tools(forced, ctx.tenant)
+        if ctx.endpoint != "chat/completions":
+            calls = None
         constraint = normalise(ctx.body) if guided else None
-        if constraint is None:
+        if constraint is None and calls is None:
             ctx.step_aside(self)  # nothing to check on the way back
             return None
-        compiled = await self._compile(constraint, ctx.tenant)
-        if self.config.probe:
-            await self._require_capable_workers(ctx)
-        rewrite(ctx.body, compiled.upstream)
-        ctx.mark_body_changed()
-        ctx.state[self.name] = compiled
+        compiled = None
+        if constraint is not None:
+            compiled = await self._compile(constraint, ctx.tenant)
+            if self.config.probe:
+                await self._require_capable_workers(ctx)
+            rewrite(ctx.body, compiled.upstream)
+            ctx.mark_body_changed()
+        ctx.state[self.name] = Checks(compiled, calls)
         return None
+
+    async def _compile_tools(self, forced: list[ForcedTool], tenant: str | None) -> ForcedCalls:
+        """Each forced function's schema compiled (the worker decodes calls under it: response_format's
+        budgets, and its refusals), as the checks of the calls that come back."""
+        allowed: dict[str, tuple[Checker | None, ...]] = {}
+        for tool in forced:
+            check = None if tool.constraint is None else (await self._compile(tool.constraint, tenant)).check
+            allowed[tool.name] = (*allowed.get(tool.name, ()), check)
+        return ForcedCalls(allowed)
 
     async def _compile(self, constraint: Constraint, tenant: str | None) -> Compiled:
         """The compiled constraint (from the cache, or compiled under the budgets and ``tenant``'s limit
@@ -145,15 +169,41 @@ class GuidedJSONPlugin(Plugin):
             )
 
     async def on_response(self, ctx: RequestContext, response: ModelResponse) -> ModelResponse | None:
-        compiled: Compiled | None = ctx.state.get(self.name)
-        if compiled is None or response.status != 200:
+        checks: Checks | None = ctx.state.get(self.name)
+        if checks is None or response.status != 200:
             return None
+        if checks.calls is not None:
+            self._check_calls(ctx, checks.calls, response)
+        if checks.compiled is None:
+            return None
+        return await self._check_output(ctx, checks.compiled, response)
+
+    def _check_calls(self, ctx: RequestContext, calls: ForcedCalls, response: ModelResponse) -> None:
+        """Refuse an answer whose forced tool calls fail (a cut one is returned as it is, not retried)."""
+        problems = find_call_problems(calls, response.json)
+        if not problems:
+            return
+        broken = self._first_broken(problems)
+        invalid = self.shared.invalid_answers.labels
+        if broken is not None:
+            invalid(ctx.model.name, _finish_label(broken.finish_reason), "tool_refused").inc()
+            raise error_for(broken, "tools")
+        invalid(ctx.model.name, "length", "tool_returned").inc()
+
+    @staticmethod
+    def _first_broken(problems: list[Problem]) -> Problem | None:
+        return next((p for p in problems if not p.truncated), None)
+
+    async def _check_output(
+        self, ctx: RequestContext, compiled: Compiled, response: ModelResponse
+    ) -> ModelResponse | None:
+        """The answer's text against the output constraint: a 422, the answer cut and returned, or retried."""
         problems = find_problems(compiled, response.json)
         if not problems:
             return None
         invalid = self.shared.invalid_answers
         model = ctx.model.name
-        broken = next((p for p in problems if not p.truncated), None)
+        broken = self._first_broken(problems)
         if broken is not None:
             invalid.labels(model, _finish_label(broken.finish_reason), "refused").inc()
             raise error_for(broken, compiled.kind)
@@ -179,7 +229,7 @@ class GuidedJSONPlugin(Plugin):
         invalid.labels(model, "length", "retried").inc()
         retried = await self._retry(ctx, budget)
         again = find_problems(compiled, retried.json)
-        broken = next((p for p in again if not p.truncated), None)
+        broken = self._first_broken(again)
         if broken is not None:
             invalid.labels(model, _finish_label(broken.finish_reason), "refused").inc()
             raise error_for(broken, compiled.kind)

@@ -9,9 +9,9 @@ from a stream) is checked. What an invalid one becomes:
   client's ``max_tokens`` / ``max_completion_tokens`` is never exceeded; only when the client set no
   limit, under the ``retry`` policy, is a non-streamed answer asked for once more with a budget that
   still fits the model's context (``retry_budget``);
-- complete but not valid (a keyword the engine does not enforce, such as ``multipleOf``): a 422
-  ``guided_output_invalid``. Not a 5xx: the same request would get the same answer, and the SDKs
-  retry 5xx answers.
+- complete but not valid (a keyword the engine does not enforce, such as ``multipleOf``; a forced tool
+  call whose arguments its function's schema refuses, see ``tool_calls``): a 422 ``guided_output_invalid``.
+  Not a 5xx: the same request would get the same answer, and the SDKs retry 5xx answers.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def with_budget(body: dict[str, Any], budget: int) -> dict[str, Any]:
 
 
 def error_for(problem: Problem, kind: str = "json") -> GatewayError:
-    """A complete answer that fails validation. Under a JSON schema the engine enforced its structure,
+    """A complete answer that fails validation (``kind``: the constraint's, or "tools" for a forced tool
+    call's arguments). Under a JSON schema the engine enforced its structure,
     so what failed is a keyword only checked afterwards; a regex or a choice list is enforced whole, so
     the worker did not enforce it. Either way the same request would most likely fail the same way."""
     where = f"choice {problem.index}" if problem.index else "the answer"
@@ -119,6 +120,12 @@ def error_for(problem: Problem, kind: str = "json") -> GatewayError:
             "The engine enforces the schema's structure, types, enums, string lengths and patterns and numeric"
             " bounds while decoding; other keywords are only checked afterwards, so this request would fail"
             " the same way again. Loosen the schema or ask for the value in the prompt."
+        )
+    elif kind == "tools":
+        why = (
+            "With tool_choice forcing a function, the worker decodes each call's arguments under the function's"
+            " parameters schema; a call that fails it was not so decoded, or fails a keyword only checked"
+            " afterwards, so this request would most likely fail the same way again."
         )
     else:
         why = f"The worker did not enforce the {kind} constraint; sending it again will not help."
