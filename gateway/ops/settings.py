@@ -96,6 +96,12 @@ class Settings(BaseSettings):
         description="a client that takes none of its answer this long (its connection's buffer full): closed, "
         "its request cancelled",
     )
+    max_recording_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=0,
+        description="bytes of stream events all the streams being recorded for the cache may hold together; a "
+        "stream past it is still stored, as its answer without its events' chunking",
+    )
     max_connections: int = Field(
         4096, ge=1, description="open client connections per process; a new one beyond it is answered 503 and closed"
     )

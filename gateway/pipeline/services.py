@@ -15,6 +15,7 @@ from gateway.infra.redis_autopipe import AutoPipeline
 from gateway.infra.redis_py import RedisPyPipeline
 from gateway.ops.metrics import Metrics
 from gateway.ops.settings import Settings
+from gateway.pipeline.recordings import RecordingPool
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.workers import WorkerTable
 
@@ -38,13 +39,18 @@ class Services:
     shared: dict[str, Any] = field(default_factory=dict)
     #: OpenTelemetry tracing, or None when no OTLP endpoint is configured (the default: no cost).
     tracing: Tracing | None = None
+    #: The room every stream being recorded for the cache may hold together (``GATEWAY_MAX_RECORDING_BYTES``).
+    recordings: RecordingPool = field(init=False)
     _redis: dict[tuple[float, float], aioredis.Redis] = field(default_factory=dict)
     _pipelines: dict[tuple[float, float], RedisPipeline] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.recordings = RecordingPool(self.settings.max_recording_bytes)
         # A worker gone from the table for good takes its metric series with it: workers discovered
-        # through DNS change address with every pod, and kept series would grow without bound.
-        self.workers.on_removed.append(self.metrics.forget_worker)
+        # through DNS change address with every pod, and kept series would grow without bound. Once: a
+        # copy (``dataclasses.replace``, one per multipart request) runs this again on the same table.
+        if self.metrics.forget_worker not in self.workers.on_removed:
+            self.workers.on_removed.append(self.metrics.forget_worker)
 
     def redis(self, *, socket_timeout_s: float = 0.25, connect_timeout_s: float = 0.25) -> aioredis.Redis:
         """A pooled Redis client for ``settings.redis_url`` with these timeouts (one pool per pair).

@@ -78,4 +78,6 @@ class FormUpstream:
 def form_services(services: Services, files: list[FilePart]) -> Services:
     """``services`` for one multipart request: the same everything, its own stand-in for the client."""
     # A structural stand-in: the Proxy only opens requests and reads the config on a non-streamed trip.
-    return dataclasses.replace(services, upstream=cast(UpstreamClient, FormUpstream(services.upstream, files)))
+    copy = dataclasses.replace(services, upstream=cast(UpstreamClient, FormUpstream(services.upstream, files)))
+    copy.recordings = services.recordings  # process-wide: ``replace`` made a new one
+    return copy

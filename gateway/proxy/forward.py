@@ -77,8 +77,7 @@ class Proxy:
         stream = PassThrough(ctx, answer, self.services.metrics, trip.end, tap, settle)
         return StreamReply(None, ctx.response_headers, passthrough=stream)
 
-    @staticmethod
-    def _stream_tap(ctx: RequestContext) -> StreamTap | None:
+    def _stream_tap(self, ctx: RequestContext) -> StreamTap | None:
         """A pass-through stream whose usage a plugin needs (billing) or that a plugin asked to have
         recorded (the cache): the worker is asked for the usage (before the trip), and a tap reads the
         bytes, keeping the request's completion limit too (and the recording). A stream no plugin bills
@@ -89,7 +88,13 @@ class Proxy:
             return None
         strip = not ctx.ask_for_usage()
         choices = requested_choices(ctx.body) * requested_prompts(ctx.endpoint, ctx.body)  # vLLM's choice indices
-        return StreamTap(strip=strip, limit=completion_limit(ctx), choices=choices, record=recording)
+        return StreamTap(
+            strip=strip,
+            limit=completion_limit(ctx),
+            choices=choices,
+            record=recording,
+            recordings=self.services.recordings,
+        )
 
     async def _settle_usage(self, ctx: RequestContext, settlement: ModelResponse) -> None:
         # The tap's usage (``ctx.delivered``, set before the settlement): reading the settlement's would

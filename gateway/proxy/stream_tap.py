@@ -13,10 +13,11 @@ tenancy, to bill), the stream keeps the pass-through and the core:
    the parsed path.
 
 When a plugin asked for a recording of the stream (``ctx.record_stream``: the cache, to store the answer)
-the tap also keeps its whole events, usage event included, up to the byte budget asked for; once the
-stream completed, ``settlement`` hands them to those plugins' ``on_response`` as they came
-(``ModelResponse.recorded_events``) and parses them into the assembled answer only if a plugin reads it,
-instead of parsing every event on its way out.
+the tap also keeps its whole events, usage event included, up to the byte budget asked for and within the
+room the process's recordings share (``gateway.pipeline.recordings``; past either, the events are added
+up into the answer as they come, and only the answer is kept); once the stream completed, ``settlement``
+hands them to those plugins' ``on_response`` as they came (``ModelResponse.recorded_events``) and parses
+them into the assembled answer only if a plugin reads it, instead of parsing every event on its way out.
 
 It also counts the events that carry generated text (substring counts per read, the way vLLM serializes
 them) and, when the request has a completion limit (``gateway.proxy.token_limit``), ends the stream there
@@ -33,6 +34,7 @@ from typing import Any
 import orjson
 
 from gateway.pipeline.context import ModelResponse
+from gateway.pipeline.recordings import RecordingPool, Reservation
 from gateway.proxy.answer import is_error_event
 from gateway.proxy.token_limit import length_end
 from gateway.wire.chat_answer import count
@@ -76,10 +78,20 @@ class StreamTap:
 
     __slots__ = ("_choices", "_held", "_recording", "_strip", "limit", "limited", "tokens", "usage")
 
-    def __init__(self, *, strip: bool, limit: int | None = None, choices: int = 1, record: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        strip: bool,
+        limit: int | None = None,
+        choices: int = 1,
+        record: int = 0,
+        recordings: RecordingPool | None = None,
+    ) -> None:
         self._strip = strip  # the client did not ask for the usage event
         self._held = b""  # the start of an event that may be the usage event or the [DONE] mark
-        self._recording = _Recording(record) if record > 0 else None
+        self._recording: _Recording | None = None
+        if record > 0:  # ``recordings``: the process's shared room (None: this recording's own budget only)
+            self._recording = _Recording((recordings or RecordingPool(record)).reserve(record))
         self._choices = choices
         self.limit = limit
         self.limited = False
@@ -198,28 +210,35 @@ def _json_of(event: bytes) -> dict[str, Any]:
 
 
 class _Recording:
-    """The whole events of a stream a plugin asked to have recorded: kept as bytes up to ``budget``, parsed
-    once at the end; past the budget only added up as they come (an answer too long to keep with its
-    events is still kept as an answer, as on the parsed path)."""
+    """The whole events of a stream a plugin asked to have recorded: kept as bytes within ``reservation``
+    (the recording's budget, and the room the process's recordings share), parsed once at the end; past
+    it only added up as they come (an answer too long to keep with its events is still kept as an
+    answer, as on the parsed path)."""
 
-    __slots__ = ("_assembler", "_broken", "pieces", "room")
+    __slots__ = ("_assembler", "_broken", "_reservation", "pieces", "room")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, reservation: Reservation) -> None:
         self.pieces: list[bytes] | None = []  # None once past the budget (then added up as they come)
-        self.room = budget
+        self._reservation = reservation
+        reservation.fits(1)  # the first grant: most streams need no other
+        self.room = reservation.held  # what ``pieces`` may still take of the room held
         self._assembler = StreamAssembler()
         self._broken = False  # an event that is not JSON, or an error event: nothing to keep
 
     def add(self, events: bytes) -> None:
-        """Keep ``events`` (whole events). ``StreamTap.feed`` appends to ``pieces`` itself while they fit."""
+        """Keep ``events`` (whole events). ``StreamTap.feed`` appends to ``pieces`` itself while they fit
+        the room held; here more is taken, or the events are added up from now on."""
         if self._broken:
             return
         if self.pieces is not None:
-            self.room -= len(events)
-            if self.room >= 0:
+            reservation = self._reservation
+            size = reservation.held - self.room + len(events)
+            if reservation.fits(size):
+                self.room = reservation.held - size
                 self.pieces.append(events)
                 return
             events, self.pieces = b"".join(self.pieces) + events, None
+            reservation.release()
         self._broken = not _add_up(self._assembler, events, None)
 
     def answer(self, usage_only: dict[str, Any]) -> ModelResponse | None:
@@ -233,6 +252,7 @@ class _Recording:
             return ModelResponse(json=self._assembler.result())
         events = b"".join(self.pieces)
         self.pieces = None
+        self._reservation.release()  # the events go to the plugins now, to be stored or dropped
         assembler = self._assembler
 
         def assemble() -> tuple[dict[str, Any], list[dict[str, Any]] | None]:

@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 from gateway.pipeline.config import AdapterModel, GatewayConfig, ModelConfig
 from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
+from gateway.pipeline.recordings import Reservation
 from gateway.pipeline.services import Services
 from gateway.wire.errors import GatewayTimeout, InvalidRequest, ServiceUnavailable
 from gateway.wire.streaming import StreamAssembler
@@ -80,9 +81,11 @@ class _Pending:
     strip_usage: bool = False
     done: bool = False  # the lock was handed to a store or released
     # A streamed answer's events as they came (serialized at once: later hooks may change the dicts),
-    # kept so a streaming hit replays the same chunking; None once they outgrow ``max_value_bytes``.
+    # kept so a streaming hit replays the same chunking; None once they outgrow ``max_value_bytes`` or
+    # the room the process's recordings share (``room``, taken only when the stream is parsed here).
     chunks: list[bytes] | None = None
     chunk_bytes: int = 0
+    room: Reservation | None = None
     # A stream parsed chunk by chunk: the answer its events add up to as they reached the cache, which is
     # what went out after the chunk hooks of the plugins listed after it (safety's output rules redact or
     # cut a stream there), where the core's assembly is the worker's answer.
@@ -169,6 +172,7 @@ class CachePlugin(Plugin):
                 # A stored answer carries its usage even when this client did not ask for it.
                 pending.strip_usage = not ctx.ask_for_usage()
                 pending.chunks = []
+                pending.room = self.services.recordings.reserve(cfg.max_value_bytes)
                 # A byte pass-through then, unless another plugin reads the chunks: on_response gets the
                 # recorded events instead of on_chunk calls.
                 ctx.record_stream(self, _RECORD_BUDGET * cfg.max_value_bytes)
@@ -279,10 +283,13 @@ class CachePlugin(Plugin):
         if pending.chunks is not None:
             event = recorded_event(chunk)
             pending.chunk_bytes += len(event) + 1
-            if pending.chunk_bytes > self.config.max_value_bytes:
-                pending.chunks = None  # too long to keep as events: a hit replays it synthesized
-            else:
+            room = pending.room
+            if room is not None and room.fits(pending.chunk_bytes):
                 pending.chunks.append(event)
+            else:  # too long to keep as events (or no room left): a hit replays it synthesized
+                pending.chunks = None
+                if room is not None:
+                    room.release()
 
     def _record_all(self, pending: _Pending, recorded: list[dict[str, Any]] | None) -> None:
         """A pass-through stream's events, recorded by the core, kept at once (``_record`` per event on
@@ -338,6 +345,8 @@ class CachePlugin(Plugin):
         if pending.chunks and len(body) + pending.chunk_bytes <= self.config.max_value_bytes:
             chunks = b"\n".join(pending.chunks)
         pending.chunks = None
+        if pending.room is not None:
+            pending.room.release()  # the entry goes to the write queue, bounded on its own (``writes.full``)
         self._store_entry(pending, model, encode_entry(body, time.time(), chunks))
         return None
 

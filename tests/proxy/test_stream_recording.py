@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.pipeline.recordings import GRANT, RecordingPool
 from gateway.proxy.stream_tap import StreamTap, output_events
 from gateway.wire.streaming import SSEParser, payload_lines, whole_payloads
 
@@ -254,3 +255,32 @@ def test_text_that_says_done_goes_out_as_the_worker_wrote_it(read_size: int) -> 
     assert out == events and done == b"data: [DONE]\n\n"
     answer = tap.settlement(completed=True).json["choices"][0]["message"]
     assert answer["content"] == "SSE ends with data: [DONE] then data: [DONE]"
+
+
+def test_recordings_share_the_pools_room_and_give_it_back() -> None:
+    """Two streams recorded at once within a pool that holds one: the first keeps its events, the second
+    is added up into its answer (stored without its chunking), and both give their room back."""
+    words = [f"w{i} " for i in range(300)]
+    raw = b"".join(event(c) for c in worker_stream(words)) + b"data: [DONE]\n\n"
+    pool = RecordingPool(len(raw) + 100)
+    first = StreamTap(strip=True, record=1 << 20, recordings=pool)
+    second = StreamTap(strip=True, record=1 << 20, recordings=pool)
+    for at in range(0, len(raw), 512):  # interleaved, as concurrent streams are
+        first.feed(raw[at : at + 512])
+        second.feed(raw[at : at + 512])
+    assert pool.left < 100 + GRANT
+    kept, added_up = first.settlement(completed=True), second.settlement(completed=True)
+    assert kept.recorded_events is not None and added_up.recorded_events is None
+    for answer in (kept, added_up):
+        assert answer.json["choices"][0]["message"]["content"] == "".join(words)
+        assert answer.json["usage"] == USAGE
+    assert pool.left == pool.total
+
+
+def test_a_stream_left_mid_way_gives_its_room_back() -> None:
+    pool = RecordingPool(1 << 20)
+    tap = StreamTap(strip=True, record=1 << 20, recordings=pool)
+    tap.feed(b"".join(event(c) for c in worker_stream(["a", "b"])[:2]))
+    assert pool.left < pool.total
+    del tap  # the client left: no settlement
+    assert pool.left == pool.total
