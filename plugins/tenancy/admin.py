@@ -1,10 +1,12 @@
 """Operator actions of the tenancy plugin (``POST /admin/plugins/tenancy/{action}``).
 
 - ``create_key`` ``{"tenant", "id"?, "models"?, "limits"?}``: stores a new key and returns it, the only
-  time it is ever shown.
-- ``revoke_key`` ``{"id"}``: deletes a key created here; every replica refuses it within a second. A key
-  config.yaml declares is removed there; a created key whose id a later config.yaml reuses is still
-  revoked here (the config's key stays, and the answer says so).
+  time it is ever shown. An id config.yaml declares, or that a key created here has or had (a revoked
+  id is never reused), is a 400 ``key_exists``.
+- ``revoke_key`` ``{"id"}``: deletes a key created here; every replica refuses it within a second, and
+  its id stays taken. A key config.yaml declares is removed there; a created key whose id the running
+  config declares too (created on a replica whose config did not, meanwhile; it no longer authenticates)
+  is still revoked here (the config's key stays, and the answer says so).
 - ``list_keys``: ids, tenants and where each key is defined (never keys or digests).
 - ``usage`` ``{"key_id"}`` or ``{"tenant"}``: tokens and requests in the current UTC day and month,
   with the budgets and when they reset.
@@ -105,7 +107,11 @@ class TenancyAdmin:
         try:
             key, info = await self._keys.create(key_id, req.tenant, req.models, limits)
         except KeyExists:
-            raise InvalidRequest(f"A key with id '{key_id}' already exists.", param="id", code="key_exists") from None
+            raise InvalidRequest(
+                f"A key with id '{key_id}' exists or existed (the id of a revoked key is not reused).",
+                param="id",
+                code="key_exists",
+            ) from None
         return {
             "id": info.id,
             "key": key,
@@ -116,9 +122,10 @@ class TenancyAdmin:
         }
 
     async def revoke_key(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Revoke the key created here under ``id``. A config.yaml loaded after it was created may declare
-        a key with the same id (``create_key`` refuses only ids the running config has): the created key
-        is revoked all the same, and the answer says the config's stays; a config key alone is a 400."""
+        """Revoke the key created here under ``id``. The running config.yaml may declare a key with the
+        same id (a config declaring a created id is refused when it loads, but another replica may have
+        created it meanwhile): the created key is revoked all the same, and the answer says the config's
+        stays; a config key alone is a 400."""
         ref = _parse(KeyRef, body)
         declared = self._keys.config_key(ref.id) is not None
         if await self._keys.revoke(ref.id):

@@ -5,12 +5,22 @@ ever stored. Keys created through the admin API live in Redis (``{prefix}:key:{d
 record, ``{prefix}:key-ids`` id -> digest) and every replica sees a new or revoked key within
 ``key_cache_ttl_s`` (<= 1 s): a lookup result, found or not, is trusted locally for that long and then
 read again. Nothing here logs a key or a digest.
+
+An id names one key for good: what is kept under it (usage counters and history, the batches it made,
+whose lines run as their key, looked up by id) must never pass to another key. Revoking a key deletes
+its record and leaves ``REVOKED`` as its id's entry in ``{prefix}:key-ids`` (a tombstone, never
+removed), so ``create`` refuses that id as it refuses one in use (in the same ``HSETNX``), and every
+look-up by id finds no key. A config.yaml declaring an id the admin API created (in use or revoked) is
+refused when it loads (``clashing_ids``); a created key whose id the running config declares anyway (it
+was created on another replica meanwhile, or Redis was away when the config loaded) does not
+authenticate: two keys under one id would share its counters and limits.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -22,7 +32,10 @@ import redis.asyncio as aioredis
 
 from plugins.tenancy.config import ConfigKey, Limits
 
+log = logging.getLogger("gateway.tenancy")
 KEY_PREFIX = "sk-gw-"
+#: The entry ``{prefix}:key-ids`` keeps for a revoked id in place of its digest (a digest is 64 hex digits).
+REVOKED = "revoked"
 
 
 def hash_key(key: str, pepper: bytes) -> str:
@@ -146,6 +159,13 @@ class KeyStore:
             return cached[0]
         raw = await self._redis.get(self._record_key(digest))
         found = KeyInfo.from_record(raw) if raw is not None else None
+        if found is not None and found.id in self._config_ids:
+            log.warning(
+                "tenancy: a key created through the admin API has id '%s', which config.yaml declares too: "
+                "it is refused (revoke it with revoke_key)",
+                found.id,
+            )
+            found = None
         if len(self._cache) >= self._max_entries:
             self._cache.clear()  # bounded memory; a flood of bad keys only costs re-reads
         self._cache[digest] = (found, now + self._ttl_s)
@@ -157,7 +177,8 @@ class KeyStore:
         return cached[0] if cached is not None else None
 
     async def create(self, key_id: str, tenant: str, models: list[str], limits: Limits) -> tuple[str, KeyInfo]:
-        """Store a new key; returns (the key, shown this once; its info). KeyExists if the id is taken."""
+        """Store a new key; returns (the key, shown this once; its info). KeyExists if the id is taken:
+        by config.yaml, by a key created here, or by one revoked (ids are never reused)."""
         if key_id in self._config_ids:
             raise KeyExists(key_id)
         key = new_key()
@@ -168,15 +189,22 @@ class KeyStore:
         await self._redis.set(self._record_key(digest), info.record())
         return key, info
 
-    async def revoke(self, key_id: str) -> bool:
-        """Delete a Redis key by id. False when no such key exists there."""
+    async def _digest_of(self, key_id: str) -> str | None:
+        """The digest a created key's id maps to; None for an id never created here or revoked."""
         digest = await self._redis.hget(self._ids_key, key_id)
-        if digest is None:
+        if digest is None or _text(digest) == REVOKED:
+            return None
+        return _text(digest)
+
+    async def revoke(self, key_id: str) -> bool:
+        """Delete a Redis key by id, leaving its id's tombstone. False when no such key exists there (never
+        created, or already revoked)."""
+        digest_str = await self._digest_of(key_id)
+        if digest_str is None:
             return False
-        digest_str = _text(digest)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(self._record_key(digest_str))
-            pipe.hdel(self._ids_key, key_id)
+            pipe.hset(self._ids_key, key_id, REVOKED)
             await pipe.execute()
         self._cache.pop(digest_str, None)
         return True
@@ -188,17 +216,27 @@ class KeyStore:
         info = self._config_ids.get(key_id)
         if info is not None:
             return info
-        digest = await self._redis.hget(self._ids_key, key_id)
+        digest = await self._digest_of(key_id)
         if digest is None:
             return None
-        raw = await self._redis.get(self._record_key(_text(digest)))
+        raw = await self._redis.get(self._record_key(digest))
         return KeyInfo.from_record(raw) if raw is not None else None
+
+    async def clashing_ids(self) -> list[str]:
+        """The ids config.yaml declares that the admin API created too, in use or revoked, sorted: such a
+        config must not load, since the config's key would inherit what is kept under the other's id."""
+        ids = sorted(self._config_ids)
+        if not ids:
+            return []
+        found = await self._redis.hmget(self._ids_key, ids)
+        return [key_id for key_id, digest in zip(ids, found, strict=True) if digest is not None]
 
     async def list(self) -> list[dict[str, Any]]:
         """Ids, tenants and sources of every key: never digests."""
         out = [{"id": i.id, "tenant": i.tenant, "source": "config"} for i in self._config.values()]
-        ids = await self._redis.hgetall(self._ids_key)
-        records = await self._redis.mget([self._record_key(_text(d)) for d in ids.values()]) if ids else []
+        ids = [_text(d) for d in (await self._redis.hgetall(self._ids_key)).values()]
+        digests = [d for d in ids if d != REVOKED]
+        records = await self._redis.mget([self._record_key(d) for d in digests]) if digests else []
         for raw in records:
             if raw is not None:
                 info = KeyInfo.from_record(raw)

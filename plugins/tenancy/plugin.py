@@ -131,8 +131,22 @@ class TenancyPlugin(Plugin):
         return context
 
     async def start(self) -> None:
+        """Refuses a config whose keys take an id the admin API created (in use or revoked: an id names one
+        key for good, ``plugins.tenancy.keys``). With Redis away that cannot be read: the config loads, and
+        a created key under a declared id is refused at every lookup instead."""
         if self.config.auth and not self._pepper_set:
             log.warning("tenancy: %s is not set; key digests are unpeppered HMACs", self.config.pepper_env)
+        try:
+            clashing = await self.keys.clashing_ids()
+        except REDIS_ERRORS as exc:
+            self._redis_failed("lookup", exc)
+            return
+        if clashing:
+            names = ", ".join(f"'{key_id}'" for key_id in clashing)
+            raise ValueError(
+                f"keys: id {names} was created through the admin API (create_key), and an id names one key for "
+                "good (its usage, its batches); give the config's key another id"
+            )
 
     def went_live(self) -> None:
         """Who is calling, for the core (stored Responses, batch lines), is now this config's answer: not

@@ -180,25 +180,26 @@ def test_keys_never_appear_in_logs_or_metrics(
         assert not [line for line in lines if secret in line]
 
 
-def test_a_created_key_whose_id_a_later_config_declares_can_still_be_revoked(
+def test_a_created_key_whose_id_the_running_config_declares_is_refused_and_can_be_revoked(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
 ) -> None:
-    """``create_key`` refuses an id the running config declares, but a config loaded afterwards may take
-    the id of a key created before it: revoking that id revokes the created key (which would otherwise
-    keep working with no way to stop it), and the config's key stays valid until removed there."""
-    with gateway_factory(tenancy(prefix, upstream_url), admin_token=ADMIN) as (_, server):
-        created = admin(server, "create_key", {"tenant": "team-a", "id": "shared-id"})
+    """``create_key`` refuses an id the running config declares, and a config declaring a created id is
+    refused when it loads; but a replica whose config does not declare the id yet may create it while
+    another runs a config that does. The created key is then refused (two keys under one id would share
+    its counters and limits), and revoking that id revokes it (which would otherwise stay in Redis with
+    no way to remove it), while the config's key stays valid until removed there."""
+    declared = "sk-gw-declared-in-config"
+    keys = [{"id": "shared-id", "tenant": "team-b", "hash": hash_key(declared, PEPPER.encode())}]
+    with (
+        gateway_factory(tenancy(prefix, upstream_url, keys=keys), admin_token=ADMIN) as (_, server),
+        gateway_factory(tenancy(prefix, upstream_url), admin_token=ADMIN) as (_, older),
+    ):
+        created = admin(older, "create_key", {"tenant": "team-a", "id": "shared-id"})
         assert created.status_code == 200, created.text
         made = created.json()["result"]["key"]
-        declared = "sk-gw-declared-later-in-config"
-        keys = [{"id": "shared-id", "tenant": "team-b", "hash": hash_key(declared, PEPPER.encode())}]
-        reloaded = httpx.put(
-            server.url + "/admin/config",
-            json=tenancy(prefix, upstream_url, keys=keys),
-            headers={"authorization": f"Bearer {ADMIN}"},
-        )
-        assert reloaded.status_code == 200, reloaded.text
-        assert chat(server, made).status_code == 200
+        assert chat(older, made).status_code == 200  # that replica's config does not declare the id
+        refused = chat(server, made)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         assert chat(server, declared).status_code == 200
 
         revoked = admin(server, "revoke_key", {"id": "shared-id"})
