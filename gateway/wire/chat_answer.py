@@ -43,10 +43,18 @@ def member(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], where:
     return value
 
 
+#: The largest token count of a ``usage`` believed. No request comes near it, and a prompt's and a
+#: completion's together stay within 2^53, what the doubles of tenancy's Redis scripts hold exactly (a
+#: worker's 2^63 failed the charge as if Redis were down; 2^53 spent a tenant's budget for good).
+MAX_COUNT = 2**52
+
+
 def count(value: object) -> int | None:
-    """A token count of ``usage``, or None when it is not one (not an integer, or negative: read leniently,
-    it counts 0)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    """A token count of ``usage``, or None when it is not one (not an integer, negative, or past
+    ``MAX_COUNT``: read leniently, it counts 0; billing then counts the answer's text or stream events)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
+        return value
+    return None
 
 
 def reasoning_of(answer: dict[str, Any]) -> str:

@@ -179,9 +179,9 @@ def reserved_completion(endpoint: str, body: dict[str, Any]) -> int:
 
 def reported_usage(response: dict[str, Any]) -> tuple[int | None, int] | None:
     """(prompt, completion) tokens from the response's ``usage``; without usage (a stream that did not
-    ask for it), or with counts that are not non-negative integers (a faulty or hostile worker's negative
-    count would be billed as a credit), the prompt is unknown (None) and the completion is estimated
-    from its text."""
+    ask for it), or with counts that are not non-negative integers up to ``MAX_COUNT`` (a faulty or
+    hostile worker's negative count would be billed as a credit, a huge one spend a budget for good),
+    the prompt is unknown (None) and the completion is estimated from its text."""
     usage = response.get("usage")
     if isinstance(usage, dict):
         prompt = count(usage.get("prompt_tokens"))

@@ -1,5 +1,6 @@
-"""A worker's ``usage`` is believed only when its counts are non-negative integers: a faulty or hostile
-worker that answers negative (or non-integer) counts is not a credit to the tenant. The request's estimate
+"""A worker's ``usage`` is believed only when its counts are non-negative integers up to 2^52: a faulty
+or hostile worker that answers negative (or non-integer) counts is not a credit to the tenant, nor are
+implausibly large ones a debt. The request's estimate
 (the prompt estimate, and the answer's text or the stream's token events) is charged instead, once,
 whether the answer is JSON or a stream. A scripted worker sends the exact bytes, against real Redis."""
 
@@ -26,6 +27,9 @@ BAD_USAGES = {
     "boolean": {"prompt_tokens": True, "completion_tokens": True, "total_tokens": 2},
     "fractional": {"prompt_tokens": 2.5, "completion_tokens": 0.5, "total_tokens": 3.0},
     "text": {"prompt_tokens": "5", "completion_tokens": "9", "total_tokens": "14"},
+    # past 2^52 (MAX_COUNT: no request reaches it): a budget would be spent for good (a completion past
+    # max_tokens is capped by the core first: see the test below for one without max_tokens)
+    "huge": {"prompt_tokens": 2**52 + 1, "completion_tokens": 2, "total_tokens": 2**52 + 3},
 }
 
 
@@ -38,8 +42,8 @@ def scripted(gateway_factory: GatewayFactory, prefix: str) -> Iterator[tuple[Scr
             yield worker, gateway
 
 
-def _charged(gateway: ServerThread, *, stream: bool) -> dict[str, Any]:
-    body = {"model": "m1", "messages": MESSAGES, "max_tokens": 16, "stream": stream}
+def _charged(gateway: ServerThread, *, stream: bool, max_tokens: int | None = 16) -> dict[str, Any]:
+    body = {"model": "m1", "messages": MESSAGES, "max_tokens": max_tokens, "stream": stream}
     reply = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=30)
     assert reply.status_code == 200, reply.text
     if stream:
@@ -73,6 +77,27 @@ def test_a_streams_bad_usage_is_ignored_and_its_estimate_charged(
     ]
     day = _charged(gateway, stream=True)
     # The two events that carried text are the completion's tokens.
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (PROMPT_ESTIMATE, 2, PROMPT_ESTIMATE + 2)
+
+
+@pytest.mark.parametrize("completion_tokens", [2**52 + 1, 2**53 + 1, 2**63])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_count_past_max_count_is_ignored_without_max_tokens(
+    scripted: tuple[ScriptedWorker, ServerThread], completion_tokens: int, stream: bool
+) -> None:
+    """Without max_tokens nothing caps the answer's count first: 2^63 failed the charge script (the
+    request was then charged nothing), 2^53 + 1 spent the day's budget for good. The text (or the stream's
+    events that carried output) is charged instead."""
+    worker, gateway = scripted
+    bad = {"prompt_tokens": 5, "completion_tokens": completion_tokens, "total_tokens": completion_tokens + 5}
+    worker.body = completion(usage=bad)
+    worker.events = [
+        chunk({"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "finish_reason": None}),
+        chunk({"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}),
+        chunk(None, usage=bad),
+        b"[DONE]",
+    ]
+    day = _charged(gateway, stream=stream, max_tokens=None)
     assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (PROMPT_ESTIMATE, 2, PROMPT_ESTIMATE + 2)
 
 
