@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import copy
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -232,7 +233,11 @@ def production_plugins(full: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"name": "tenancy", "config": section}, *(e for e in full if e["name"] != "tenancy")]
 
 
-def start_peers(tmp: Path, mock: peers.Peer, args: argparse.Namespace) -> tuple[list[peers.Peer], list[str]]:
+def start_peers(
+    tmp: Path, mock: peers.Peer, args: argparse.Namespace, stack: contextlib.ExitStack
+) -> tuple[list[peers.Peer], list[str]]:
+    """The peers ``args`` names, each stopped by ``stack`` from the moment it started: a failure while
+    the others start or warm up must not leave gateway processes running on the machine."""
     started: list[peers.Peer] = []
     notes: list[str] = []
     full, skipped = resolve_plugins(args.plugins, args.plugin_config)
@@ -274,6 +279,8 @@ def start_peers(tmp: Path, mock: peers.Peer, args: argparse.Namespace) -> tuple[
         if peer is None:
             notes.append(f"{name}: not available on this machine, skipped")
             continue
+        if peer is not mock:
+            stack.callback(peer.stop)
         started.append(peer)
     return started, notes
 
@@ -338,6 +345,8 @@ def cache_errors(peer: peers.Peer) -> float:
 
 def main() -> None:
     args = parse_args()
+    if shutil.which("wrk") is None:  # every peer is warmed up with it, before any scenario
+        raise SystemExit("wrk is not installed (apt-get install -y wrk): it drives the request scenarios")
     os.sched_setaffinity(0, {int(peers.LOAD_CPU)})  # the runner and its load generators share core 1
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -345,10 +354,8 @@ def main() -> None:
         tmp = Path(tmpdir)
         mock = peers.start_mock(tmp, args.interval_ms, args.tokens)
         stack.callback(mock.stop)
-        running, notes = start_peers(tmp, mock, args)
+        running, notes = start_peers(tmp, mock, args, stack)
         for peer in running:
-            if peer is not mock:
-                stack.callback(peer.stop)
             warm_up(peer, args)
         for rep in range(args.reps):
             for scenario in args.scenarios:
