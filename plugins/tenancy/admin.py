@@ -108,7 +108,8 @@ class TenancyAdmin:
             key, info = await self._keys.create(key_id, req.tenant, req.models, limits)
         except KeyExists:
             raise InvalidRequest(
-                f"A key with id '{key_id}' exists or existed (the id of a revoked key is not reused).",
+                f"A key with id '{key_id}' exists or existed (the id of a revoked key, or of one a config "
+                "declared, is not reused).",
                 param="id",
                 code="key_exists",
             ) from None

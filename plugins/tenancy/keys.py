@@ -10,8 +10,10 @@ An id names one key for good: what is kept under it (usage counters and history,
 whose lines run as their key, looked up by id) must never pass to another key. Revoking a key deletes
 its record and leaves ``REVOKED`` as its id's entry in ``{prefix}:key-ids`` (a tombstone, never
 removed), so ``create`` refuses that id as it refuses one in use (in the same ``HSETNX``), and every
-look-up by id finds no key. A config.yaml declaring an id the admin API created (in use or revoked) is
-refused when it loads (``clashing_ids``); a created key whose id the running config declares anyway (it
+look-up by id finds no key. A config.yaml's ids are written there too, as ``CONFIG`` (``claim_config_ids``,
+when the config loads), so no key created later takes one, even once config.yaml no longer declares it:
+the removed key's usage and history stay its own. A config.yaml declaring an id the admin API created (in
+use or revoked) is refused when it loads; a created key whose id the running config declares anyway (it
 was created on another replica meanwhile, or Redis was away when the config loaded) does not
 authenticate: two keys under one id would share its counters and limits.
 """
@@ -36,6 +38,9 @@ log = logging.getLogger("gateway.tenancy")
 KEY_PREFIX = "sk-gw-"
 #: The entry ``{prefix}:key-ids`` keeps for a revoked id in place of its digest (a digest is 64 hex digits).
 REVOKED = "revoked"
+#: The entry for an id a config.yaml declared (now or before): no key is created under it.
+CONFIG = "config"
+_NOT_DIGESTS = frozenset({REVOKED, CONFIG})
 
 
 def hash_key(key: str, pepper: bytes) -> str:
@@ -178,7 +183,7 @@ class KeyStore:
 
     async def create(self, key_id: str, tenant: str, models: list[str], limits: Limits) -> tuple[str, KeyInfo]:
         """Store a new key; returns (the key, shown this once; its info). KeyExists if the id is taken:
-        by config.yaml, by a key created here, or by one revoked (ids are never reused)."""
+        by config.yaml (now or before), by a key created here, or by one revoked (ids are never reused)."""
         if key_id in self._config_ids:
             raise KeyExists(key_id)
         key = new_key()
@@ -190,9 +195,9 @@ class KeyStore:
         return key, info
 
     async def _digest_of(self, key_id: str) -> str | None:
-        """The digest a created key's id maps to; None for an id never created here or revoked."""
+        """The digest a created key's id maps to; None for an id never created here, revoked, or config's."""
         digest = await self._redis.hget(self._ids_key, key_id)
-        if digest is None or _text(digest) == REVOKED:
+        if digest is None or _text(digest) in _NOT_DIGESTS:
             return None
         return _text(digest)
 
@@ -222,20 +227,30 @@ class KeyStore:
         raw = await self._redis.get(self._record_key(digest))
         return KeyInfo.from_record(raw) if raw is not None else None
 
-    async def clashing_ids(self) -> list[str]:
+    async def claim_config_ids(self) -> list[str]:
         """The ids config.yaml declares that the admin API created too, in use or revoked, sorted: such a
-        config must not load, since the config's key would inherit what is kept under the other's id."""
+        config must not load, since the config's key would inherit what is kept under the other's id. When
+        there are none, the ids not yet written are written as ``CONFIG`` (``HSETNX``: a key created on
+        another replica meanwhile keeps its entry, and is then refused at lookup), so that no key created
+        later takes one, even once config.yaml no longer declares it."""
         ids = sorted(self._config_ids)
         if not ids:
             return []
-        found = await self._redis.hmget(self._ids_key, ids)
-        return [key_id for key_id, digest in zip(ids, found, strict=True) if digest is not None]
+        found = [None if d is None else _text(d) for d in await self._redis.hmget(self._ids_key, ids)]
+        clashing = [key_id for key_id, entry in zip(ids, found, strict=True) if entry not in (None, CONFIG)]
+        unclaimed = [key_id for key_id, entry in zip(ids, found, strict=True) if entry is None]
+        if not clashing and unclaimed:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key_id in unclaimed:
+                    pipe.hsetnx(self._ids_key, key_id, CONFIG)
+                await pipe.execute()
+        return clashing
 
     async def list(self) -> list[dict[str, Any]]:
         """Ids, tenants and sources of every key: never digests."""
         out = [{"id": i.id, "tenant": i.tenant, "source": "config"} for i in self._config.values()]
         ids = [_text(d) for d in (await self._redis.hgetall(self._ids_key)).values()]
-        digests = [d for d in ids if d != REVOKED]
+        digests = [d for d in ids if d not in _NOT_DIGESTS]
         records = await self._redis.mget([self._record_key(d) for d in digests]) if digests else []
         for raw in records:
             if raw is not None:

@@ -137,7 +137,7 @@ class TenancyPlugin(Plugin):
         if self.config.auth and not self._pepper_set:
             log.warning("tenancy: %s is not set; key digests are unpeppered HMACs", self.config.pepper_env)
         try:
-            clashing = await self.keys.clashing_ids()
+            clashing = await self.keys.claim_config_ids()
         except REDIS_ERRORS as exc:
             self._redis_failed("lookup", exc)
             return

@@ -1,7 +1,7 @@
 """A key id names one key for good, against real Redis: a revoked id is never created again (its usage,
-history and batches stay its own; a batch it made runs as nobody else), a config declaring an id the
-admin API created (in use or revoked) is refused on reload naming the id, and a created key whose id
-the running config declares anyway does not authenticate."""
+history and batches stay its own; a batch it made runs as nobody else), nor is an id a config.yaml once
+declared; a config declaring an id the admin API created (in use or revoked) is refused on reload naming
+the id, and a created key whose id the running config declares anyway does not authenticate."""
 
 from __future__ import annotations
 
@@ -170,6 +170,30 @@ def test_a_reload_declaring_a_created_id_is_refused_naming_it(
         assert chat(server, CONFIG_KEY).status_code == 200
 
 
+def test_a_config_keys_id_stays_taken_once_the_config_drops_it(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """A key removed from config.yaml leaves its usage and history under its id: a key created later must
+    not take the id over. The same config loads again (its own ids are no clash), on another gateway too."""
+    path = tmp_path / "config.yaml"
+    declaring = tenancy(prefix, upstream_url, redis_timeout_ms=2000, keys=[declared("team-key")])
+    write(path, declaring)
+    with gateway_factory(declaring, admin_token=ADMIN, config_path=path, config_watch_s=0) as (_, server):
+        assert chat(server, CONFIG_KEY).status_code == 200
+        assert reload(server).status_code == 200  # the same ids again: no clash with themselves
+        write(path, tenancy(prefix, upstream_url, redis_timeout_ms=2000))
+        assert reload(server).status_code == 200  # the key is gone from config.yaml
+        assert chat(server, CONFIG_KEY).status_code == 401
+        taken = assert_error_shape(admin(server, "create_key", {"tenant": "team-b", "id": "team-key"}), 400)
+        assert (taken["param"], taken["code"]) == ("id", "key_exists")
+        for action in ("usage", "usage_history"):
+            assert assert_error_shape(admin(server, action, {"key_id": "team-key"}), 404)["code"] == "key_not_found"
+        assert admin(server, "list_keys", {}).json()["result"]["keys"] == []  # the id's entry is no key
+        assert admin(server, "create_key", {"tenant": "team-b", "id": "other"}).status_code == 200
+    with gateway_factory(declaring, admin_token=ADMIN) as (_, again):  # a restart with the old config
+        assert chat(again, CONFIG_KEY).status_code == 200
+
+
 async def test_a_created_key_whose_id_the_running_config_declares_does_not_authenticate(
     prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -181,7 +205,7 @@ async def test_a_created_key_whose_id_the_running_config_declares_does_not_authe
         _, keys = store(prefix, [ConfigKey.model_validate(declared("shared"))])
         assert await keys.lookup(keys.digest(key)) is None
         assert "'shared'" in caplog.text and key not in caplog.text
-        assert await keys.clashing_ids() == ["shared"]  # what refuses such a config when Redis can be read
+        assert await keys.claim_config_ids() == ["shared"]  # what refuses such a config when Redis can be read
         config_info = await keys.lookup(keys.digest(CONFIG_KEY))
         assert config_info is not None and config_info.source == "config"
         assert await keys.by_id("shared") == config_info

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 
 from gateway.ops.logs import JSONFormatter
 from gateway.pipeline.services import TENANT_OF
@@ -183,17 +184,22 @@ def test_keys_never_appear_in_logs_or_metrics(
 def test_a_created_key_whose_id_the_running_config_declares_is_refused_and_can_be_revoked(
     gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
 ) -> None:
-    """``create_key`` refuses an id the running config declares, and a config declaring a created id is
-    refused when it loads; but a replica whose config does not declare the id yet may create it while
-    another runs a config that does. The created key is then refused (two keys under one id would share
-    its counters and limits), and revoking that id revokes it (which would otherwise stay in Redis with
-    no way to remove it), while the config's key stays valid until removed there."""
+    """``create_key`` refuses an id any loaded config declared (it is kept in Redis as config's), and a
+    config declaring a created id is refused when it loads; but where that record is missing (the config
+    loaded while Redis was unreachable) a replica whose config does not declare the id may create it
+    while another runs a config that does. The created key is then refused (two keys under one id would
+    share its counters and limits), and revoking that id revokes it (which would otherwise stay in Redis
+    with no way to remove it), while the config's key stays valid until removed there."""
     declared = "sk-gw-declared-in-config"
     keys = [{"id": "shared-id", "tenant": "team-b", "hash": hash_key(declared, PEPPER.encode())}]
     with (
         gateway_factory(tenancy(prefix, upstream_url, keys=keys), admin_token=ADMIN) as (_, server),
         gateway_factory(tenancy(prefix, upstream_url), admin_token=ADMIN) as (_, older),
     ):
+        taken = admin(older, "create_key", {"tenant": "team-a", "id": "shared-id"})
+        assert taken.status_code == 400 and taken.json()["error"]["code"] == "key_exists"  # config's, in Redis
+        with redis.Redis() as client:  # as if the config had loaded while Redis was unreachable
+            assert client.hdel(f"{prefix}:key-ids", "shared-id") == 1
         created = admin(older, "create_key", {"tenant": "team-a", "id": "shared-id"})
         assert created.status_code == 200, created.text
         made = created.json()["result"]["key"]
