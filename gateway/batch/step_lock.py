@@ -31,6 +31,7 @@ class StepLock:
     def __init__(self, lock: Lock) -> None:
         self._lock = lock
         self._lost = False
+        self._ended = False  # the step is over: renew no more
 
     async def held(self) -> bool:
         """Whether the lock is still this holder's: asked before the step writes."""
@@ -45,14 +46,22 @@ class StepLock:
     async def renew(self) -> None:
         """Extend the lock to ``lease_s`` from now every third of it, until it is lost or the step ends."""
         timeout = float(self._lock.timeout or 0)
-        while not self._lost:
+        while not (self._lost or self._ended):
             await asyncio.sleep(timeout / 3)
+            if self._ended:
+                return
             try:
                 await self._lock.reacquire()
             except LockError:  # lapsed (and maybe taken over): the step stops at its next write
                 self._lost = True
             except REDIS_ERRORS as exc:  # tried again; the lock may lapse meanwhile, ``held`` tells
                 log.warning("lock %s not renewed (%s)", self._lock.name, exc)
+
+    def end(self) -> None:
+        """The step is over: the renewal stops at its next turn. Cancelling it is not enough: redis-py can
+        swallow a cancellation that lands inside a command (it did in about one in twenty here), and the
+        loop then renewed the lock for ever, with its step's ``hold`` waiting on it."""
+        self._ended = True
 
     async def release(self) -> None:
         """Let go, deleting the lock only while it is this holder's."""
@@ -72,6 +81,10 @@ async def hold(redis: aioredis.Redis, key: str, lease_s: float, owner: str) -> A
     try:
         yield step
     finally:
+        step.end()
         renewal.cancel()
-        await asyncio.wait([renewal])  # ended before letting go; a cancellation of this task still goes through
+        # Ended before letting go, but never waited on for longer than a lease: a renewal stuck in a
+        # Redis call ends with the client's socket timeout, and the flag then ends its loop. A
+        # cancellation of this task still goes through.
+        await asyncio.wait([renewal], timeout=lease_s)
         await step.release()

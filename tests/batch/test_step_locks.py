@@ -10,13 +10,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
+import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.lock import Lock
 
 from gateway.batch.blobs import DirectoryStore
 from gateway.batch.files import Files
 from gateway.batch.jobs import Jobs
 from gateway.batch.lifecycle import Lifecycle
 from gateway.batch.metrics import BatchMetrics
+from gateway.batch.step_lock import hold
 from gateway.batch.work import Work
 from gateway.ops.metrics import Metrics
 from gateway.pipeline.batch_config import BatchesConfig, Caller
@@ -168,3 +171,38 @@ def test_lines_loaded_again_do_not_put_back_lines_loaded_or_done(batch_names: di
         assert [i for i, _ in await replicas.work.claim(batch_id, "runner", 5)] == [1]
 
     run(batch_names, scenario)
+
+
+def test_a_renewal_whose_cancellation_is_swallowed_does_not_hold_its_step(
+    batch_names: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py can swallow a cancellation that lands inside a command (seen here in about one in twenty
+    renewals cut at a random point): the renewal then ran on, renewing the lock for ever, and the step's
+    ``hold`` waited on it for ever (a full run of the suite hung in the test above for its 600 s)."""
+    renewing = asyncio.Event()
+
+    async def reacquire(self: Lock) -> bool:
+        renewing.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            return True  # the cancellation is lost, as inside redis-py
+        return True
+
+    monkeypatch.setattr(Lock, "reacquire", reacquire)
+
+    async def main() -> None:
+        client = aioredis.Redis()
+        key = f"{batch_names['prefix']}:swallowed-lock"
+        try:
+
+            async def step() -> None:
+                async with hold(client, key, 0.3, "replica-1"):
+                    await renewing.wait()  # the renewal is inside its Redis call when the step ends
+
+            await asyncio.wait_for(step(), 5)
+            assert await client.exists(key) == 0  # let go
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
