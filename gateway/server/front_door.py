@@ -35,7 +35,6 @@ import enum
 import functools
 import logging
 import re
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -419,8 +418,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """``answer`` with an ``x-request-id`` (the client's, when the refused request's head was read and
         carried a sane one; else a new one), written to the access log as the app's answers are, so a
         client's report of a refusal can be found there."""
-        headers = self.scope["headers"] if self._phase is Phase.BODY else []
-        request_id = request_id_from(list(headers)) if headers else uuid.uuid4().hex
+        request_id = request_id_from(list(self.scope["headers"]) if self._phase is Phase.BODY else [])
         if access_log.isEnabledFor(logging.INFO):
             fields = {"request_id": request_id, "route": "front_door", "status": int(answer[9:12])}
             access_log.handle(

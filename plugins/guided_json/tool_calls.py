@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from plugins.guided_json.compile import Checker
-from plugins.guided_json.validate import Problem
+from plugins.guided_json.validate import MALFORMED_CHOICE, Problem, choice_problems
 
 
 def _any_json(text: str) -> str | None:
@@ -66,22 +66,14 @@ class ForcedCalls:
 
 def find_call_problems(calls: ForcedCalls, response: dict[str, Any]) -> list[Problem]:
     """Every choice whose tool calls do not satisfy ``calls`` (empty when all do); one problem a choice."""
-    choices = response.get("choices")
-    if not isinstance(choices, list) or not choices:
-        return [Problem(0, None, "the worker's answer has no choices")]
-    problems: list[Problem] = []
-    for position, choice in enumerate(choices):
-        message = choice.get("message") if isinstance(choice, dict) else None
+
+    def problem_of(choice: dict[str, Any]) -> str | None:
+        message = choice.get("message")
         if not isinstance(message, dict):
-            problems.append(Problem(position, None, "the worker's answer has a malformed choice"))
-            continue
-        assert isinstance(choice, dict)
-        index, finish = choice.get("index", position), choice.get("finish_reason")
+            return MALFORMED_CHOICE
         made = message.get("tool_calls")
         if not isinstance(made, list) or not made:
-            problems.append(Problem(index, finish, "the answer has no tool call, though tool_choice forces one"))
-            continue
-        found = next((p for p in (calls.call_problem(i, call) for i, call in enumerate(made)) if p), None)
-        if found is not None:
-            problems.append(Problem(index, finish, found))
-    return problems
+            return "the answer has no tool call, though tool_choice forces one"
+        return next((p for p in (calls.call_problem(i, call) for i, call in enumerate(made)) if p), None)
+
+    return choice_problems(response, problem_of)

@@ -16,6 +16,7 @@ from a stream) is checked. What an invalid one becomes:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,26 +44,35 @@ def _text(choice: dict[str, Any]) -> str | None:
     return text if isinstance(text, str) else None
 
 
-def find_problems(compiled: Compiled, response: dict[str, Any]) -> list[Problem]:
-    """Every choice whose text does not satisfy ``compiled`` (empty when all do)."""
+#: A choice of the worker's answer that is not an object.
+MALFORMED_CHOICE = "the worker's answer has a malformed choice"
+
+
+def choice_problems(response: dict[str, Any], problem_of: Callable[[dict[str, Any]], str | None]) -> list[Problem]:
+    """Every choice of ``response`` that ``problem_of`` finds fault with (empty when none), one problem a
+    choice: the loop the output constraint's check and the forced tool calls' check share."""
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices:
         return [Problem(0, None, "the worker's answer has no choices")]
     problems: list[Problem] = []
     for position, choice in enumerate(choices):
         if not isinstance(choice, dict):
-            problems.append(Problem(position, None, "the worker's answer has a malformed choice"))
+            problems.append(Problem(position, None, MALFORMED_CHOICE))
             continue
-        index = choice.get("index", position)
-        finish = choice.get("finish_reason")
-        text = _text(choice)
-        if text is None:
-            problems.append(Problem(index, finish, "the answer has no text"))
-            continue
-        problem = compiled.check(text)
+        problem = problem_of(choice)
         if problem is not None:
-            problems.append(Problem(index, finish, problem))
+            problems.append(Problem(choice.get("index", position), choice.get("finish_reason"), problem))
     return problems
+
+
+def find_problems(compiled: Compiled, response: dict[str, Any]) -> list[Problem]:
+    """Every choice whose text does not satisfy ``compiled`` (empty when all do)."""
+
+    def problem_of(choice: dict[str, Any]) -> str | None:
+        text = _text(choice)
+        return "the answer has no text" if text is None else compiled.check(text)
+
+    return choice_problems(response, problem_of)
 
 
 def find_problem(compiled: Compiled, response: dict[str, Any]) -> Problem | None:

@@ -108,6 +108,8 @@ class RuleSet:
         wording = [rule for rule in self.rules if rule.kind in WORDING_KINDS]
         #: The wording rules alone (``self`` when there are no others).
         self.wording: RuleSet = self if len(wording) == len(self.rules) else RuleSet(wording)
+        #: Whether a hit of any rule changes the request (block or redact), not only logs it.
+        self.acts = any(rule.action != "log" for rule in self.rules)
         self._owners: list[tuple[int, int]] = []  # Set index -> (rule index, detector-local pattern index)
         self._set: Any = None
         if not self.rules:
@@ -128,11 +130,6 @@ class RuleSet:
 
     def __bool__(self) -> bool:
         return bool(self.rules)
-
-    @property
-    def acts(self) -> bool:
-        """Whether a hit of any rule changes the request (block or redact), not only logs it."""
-        return any(rule.action != "log" for rule in self.rules)
 
     def scan(self, data: bytes) -> list[Hit]:
         """Every hit of every rule in ``data``, ordered by position."""
