@@ -195,11 +195,13 @@ class Compiler:
 
     def _states(self, regex: str) -> int:
         # In a child process: an automaton that explodes is ended with it (plugins.guided_json.states).
-        budget_ms = self.config.compile_timeout_ms
+        budget_s = self.config.compile_budget_s
         try:
-            states = count_states(regex, budget_ms / 1000, WALL_FACTOR * budget_ms / 1000)
+            states = count_states(regex, budget_s, WALL_FACTOR * budget_s)
         except TimeoutError:
-            raise SchemaProblem(f"it is too complex: compiling it needs more than {budget_ms:g} ms of CPU") from None
+            raise SchemaProblem(
+                f"it is too complex: compiling it needs more than {self.config.compile_timeout_ms:g} ms of CPU"
+            ) from None
         if isinstance(states, str):
             raise SchemaProblem(f"outlines cannot compile it: {states}")
         if states > self.config.max_states:
@@ -257,9 +259,9 @@ class CompileCache:
             if task is None:
                 task = self._start(compiler, constraint, key, tenant)
             try:
-                entry = await asyncio.wait_for(asyncio.shield(task), WALL_FACTOR * config.compile_timeout_ms / 1000)
+                entry = await asyncio.wait_for(asyncio.shield(task), WALL_FACTOR * config.compile_budget_s)
             except TimeoutError:  # the compile goes on (shielded), and its result is kept for the retry
-                raise _busy(config.compile_timeout_ms / 1000) from None
+                raise _busy(config.compile_budget_s) from None
         if isinstance(entry, Refusal):
             what = "regular expression" if constraint.kind == "regex" else f"{constraint.kind} constraint"
             if constraint.kind == "json":
@@ -280,7 +282,7 @@ class CompileCache:
         (``WALL_FACTOR`` x budget from its start), by which time that compile has usually ended: a
         retry after 1 s, while the compile holding the slot may run 5x a budget of seconds, only
         spends the client's retries on more refusals."""
-        budget_s = compiler.config.compile_timeout_ms / 1000
+        budget_s = compiler.config.compile_budget_s
         now = asyncio.get_running_loop().time()
         deadline = now + WALL_FACTOR * budget_s
         if tenant is not None:
@@ -317,19 +319,20 @@ class CompileCache:
             return compiler(constraint)
 
         future = asyncio.wrap_future(self._executor.submit(job))
+        budget_s = compiler.config.compile_budget_s
         try:
             # Waiting behind another compile does not count against this schema's budget
-            async with asyncio.timeout(WALL_FACTOR * compiler.config.compile_timeout_ms / 1000):
+            async with asyncio.timeout(WALL_FACTOR * budget_s):
                 await started.wait()
         except TimeoutError:
             future.cancel()
-            raise _busy(compiler.config.compile_timeout_ms / 1000) from None
+            raise _busy(budget_s) from None
         try:
             result: Compiled | Refusal = await future
         except SchemaProblem as problem:
             result = Refusal(str(problem), problem.code)
         except CompilerBusy:
-            raise _busy(compiler.config.compile_timeout_ms / 1000) from None
+            raise _busy(budget_s) from None
         self._remember(key, result)
         return result
 

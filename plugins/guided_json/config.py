@@ -47,3 +47,9 @@ class GuidedJSONConfig(BaseModel):
     probe: bool = Field(True, description="check once per worker that it enforces a constraint")
     probe_timeout_s: float = Field(30.0, gt=0, description="time budget of one probe")
     probe_recheck_s: float = Field(300.0, gt=0, description="re-probe a worker that failed the check after this")
+
+    @property
+    def compile_budget_s(self) -> float:
+        """``compile_timeout_ms`` in seconds: one compile's CPU budget. A request waits ``WALL_FACTOR``
+        times it (plugins.guided_json.compile), and is told to come back after it when that runs out."""
+        return self.compile_timeout_ms / 1000
