@@ -254,6 +254,11 @@ class RequestContext:
     #: Set by an access-control plugin (tenancy): may this request be served by the named model?
     #: A plugin that moves the request to another model (routing: canaries, fallbacks) asks first.
     model_allowed: Callable[[str], bool] | None = None
+    #: Set by an admission plugin (tenancy's ``without_max_tokens: clamp``) that wrote ``max_tokens`` into
+    #: a body whose client sent none: the value it wrote. The body's ``max_tokens`` is then the gateway's,
+    #: not the client's: a plugin that keys on what the client asked (the cache) leaves it out, and one that
+    #: would answer without the worker (a cache hit) gives no choice more completion tokens than it.
+    clamped_max_tokens: int | None = None
     response_headers: dict[str, str] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     log: dict[str, Any] = field(default_factory=dict)  # extra fields for the access log line

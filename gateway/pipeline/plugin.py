@@ -76,7 +76,9 @@ A plugin is a subclass of ``Plugin`` registered under the entry-point group ``ga
   adapter another gateway replica unloaded), and the core then tries that worker once more.
 - ``ctx.model_allowed`` (set by an access-control plugin) and ``ctx.allows_model(name)``: a plugin that
   moves the request to another model (canary, fallback) asks first. ``ctx.priority`` (set from tenant
-  config) orders admission queues.
+  config) orders admission queues. ``ctx.clamped_max_tokens`` (set by an admission plugin that wrote
+  ``max_tokens`` into a body that had none: tenancy's clamp) says that the body's ``max_tokens`` is the
+  gateway's, not the client's: a plugin that keys answers on the request (the cache) leaves it out.
 - ``async on_models(headers, models)``: optional; sees the model cards ``GET /v1/models`` (and
   ``/v1/models/{id}``) is about to list, in list order, with the request's lower-cased headers, and
   returns the cards this caller may see (e.g. tenancy: only the models a key may use), or raises a

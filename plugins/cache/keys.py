@@ -90,12 +90,17 @@ def make_key(
     model: str,
     body: dict[str, Any],
     backing: str = "",
+    omit: str | None = None,
 ) -> CacheKey:
     """Hash everything that decides the answer and who may see it.
 
     A tenant and the default scope are tagged differently, so a tenant named like the default scope
-    still never shares entries with unscoped requests.
+    still never shares entries with unscoped requests. ``omit``: a field the gateway, not the client,
+    put in the body (tenancy's clamped ``max_tokens``), keyed as if absent: the request is keyed as the
+    client sent it, so that a value that changes with every request does not change its key.
     """
+    if omit is not None and omit in body:
+        body = {name: value for name, value in body.items() if name != omit}
     scope = ["tenant", tenant] if tenant is not None else ["scope", default_scope]
     material = orjson.dumps([namespace, scope, endpoint, model, backing, canonical_request(body)])
     digest = hashlib.blake2b(KEY_VERSION + material, digest_size=16).hexdigest()

@@ -18,6 +18,11 @@ plugin rejected raises before it reaches the cache and is never stored, and one 
 marked ``Cache-Control: no-store`` is not stored either. The core refuses a config that lists a plugin
 that replaces answers (``Plugin.replaces_answers``: guided_json's retry) before the cache.
 
+A request whose ``max_tokens`` the gateway set (``ctx.clamped_max_tokens``: tenancy's clamp, which follows
+the tenant's budget) is keyed as the client sent it, without it; only an answer the clamp did not cut (no
+``finish_reason: "length"``) is stored for it, and a hit is served to it only when the stored answer's
+completion fits its clamp (else it is a miss).
+
 Redis trouble never fails a request: every call is bounded (``store``), failures open a circuit
 breaker shared across reloads, and the request goes to the engine with ``x-cache: bypass``.
 """
@@ -43,7 +48,16 @@ from gateway.wire.streaming import StreamAssembler
 from plugins.cache.config import CacheConfig
 from plugins.cache.flight import wait_for_leader
 from plugins.cache.keys import CacheKey, backing_of, entry_pattern, make_key
-from plugins.cache.policy import Decision, decide, events_complete, is_complete, parse_cache_control, stream_choices
+from plugins.cache.policy import (
+    COMPLETE_FINISH,
+    UNCUT_FINISH,
+    Decision,
+    decide,
+    events_complete,
+    is_complete,
+    parse_cache_control,
+    stream_choices,
+)
 from plugins.cache.replay import (
     body_of_events,
     fresh_answer,
@@ -151,6 +165,8 @@ class CachePlugin(Plugin):
             model=model,
             body=ctx.body,
             backing=self._backing.get(model, ""),
+            # a max_tokens the gateway set (tenancy's clamp) follows the tenant's budget, not the request
+            omit="max_tokens" if ctx.clamped_max_tokens is not None else None,
         )
         pending = _Pending(key, model)
         if decision.lookup:
@@ -245,6 +261,9 @@ class CachePlugin(Plugin):
                 body = body_of_events(decoded.id_prefix, decoded.chunks)
                 answer = fresh_answer(body, b"", int(now))
                 self.writes.keep_body(pending.key, raw, body, decoded.created, decoded.chunks)
+            clamp = ctx.clamped_max_tokens
+            if clamp is not None and not _within(answer.usage, clamp):
+                return None  # longer than this request may get: the worker answers it, under its clamp
         except (orjson.JSONDecodeError, TypeError, ValueError):
             return None  # an entry this version cannot read is a miss
         model = pending.model
@@ -323,19 +342,23 @@ class CachePlugin(Plugin):
             # where the same request not streamed is retried), as an HTTP cache honours a response's no-store.
             self.metrics.not_stored.labels(model, "no_store").inc()
             return None
+        # Under a clamp the key is the request without max_tokens: only an answer the clamp did not cut
+        # is the answer to that request.
+        finished = COMPLETE_FINISH if ctx.clamped_max_tokens is None else UNCUT_FINISH
         if ctx.stream and not pending.chunk_bytes:  # passed through as bytes: recorded by the core
-            if self._store_events(ctx, pending, model, response.recorded_events):
+            if self._store_events(ctx, pending, model, response.recorded_events, finished):
                 return None
             self._record_all(pending, response.recorded)
         try:
             # Parsed chunk by chunk, the answer is what went out, not the worker's: a whole request must
             # not be served text a chunk hook redacted or cut from the stream.
             answer = pending.sent.result() if pending.sent is not None else response.json
-            complete = is_complete(answer)
+            complete = is_complete(answer, finished)
         except orjson.JSONDecodeError:
-            complete = False
+            answer, complete = {}, False
         if not complete:
-            self.metrics.not_stored.labels(model, "incomplete").inc()
+            cut = finished is UNCUT_FINISH and is_complete(answer)
+            self.metrics.not_stored.labels(model, "clamped" if cut else "incomplete").inc()
             return None
         body = stored_body(answer)
         if len(body) > self.config.max_value_bytes:
@@ -350,18 +373,22 @@ class CachePlugin(Plugin):
         self._store_entry(pending, model, encode_entry(body, time.time(), chunks))
         return None
 
-    def _store_events(self, ctx: RequestContext, pending: _Pending, model: str, events: bytes | None) -> bool:
+    def _store_events(
+        self, ctx: RequestContext, pending: _Pending, model: str, events: bytes | None, finished: frozenset[str]
+    ) -> bool:
         """A recorded stream stored as its events only, without parsing them (``marked_events``); False
         when they must be assembled instead (not recorded, not in the form every worker event takes, or
-        longer than an entry: then the answer alone is stored)."""
+        longer than an entry: then the answer alone is stored). ``finished``: the finish reasons of an
+        answer that may be stored (``is_complete``)."""
         choices = stream_choices(ctx.endpoint, ctx.body)
         if events is None or choices is None or pending.chunks is None or len(events) > self.config.max_value_bytes:
             return False
-        complete = events_complete(events, choices)
+        complete = events_complete(events, choices, finished)
         if complete is None:
             return False
         if not complete:
-            self.metrics.not_stored.labels(model, "incomplete").inc()
+            cut = finished is UNCUT_FINISH and events_complete(events, choices)
+            self.metrics.not_stored.labels(model, "clamped" if cut else "incomplete").inc()
             return True
         marked = marked_events(events)
         if marked is None:
@@ -425,6 +452,14 @@ class CachePlugin(Plugin):
 
     async def aclose(self) -> None:
         await self.writes.drain()
+
+
+def _within(usage: Any, clamp: int) -> bool:
+    """Whether an answer of ``usage`` gives no choice more completion tokens than ``clamp``: its whole
+    completion fits in one choice's clamp (an answer of several choices may miss that could have fit;
+    the usage does not say how its tokens are shared). An answer without a readable usage does not."""
+    completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return type(completion) is int and 0 <= completion <= clamp
 
 
 def _adapter_refs(model: ModelConfig) -> list[str]:

@@ -17,6 +17,10 @@ from plugins.cache.config import CacheConfig
 
 #: ``finish_reason`` values of a complete answer; anything else (None, "abort", "error") is not stored.
 COMPLETE_FINISH = frozenset({"stop", "length", "tool_calls", "function_call", "content_filter"})
+#: ``finish_reason`` values of an answer that ended on its own: what is stored for a request whose
+#: ``max_tokens`` the gateway clamped (``RequestContext.clamped_max_tokens``), keyed as the client sent it.
+#: One cut at the clamp ("length") is not the answer that request gets with more budget.
+UNCUT_FINISH = COMPLETE_FINISH - {"length"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,14 +82,15 @@ def decide(config: CacheConfig, endpoint: str, model: str, body: dict[str, Any],
     return Decision(lookup, store, max_age, reason="" if lookup or store else "cache_control")
 
 
-def is_complete(response: dict[str, Any]) -> bool:
-    """A whole, successful answer: every choice finished normally (or an embeddings list)."""
+def is_complete(response: dict[str, Any], finished: frozenset[str] = COMPLETE_FINISH) -> bool:
+    """A whole, successful answer: every choice finished normally, for one of the reasons ``finished``
+    (or an embeddings list)."""
     if "error" in response:
         return False
     choices = response.get("choices")
     if not choices:
         return isinstance(response.get("data"), list)
-    return all(isinstance(c, dict) and c.get("finish_reason") in COMPLETE_FINISH for c in choices)
+    return all(isinstance(c, dict) and c.get("finish_reason") in finished for c in choices)
 
 
 def stream_choices(endpoint: str, body: dict[str, Any]) -> int | None:
@@ -100,16 +105,17 @@ _FINISH = b'"finish_reason":'
 _NOT_FINISHED = b'"finish_reason":null'
 
 
-def events_complete(events: bytes, choices: int) -> bool | None:
+def events_complete(events: bytes, choices: int, finished: frozenset[str] = COMPLETE_FINISH) -> bool | None:
     """``is_complete`` for a streamed answer of ``choices`` choices from its events (JSON payloads one per
     line), parsing only the events that finish a choice (found from the end, where they are): every choice
-    0 .. choices-1 finished normally. None when its events carry no compact ``"finish_reason":`` member
-    (assemble them instead). Only the members can match: inside a string value every quote is escaped."""
+    0 .. choices-1 finished normally (for one of the reasons ``finished``). None when its events carry no
+    compact ``"finish_reason":`` member (assemble them instead). Only the members can match: inside a
+    string value every quote is escaped."""
     members = events.count(_FINISH)
     if not members:
         return None
     left = members - events.count(_NOT_FINISHED)  # the members that are not null
-    finished: dict[int, Any] = {}  # read from the end: the first reason found for a choice is its last
+    reasons_of: dict[int, Any] = {}  # read from the end: the first reason found for a choice is its last
     end = len(events)
     while left > 0:
         at = events.rfind(_FINISH, 0, end)
@@ -132,7 +138,7 @@ def events_complete(events: bytes, choices: int) -> bool | None:
                     return None
                 reasons[index] = choice["finish_reason"]
         for index, reason in reasons.items():
-            finished.setdefault(index, reason)
-    return finished.keys() == set(range(choices)) and all(
-        isinstance(reason, str) and reason in COMPLETE_FINISH for reason in finished.values()
+            reasons_of.setdefault(index, reason)
+    return reasons_of.keys() == set(range(choices)) and all(
+        isinstance(reason, str) and reason in finished for reason in reasons_of.values()
     )

@@ -11,7 +11,8 @@ unreachable and the deployment chose ``redis_down: fail_closed``.
 
 What is reserved: the prompt estimate plus ``max_tokens`` x ``n``; without ``max_tokens``, what the
 request can cost ((context - prompt) x ``n``), or, with ``without_max_tokens: clamp``, as much as the
-key and tenant have left (and the request's ``max_tokens`` is set to it). What is charged: an
+key and tenant have left (and the request's ``max_tokens`` is set to it, and recorded as
+``ctx.clamped_max_tokens``: the cache keys the request as the client sent it). What is charged: an
 answer's usage; a stream's usage when it carried one to its end, else the prompt estimate and the
 tokens it sent, however it ended (``ctx.delivered``, kept by the core); the prompt estimate for a
 client that hung up after its request reached a worker, before anything came back; nothing for a
@@ -215,9 +216,10 @@ class TenancyPlugin(Plugin):
         if clamp:
             choices = requested_choices(ctx.body) * requested_prompts(ctx.endpoint, ctx.body)
             affordable = int(reserved / factor) if factor > 0 else want
-            ctx.body["max_tokens"] = max(1, (affordable - prompt) // choices)  # per choice of each prompt
+            clamped = ctx.clamped_max_tokens = max(1, (affordable - prompt) // choices)  # per choice of each prompt
+            ctx.body["max_tokens"] = clamped
             ctx.mark_body_changed()
-            ctx.response_headers[CLAMP_HEADER] = str(ctx.body["max_tokens"])
+            ctx.response_headers[CLAMP_HEADER] = str(clamped)
         ctx.response_headers.update(decision.headers())
         if self._salts is not None:
             self._salts.apply(ctx, tenant)
