@@ -25,6 +25,7 @@ import hmac
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -123,6 +124,10 @@ class KeyStore:
 
     Redis errors propagate to the caller, which applies the deployment's ``redis_down`` policy;
     ``stale(digest)`` offers the last answer seen for a key for that purpose.
+
+    ``on_gone(key_id)`` is told when this store learns that a created key is gone for good: revoked
+    through it, or found revoked (on another replica) when a lookup reads again a key it had found.
+    A key revoked elsewhere and never presented here again is not noticed.
     """
 
     def __init__(
@@ -134,8 +139,10 @@ class KeyStore:
         *,
         ttl_s: float,
         max_entries: int,
+        on_gone: Callable[[str], None] | None = None,
     ) -> None:
         self._redis = redis
+        self._on_gone = on_gone
         self._prefix = prefix
         self._hash = KeyHasher(pepper)
         self._ttl_s = ttl_s
@@ -171,6 +178,8 @@ class KeyStore:
                 found.id,
             )
             found = None
+        if found is None and cached is not None and cached[0] is not None:
+            self._gone(cached[0].id)  # found before, gone now: revoked (ids are never reused)
         if len(self._cache) >= self._max_entries:
             self._cache.clear()  # bounded memory; a flood of bad keys only costs re-reads
         self._cache[digest] = (found, now + self._ttl_s)
@@ -212,7 +221,13 @@ class KeyStore:
             pipe.hset(self._ids_key, key_id, REVOKED)
             await pipe.execute()
         self._cache.pop(digest_str, None)
+        if key_id not in self._config_ids:  # else the id's requests are the config key's, which stays
+            self._gone(key_id)
         return True
+
+    def _gone(self, key_id: str) -> None:
+        if self._on_gone is not None:
+            self._on_gone(key_id)
 
     def config_key(self, key_id: str) -> KeyInfo | None:
         return self._config_ids.get(key_id)

@@ -89,6 +89,7 @@ class TenancyPlugin(Plugin):
         self.redis = services.redis(socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
         self._pepper_set = bool(os.environ.get(config.pepper_env))
         pepper = os.environ.get(config.pepper_env, "").encode()
+        self.metrics = TenancyMetrics.of(services)
         self.keys = KeyStore(
             self.redis,
             config.redis_prefix,
@@ -96,12 +97,12 @@ class TenancyPlugin(Plugin):
             config.keys,
             ttl_s=config.key_cache_ttl_s,
             max_entries=config.key_cache_size,
+            on_gone=self.metrics.forget_key,
         )
         self.limiter = RedisLimiter(
             self.redis, services.redis_pipeline(socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
         )
         self.local = LocalLimiter(config.fail_open_share)
-        self.metrics = TenancyMetrics.of(services)
         self.admin = TenancyAdmin(config, self.redis, self.keys, type(self).clock)
         self.charges = Charges(self.limiter, self.local, self.metrics, self._redis_failed)
         self._own_context: dict[str, int] = {}  # model name -> its own context tokens
@@ -151,9 +152,11 @@ class TenancyPlugin(Plugin):
 
     def went_live(self) -> None:
         """Who is calling, for the core (stored Responses, batch lines), is now this config's answer: not
-        before, since a later plugin may refuse this config, whose ``aclose`` then leaves the live one's."""
+        before, since a later plugin may refuse this config, whose ``aclose`` then leaves the live one's.
+        The keys the previous live config declared and this one drops lose their series."""
         self.services.shared[TENANT_OF] = self.tenant_of
         self.services.shared[CALLER_OF] = self.caller_of
+        self.metrics.config_live(key.id for key in self.config.keys)
 
     async def aclose(self) -> None:
         if self.services.shared.get(TENANT_OF) == self.tenant_of:
