@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.pipeline.context import RequestContext
+from gateway.wire.completion_bound import believed_completion
 from gateway.wire.protocol import requested_completion_tokens
 
 _GENERATING = frozenset({"chat/completions", "completions"})
@@ -46,10 +47,12 @@ def cap_answer(answer: dict[str, Any], limit: int) -> bool:
     """An answer whose usage says the worker ran past ``limit``: cut each choice's text to its share of
     the limit, end it with ``finish_reason: "length"`` and report ``limit`` completion tokens. Without a
     tokenizer on the request path the cut is by the text's share of the tokens (within a token or two of
-    the true boundary). Returns whether it changed anything."""
+    the true boundary). A count the answer's output cannot hold (``believed_completion``: 10^9 tokens in
+    20 characters) is no count: it cuts nothing (by it the answer would be cut to nothing, and billed the
+    whole limit), and billing counts the text instead. Returns whether it changed anything."""
     usage = answer.get("usage")
-    completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    if not isinstance(completion, int) or completion <= limit:
+    completion = believed_completion(answer)
+    if completion is None or completion <= limit:
         return False
     share = limit / completion
     for choice in answer.get("choices") or ():

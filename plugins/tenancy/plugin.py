@@ -365,11 +365,12 @@ class TenancyPlugin(Plugin):
         if admitted is None or response.status != 200:
             return None
         sent = ctx.delivered
-        # ``response.usage``: a recorded or replayed stream is not assembled only to find it. Without a
-        # usage the answer's text gives an estimate, except for a counted stream, which is then billed
-        # by the tokens it sent (``delivered``).
-        usage = estimate.reported_usage({"usage": response.usage})
-        if usage is None and not (ctx.stream and sent is not None and sent.stream_tokens is not None):
+        # A JSON answer is read whole (parsed already, to find its usage): its completion count is believed
+        # only up to what its text can hold. A stream's ``response.usage``: a recorded or replayed stream is
+        # not assembled only to find it. Without a usage the answer's text gives an estimate, except for a
+        # counted stream, which is then billed by the tokens it sent (``delivered``).
+        usage = estimate.reported_usage({"usage": response.usage} if ctx.stream else response.json)
+        if usage is None and ctx.stream and (sent is None or sent.stream_tokens is None):
             usage = estimate.reported_usage(response.json)
         if usage is not None:
             prompt = usage[0] if usage[0] is not None else admitted.prompt_estimate

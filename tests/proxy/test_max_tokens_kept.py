@@ -1,6 +1,7 @@
 """The gateway keeps the request's max_tokens whatever the worker does: a worker that runs past it
 (faulty or hostile) has its stream ended at the limit with ``finish_reason: "length"``, on the byte
-pass-through and on the parsed relay alike, and the tenant is charged no more than it asked for."""
+pass-through and on the parsed relay alike, and the tenant is charged no more than it asked for. A
+count the answer's text cannot hold is no count: it cuts nothing, and the text is charged."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.plugin import Plugin
+from gateway.proxy.token_limit import cap_answer
+from gateway.wire.completion_bound import MARKUP_PER_CALL, SPECIAL_PER_CHOICE
 from plugins.tenancy.keys import hash_key
 from tests.support.fakes import FakeUpstream
 from tests.support.gateways import GatewayFactory, base_config
@@ -173,3 +176,45 @@ def test_a_prompt_list_on_a_chat_request_is_reserved_as_one_prompt(
     ):
         reply = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
     assert reply.status_code == 200, reply.text
+
+
+def test_an_unbelievable_count_past_max_tokens_cuts_nothing_and_the_text_is_charged(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, prefix: str
+) -> None:
+    """10^9 completion tokens in a 27-character answer is no count: cut by it, the answer was emptied and
+    charged the whole max_tokens. It goes out as the worker sent it, charged by its text (27 / 4)."""
+    upstream.behavior.chunks = 10**9  # the fake's usage: completion_tokens = chunks
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+    with gateway_factory(config(upstream_url, prefix, parsed=False), admin_token="adm") as (_, server):
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
+        charged = day(server.url)
+    assert reply.status_code == 200
+    choice = reply.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("Hello from the fake worker.", "stop")
+    assert reply.json()["usage"]["completion_tokens"] == 10**9  # the worker's, not made up
+    assert charged["completion_tokens"] == 7
+
+
+def _answer(completion: int, **message: Any) -> dict[str, Any]:
+    choice = {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": "stop"}
+    return {"choices": [choice], "usage": {"prompt_tokens": 3, "completion_tokens": completion}}
+
+
+@pytest.mark.parametrize("completion", [10**9, 20 + SPECIAL_PER_CHOICE + 1])
+def test_cap_answer_ignores_a_count_past_what_the_text_can_hold(completion: int) -> None:
+    answer = _answer(completion, content="x" * 20)
+    assert not cap_answer(answer, 5)
+    assert answer == _answer(completion, content="x" * 20)
+
+
+def test_cap_answer_cuts_by_a_count_the_output_can_hold() -> None:
+    """The bound is the output's UTF-8 bytes (a 3-byte character may be 3 tokens), its reasoning and tool
+    calls, and a few tokens per choice and call: a count up to it is believed, and cuts."""
+    most = 3 * 10 + SPECIAL_PER_CHOICE
+    answer = _answer(most, content="€" * 10)
+    assert cap_answer(answer, most // 2)
+    assert answer["choices"][0]["message"]["content"] == "€" * 5
+    assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": most // 2, "total_tokens": 3 + most // 2}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    with_call = _answer(most + 3 + MARKUP_PER_CALL + 4, content="€" * 10, reasoning_content="abcd", tool_calls=[call])
+    assert cap_answer(with_call, 10) and with_call["choices"][0]["finish_reason"] == "length"

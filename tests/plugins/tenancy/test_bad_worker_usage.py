@@ -114,3 +114,15 @@ def test_a_budget_is_never_credited_by_negative_usage(scripted: tuple[ScriptedWo
         seen.append(settled(gateway, lambda d, n=done: d["requests"] == n and d["tokens"] <= 7 * n)["tokens"])
     assert seen == [7 * n for n in range(1, 11)]
     assert usage(gateway)["tokens"] == 70
+
+
+@pytest.mark.parametrize("max_tokens", [None, 16])
+def test_an_answers_completion_count_past_what_its_text_holds_is_ignored(
+    scripted: tuple[ScriptedWorker, ServerThread], max_tokens: int | None
+) -> None:
+    """10^9 completion tokens in "Hello" (below MAX_COUNT) is no count: its text is charged, not 10^9
+    (a budget spent for good), nor the whole max_tokens."""
+    worker, gateway = scripted
+    worker.body = completion(usage={"prompt_tokens": 5, "completion_tokens": 10**9, "total_tokens": 10**9 + 5})
+    day = _charged(gateway, stream=False, max_tokens=max_tokens)
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (PROMPT_ESTIMATE, 2, PROMPT_ESTIMATE + 2)
