@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.pipeline.context import RequestContext
-from gateway.wire.completion_bound import believed_completion
+from gateway.wire.chat_answer import count
+from gateway.wire.completion_bound import most_completion_tokens
 from gateway.wire.protocol import requested_completion_tokens
 
 _GENERATING = frozenset({"chat/completions", "completions"})
@@ -47,12 +48,13 @@ def cap_answer(answer: dict[str, Any], limit: int) -> bool:
     """An answer whose usage says the worker ran past ``limit``: cut each choice's text to its share of
     the limit, end it with ``finish_reason: "length"`` and report ``limit`` completion tokens. Without a
     tokenizer on the request path the cut is by the text's share of the tokens (within a token or two of
-    the true boundary). A count the answer's output cannot hold (``believed_completion``: 10^9 tokens in
+    the true boundary). A count the answer's output cannot hold (``most_completion_tokens``: 10^9 tokens in
     20 characters) is no count: it cuts nothing (by it the answer would be cut to nothing, and billed the
     whole limit), and billing counts the text instead. Returns whether it changed anything."""
     usage = answer.get("usage")
-    completion = believed_completion(answer)
-    if completion is None or completion <= limit:
+    completion = count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
+    # the bound is read only for a count past the limit: most answers stop within it
+    if completion is None or completion <= limit or completion > most_completion_tokens(answer):
         return False
     share = limit / completion
     for choice in answer.get("choices") or ():

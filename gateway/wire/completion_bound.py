@@ -1,4 +1,4 @@
-"""The most completion tokens an answer's output can hold, and a worker's count checked against it.
+"""The most completion tokens an answer's output can hold: what a worker's count is checked against.
 
 Every token a worker generates decodes to at least one byte of its output (byte-level BPE, or a
 sentencepiece byte fallback), except special ones (the end of text, a reasoning model's thinking tags,
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.wire.chat_answer import count
 from gateway.wire.streaming import REASONING_FIELDS
 
 #: Tokens a choice may hold beyond its output's bytes: the end of text, thinking tags, a stop string's
@@ -51,13 +50,3 @@ def most_completion_tokens(answer: dict[str, Any]) -> int:
     """The most completion tokens a whole answer's choices can hold (0 without choices)."""
     choices = answer.get("choices")
     return sum(_choice_tokens(choice) for choice in choices) if isinstance(choices, list) else 0
-
-
-def believed_completion(answer: dict[str, Any]) -> int | None:
-    """A whole answer's ``usage.completion_tokens`` when it is a count (``count``) its choices can hold;
-    None without one, or past ``most_completion_tokens``."""
-    usage = answer.get("usage")
-    completion = count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
-    if completion is None or completion > most_completion_tokens(answer):
-        return None
-    return completion
