@@ -204,11 +204,13 @@ class Delivered:
       it ends (``[DONE]``, the client went away, the worker cut it): ``stream_tokens`` counts the
       completion tokens already handed to the client's connection (one per worker choice delta that
       carried text, reasoning or a tool call: vLLM sends one per generated token; text a chunk hook
-      held back counts once a later piece went out), ``usage`` is the worker's
-      usage when the stream carried it (``stream_options.include_usage``), ``complete`` whether it
-      ended with ``[DONE]``. A byte pass-through stream is counted only when a plugin needs its usage
-      (``Plugin.reads_stream_text = False``) or a recording of it (``record_stream``): its usage event,
-      else its events less the role event; otherwise ``stream_tokens`` is None.
+      held back counts once a later piece went out), ``usage`` is the worker's usage when the stream
+      carried it (``stream_options.include_usage``), and once it completed only with a completion count
+      its events can hold (``gateway.wire.completion_bound``: a faulty or hostile worker's claim is None),
+      ``complete`` whether it ended with ``[DONE]``. A byte pass-through stream is counted only when a
+      plugin needs its usage (``Plugin.reads_stream_text = False``) or a recording of it
+      (``record_stream``): its usage event, else its events less the role event; otherwise
+      ``stream_tokens`` is None.
     """
 
     status: int = 200

@@ -4,6 +4,9 @@ check (``on_response``), event by event.
 It consumes an ``AnswerStream`` (``gateway.proxy.answer``), so a failover to another worker is invisible
 here: the continuation's chunks arrive already rewritten into this stream's and go through the same hooks
 and assembler. What went out is kept current in ``ctx.delivered`` however the stream ends, for billing.
+A completed stream is an answer: a completion count its assembled output cannot hold
+(``gateway.wire.completion_bound``) is no count, as in a JSON answer, and reaches no plugin (the tokens
+sent are billed); the client got the worker's usage event as it came.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from gateway.pipeline.context import Delivered, ModelResponse, RequestContext
 from gateway.proxy.answer import AnswerFailed, AnswerStream, cut_short, error_event, is_error_event, not_json
 from gateway.proxy.passthrough import observe_decoding, observe_first_token
 from gateway.proxy.token_limit import completion_limit, length_end
+from gateway.wire.completion_bound import holds_its_count
 from gateway.wire.errors import GatewayError
 from gateway.wire.streaming import DONE, SSEParser, StreamAssembler, delta_tokens, encode_event
 
@@ -150,6 +154,10 @@ class InspectedRelay:
         ctx = self._ctx
         observe_decoding(self._metrics, ctx, time.perf_counter() - self._first_at, self._steps)
         result = self._assembler.result()
+        if not holds_its_count(result):  # a faulty or hostile worker's claim (its event went out as it came)
+            del result["usage"]
+            assert ctx.delivered is not None
+            ctx.delivered.usage = None
         self._count_usage(ctx, result.get("usage"))
         await ctx.snapshot.pipeline.run_response(ctx, ModelResponse(json=result))
         return DONE

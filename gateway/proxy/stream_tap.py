@@ -7,7 +7,11 @@ tenancy, to bill), the stream keeps the pass-through and the core:
 1. asks the worker for the usage event (``stream_options.include_usage``; ``ctx.ask_for_usage`` adds it
    to the request, as bytes when the client sent no ``stream_options``, so the body is not re-serialized);
 2. finds that event in the bytes (a substring test per read), keeps its usage and, when the client did not
-   ask for it, takes it out of what the client gets;
+   ask for it, takes it out of what the client gets. A completion count the events before it cannot
+   hold (``gateway.wire.completion_bound.most_streamed_tokens``: more tokens than their bytes) is a
+   faulty or hostile worker's claim, not a count: no usage is kept (the tokens sent are billed, as for a
+   stream without one), nor the recording (a stored answer would replay the claim); the client that
+   asked for the event gets it as the worker sent it;
 3. holds ``data: [DONE]`` back until those plugins' ``on_response`` ran with the usage (a response whose
    JSON is ``{"usage": ...}``), so a completed stream is charged before the client has all of it, as on
    the parsed path.
@@ -38,6 +42,7 @@ from gateway.pipeline.recordings import RecordingPool, Reservation
 from gateway.proxy.answer import is_error_event
 from gateway.proxy.token_limit import length_end
 from gateway.wire.chat_answer import count
+from gateway.wire.completion_bound import most_streamed_tokens
 from gateway.wire.streaming import (
     DONE_MARK,
     USAGE_MEMBER,
@@ -76,7 +81,18 @@ class StreamTap:
     """See the module docstring. ``feed`` each piece of the stream in order; once ``limited``, the stream
     is over (the caller stops reading the worker)."""
 
-    __slots__ = ("_choices", "_held", "_recording", "_strip", "limit", "limited", "tokens", "usage")
+    __slots__ = (
+        "_choices",
+        "_faulty",
+        "_held",
+        "_recording",
+        "_relayed",
+        "_strip",
+        "limit",
+        "limited",
+        "tokens",
+        "usage",
+    )
 
     def __init__(
         self,
@@ -93,6 +109,8 @@ class StreamTap:
         if record > 0:  # ``recordings``: the process's shared room (None: this recording's own budget only)
             self._recording = _Recording((recordings or RecordingPool(record)).reserve(record))
         self._choices = choices
+        self._relayed = 0  # bytes of the events fed so far: what bounds the usage's completion count
+        self._faulty = False  # the usage claimed more tokens than the events could hold
         self.limit = limit
         self.limited = False
         self.usage: dict[str, Any] | None = None
@@ -125,6 +143,7 @@ class StreamTap:
                 recording.add(piece)
         if piece.find(USAGE_MEMBER) >= 0:
             piece = self._take_usage(piece)
+        self._relayed += len(piece)
         tokens = output_events(piece)
         if self.limit is not None and self.tokens + tokens > self.limit:
             return self._cut(piece), _DONE_EVENT
@@ -137,7 +156,7 @@ class StreamTap:
         ``ModelResponse.recorded`` when they fitted the budget), else ``{"usage": ...}`` (``{}`` without)."""
         recording, self._recording = self._recording, None
         usage_only = {"usage": self.usage} if self.usage else {}
-        if recording is not None and completed and not self.limited:
+        if recording is not None and completed and not self.limited and not self._faulty:
             answer = recording.answer(usage_only)
             if answer is not None:
                 return answer
@@ -181,8 +200,9 @@ class StreamTap:
         return counted if counted is not None else self.tokens
 
     def _take_usage(self, piece: bytes) -> bytes:
-        """Keep the usage of the (whole) event that carries it; drop that event when the client did not
-        ask for it."""
+        """Keep the usage of the (whole) event that carries it, unless its completion count is more than
+        the events so far can hold (then none: see the module's docstring); drop that event when the
+        client did not ask for it."""
         at = piece.rfind(USAGE_MEMBER)
         start = piece.rfind(_EVENT, 0, at)
         end = piece.find(b"\n\n", at)
@@ -193,6 +213,11 @@ class StreamTap:
         usage = event.get("usage") if isinstance(event, dict) else None
         if isinstance(usage, dict):
             self.usage = usage
+            completion = count(usage.get("completion_tokens"))
+            held = self._relayed + start  # the events before this one, and its own when it has output
+            held += end + 2 - start if event.get("choices") else 0
+            if completion is not None and completion > most_streamed_tokens(held, self._choices):
+                self.usage, self._faulty = None, True
         if self._strip and isinstance(event, dict) and not event.get("choices"):
             return piece[:start] + piece[end + 2 :]
         return piece

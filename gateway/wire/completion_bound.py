@@ -1,4 +1,5 @@
-"""The most completion tokens an answer's output can hold: what a worker's count is checked against.
+"""The most completion tokens an answer's output (or a stream's events) can hold: what a worker's count
+is checked against.
 
 Every token a worker generates decodes to at least one byte of its output (byte-level BPE, or a
 sentencepiece byte fallback), except special ones (the end of text, a reasoning model's thinking tags,
@@ -8,12 +9,19 @@ A ``usage.completion_tokens`` beyond that is not a count but a faulty or hostile
 read as no count at all, as ``chat_answer.count`` reads a negative one (the token limit cuts nothing by
 it, billing counts the output instead). The bound is generous on purpose: believing a count too high is
 bounded by the output's bytes, disbelieving a true one would bill less than was generated.
+
+A stream relayed as bytes is not parsed to find its output: its events' bytes bound it instead (each
+token's bytes are in an event that carries it, and each event, or tool call in one, brings more bytes of
+JSON around its output than the special tokens and markup it may stand for), a looser bound found at
+the cost of one addition per read. A stream parsed event by event is an answer once assembled, and is
+held to an answer's bound.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from gateway.wire.chat_answer import count
 from gateway.wire.streaming import REASONING_FIELDS
 
 #: Tokens a choice may hold beyond its output's bytes: the end of text, thinking tags, a stop string's
@@ -50,3 +58,17 @@ def most_completion_tokens(answer: dict[str, Any]) -> int:
     """The most completion tokens a whole answer's choices can hold (0 without choices)."""
     choices = answer.get("choices")
     return sum(_choice_tokens(choice) for choice in choices) if isinstance(choices, list) else 0
+
+
+def holds_its_count(answer: dict[str, Any]) -> bool:
+    """Whether a whole answer's choices can hold its ``usage.completion_tokens``: True without a count
+    (``count``: nothing to disbelieve), False past ``most_completion_tokens``."""
+    usage = answer.get("usage")
+    completion = count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
+    return completion is None or completion <= most_completion_tokens(answer)
+
+
+def most_streamed_tokens(event_bytes: int, choices: int) -> int:
+    """The most completion tokens a stream of ``choices`` choices can hold in ``event_bytes`` bytes of
+    events (see the module's docstring)."""
+    return event_bytes + SPECIAL_PER_CHOICE * choices

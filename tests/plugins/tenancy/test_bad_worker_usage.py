@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.pipeline import Plugin, RequestContext
 from tests.plugins.tenancy.test_billing import HEADERS, MESSAGES, config, settled, usage
 from tests.support.fakes import ServerThread
 from tests.support.gateways import GatewayFactory
@@ -42,8 +43,31 @@ def scripted(gateway_factory: GatewayFactory, prefix: str) -> Iterator[tuple[Scr
             yield worker, gateway
 
 
-def _charged(gateway: ServerThread, *, stream: bool, max_tokens: int | None = 16) -> dict[str, Any]:
-    body = {"model": "m1", "messages": MESSAGES, "max_tokens": max_tokens, "stream": stream}
+class ReadChunks(Plugin):
+    """Reads every chunk as it comes: the request's streams take the parsed relay."""
+
+    name = "read_chunks"
+
+    async def on_chunk(self, ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        return chunk
+
+
+@pytest.fixture(params=["pass-through", "parsed"])
+def on_either_path(
+    request: pytest.FixtureRequest, gateway_factory: GatewayFactory, prefix: str
+) -> Iterator[tuple[ScriptedWorker, ServerThread]]:
+    """``scripted``, its streams relayed as bytes or parsed event by event."""
+    parsed = request.param == "parsed"
+    worker = ScriptedWorker()
+    with ServerThread(worker) as upstream:
+        cfg = config(prefix, upstream.url, {"tokens_per_day": 1000}, between=("read_chunks",) if parsed else ())
+        plugins: dict[str, type[Plugin]] = {"read_chunks": ReadChunks} if parsed else {}
+        with gateway_factory(cfg, plugins=plugins, admin_token="adm") as (_, gateway):
+            yield worker, gateway
+
+
+def _charged(gateway: ServerThread, *, stream: bool, max_tokens: int | None = 16, **extra: Any) -> dict[str, Any]:
+    body = {"model": "m1", "messages": MESSAGES, "max_tokens": max_tokens, "stream": stream, **extra}
     reply = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=30)
     assert reply.status_code == 200, reply.text
     if stream:
@@ -126,3 +150,42 @@ def test_an_answers_completion_count_past_what_its_text_holds_is_ignored(
     worker.body = completion(usage={"prompt_tokens": 5, "completion_tokens": 10**9, "total_tokens": 10**9 + 5})
     day = _charged(gateway, stream=False, max_tokens=max_tokens)
     assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (PROMPT_ESTIMATE, 2, PROMPT_ESTIMATE + 2)
+
+
+def _hello_stream(usage: dict[str, Any]) -> list[bytes]:
+    """ "Hello" in two events that carry text, then ``usage``."""
+    return [
+        chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}),
+        chunk({"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}),
+        chunk({"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}),
+        chunk(None, usage=usage),
+        b"[DONE]",
+    ]
+
+
+@pytest.mark.parametrize("max_tokens", [None, 16])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_streams_completion_count_past_what_its_events_hold_is_ignored(
+    on_either_path: tuple[ScriptedWorker, ServerThread], include_usage: bool, max_tokens: int | None
+) -> None:
+    """10^9 completion tokens in a stream of "Hello" (below MAX_COUNT) is no count, as in an answer: the
+    events that carried text are charged (a budget of 1,000 was charged 1,000,000,005), with the prompt
+    estimate. The client that asked for the usage event still gets it as the worker sent it."""
+    worker, gateway = on_either_path
+    worker.events = _hello_stream({"prompt_tokens": 5, "completion_tokens": 10**9, "total_tokens": 10**9 + 5})
+    extra = {"stream_options": {"include_usage": True}} if include_usage else {}
+    day = _charged(gateway, stream=True, max_tokens=max_tokens, **extra)
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (PROMPT_ESTIMATE, 2, PROMPT_ESTIMATE + 2)
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_streams_count_its_events_can_hold_is_charged_as_reported(
+    on_either_path: tuple[ScriptedWorker, ServerThread], include_usage: bool
+) -> None:
+    """A worker may send several tokens in one event (5 tokens in the two events of "Hello"): a count its
+    events can hold is the worker's, charged as it says, prompt included."""
+    worker, gateway = on_either_path
+    worker.events = _hello_stream({"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11})
+    extra = {"stream_options": {"include_usage": True}} if include_usage else {}
+    day = _charged(gateway, stream=True, max_tokens=None, **extra)
+    assert (day["prompt_tokens"], day["completion_tokens"], day["tokens"]) == (6, 5, 11)
