@@ -27,7 +27,7 @@ class CacheMetrics:
         self.stores = Counter("gateway_cache_stores", "Answers written to the cache", ["model"], registry=r)
         self.not_stored = Counter(
             "gateway_cache_not_stored",
-            "Answers not written, by reason (incomplete, clamped, resumed, too_large, backlog, no_store)",
+            "Answers not written, by reason (incomplete, clamped, resumed, too_large, backlog, no_store, bad_usage)",
             ["model", "reason"],
             registry=r,
         )

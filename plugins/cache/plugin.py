@@ -43,6 +43,7 @@ from gateway.pipeline.context import ModelResponse, RequestContext
 from gateway.pipeline.plugin import Plugin
 from gateway.pipeline.recordings import Reservation
 from gateway.pipeline.services import Services
+from gateway.wire.completion_bound import holds_its_count
 from gateway.wire.errors import GatewayTimeout, InvalidRequest, ServiceUnavailable
 from gateway.wire.streaming import StreamAssembler
 from plugins.cache.config import CacheConfig
@@ -359,6 +360,12 @@ class CachePlugin(Plugin):
         if not complete:
             cut = finished is UNCUT_FINISH and is_complete(answer)
             self.metrics.not_stored.labels(model, "clamped" if cut else "incomplete").inc()
+            return None
+        if not holds_its_count(answer):
+            # A faulty or hostile worker's usage (10^9 tokens in a line of text): every hit would replay it,
+            # and billing reads a replayed stream's usage alone. (A stream the core recorded is not handed
+            # over with such a usage.)
+            self.metrics.not_stored.labels(model, "bad_usage").inc()
             return None
         body = stored_body(answer)
         if len(body) > self.config.max_value_bytes:

@@ -367,8 +367,9 @@ class TenancyPlugin(Plugin):
         sent = ctx.delivered
         # A JSON answer is read whole (parsed already, to find its usage): its completion count is believed
         # only up to what its text can hold. A stream's ``response.usage``: a recorded or replayed stream is
-        # not assembled only to find it. Without a usage the answer's text gives an estimate, except for a
-        # counted stream, which is then billed by the tokens it sent (``delivered``).
+        # not assembled only to find it (the core hands over no usage its events cannot hold, and the cache
+        # stores none). Without a usage the answer's text gives an estimate, except for a counted stream,
+        # which is then billed by the tokens it sent (``delivered``).
         usage = estimate.reported_usage({"usage": response.usage} if ctx.stream else response.json)
         if usage is None and ctx.stream and (sent is None or sent.stream_tokens is None):
             usage = estimate.reported_usage(response.json)
