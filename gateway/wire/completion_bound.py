@@ -60,12 +60,26 @@ def most_completion_tokens(answer: dict[str, Any]) -> int:
     return sum(_choice_tokens(choice) for choice in choices) if isinstance(choices, list) else 0
 
 
+def can_hold(answer: dict[str, Any], completion: int) -> bool:
+    """Whether a whole answer's choices can hold ``completion`` tokens (``most_completion_tokens``).
+    Checked on every answer billed or stored, so the usual one is settled by its first choice's text
+    alone: its characters are no more than its bytes."""
+    choices = answer.get("choices")
+    first = choices[0] if type(choices) is list and choices else None
+    if type(first) is dict:
+        message = first.get("message")
+        text = message.get("content") if type(message) is dict else first.get("text")
+        if type(text) is str and completion <= len(text) + SPECIAL_PER_CHOICE:
+            return True
+    return completion <= most_completion_tokens(answer)
+
+
 def holds_its_count(answer: dict[str, Any]) -> bool:
     """Whether a whole answer's choices can hold its ``usage.completion_tokens``: True without a count
     (``count``: nothing to disbelieve), False past ``most_completion_tokens``."""
     usage = answer.get("usage")
     completion = count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
-    return completion is None or completion <= most_completion_tokens(answer)
+    return completion is None or can_hold(answer, completion)
 
 
 def most_streamed_tokens(event_bytes: int, choices: int) -> int:

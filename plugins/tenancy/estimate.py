@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from gateway.wire.chat_answer import count
-from gateway.wire.completion_bound import most_completion_tokens
+from gateway.wire.completion_bound import can_hold
 from gateway.wire.protocol import requested_completion_tokens
 from plugins.tenancy.config import MediaTokens
 
@@ -182,13 +182,13 @@ def reported_usage(response: dict[str, Any]) -> tuple[int | None, int] | None:
     """(prompt, completion) tokens from the response's ``usage``; without usage (a stream that did not
     ask for it), or with counts that are not non-negative integers up to ``MAX_COUNT`` (a faulty or
     hostile worker's negative count would be billed as a credit, a huge one spend a budget for good),
-    or with a completion count a whole answer's output cannot hold (``most_completion_tokens``), the
+    or with a completion count a whole answer's output cannot hold (``completion_bound.can_hold``), the
     prompt is unknown (None) and the completion is estimated from its text."""
     usage = response.get("usage")
     if isinstance(usage, dict):
         prompt = count(usage.get("prompt_tokens"))
         completion = count(usage.get("completion_tokens") or 0)
-        held = "choices" not in response or completion is None or completion <= most_completion_tokens(response)
+        held = "choices" not in response or completion is None or can_hold(response, completion)
         if prompt is not None and completion is not None and held:
             return prompt, completion
     choices = response.get("choices")
