@@ -189,6 +189,16 @@ class RoutePlan(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class StreamError:
+    """The error event the core ended a stream with: its HTTP status and its ``error`` object (OpenAI's
+    shape). Kept as data: the exception it was rendered from holds the frames that raised it, and those the
+    request, which would keep the request in a reference cycle."""
+
+    status: int
+    error: dict[str, Any]
+
+
 @dataclass(slots=True)
 class Delivered:
     """What the client was given, set by the core once it is known; read by plugins in a finalizer
@@ -283,6 +293,10 @@ class RequestContext:
     #: The gateway, not the client, asked the worker for the stream's usage event
     #: (``stream_options.include_usage``): the client is not sent it.
     usage_added: bool = False
+    #: Set by the core when it ends the stream with an error event of its own (a hook's refusal, a worker's
+    #: failure it could not hide, read into the gateway's vocabulary): that event. A reader of the chat
+    #: stream that renders it in another API's shape takes that event for what it is, not for a worker's.
+    stream_error: StreamError | None = None
     _finalizers: list[Callable[[], None]] = field(default_factory=list)
 
     def step_aside(self, plugin: object) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from gateway.pipeline.context import RequestContext, StreamError
 from gateway.proxy.resume import Continuation, Resumer, reason_of
 from gateway.upstream.client import UpstreamFailure, UpstreamResponse
 from gateway.wire.errors import BadGateway, GatewayError, from_upstream
@@ -191,6 +192,14 @@ def error_event(payload: bytes, chunk: dict[str, Any]) -> GatewayError:
     err = chunk["error"]
     status = err.get("code") if isinstance(err, dict) else None
     return from_upstream(status if isinstance(status, int) else 500, payload)
+
+
+def ending_event(ctx: RequestContext, error: GatewayError) -> bytes:
+    """The gateway's own ``error`` as the stream's last event (then ``[DONE]``), kept as
+    ``ctx.stream_error``: a reader of the stream that renders it in another API's shape (a translated
+    turn) must not take it for a worker's error event, which it would read as the worker's failure."""
+    ctx.stream_error = StreamError(error.status_code, error.body()["error"])
+    return error.to_sse()
 
 
 def cut_short() -> GatewayError:

@@ -19,7 +19,15 @@ import orjson
 
 from gateway.ops.metrics import Metrics
 from gateway.pipeline.context import Delivered, ModelResponse, RequestContext
-from gateway.proxy.answer import AnswerFailed, AnswerStream, cut_short, error_event, is_error_event, not_json
+from gateway.proxy.answer import (
+    AnswerFailed,
+    AnswerStream,
+    cut_short,
+    ending_event,
+    error_event,
+    is_error_event,
+    not_json,
+)
 from gateway.proxy.passthrough import observe_decoding, observe_first_token
 from gateway.proxy.token_limit import completion_limit, length_end
 from gateway.wire.completion_bound import holds_its_count
@@ -88,16 +96,16 @@ class InspectedRelay:
             if self._end == _ERROR:
                 return
             if not (self._assembler.complete or ctx.close_stream):
-                yield cut_short().to_sse()
+                yield ending_event(ctx, cut_short())
                 return
             ok = sent.complete = True
             yield await self._complete()
         except AnswerFailed as failed:
-            yield failed.error.to_sse()
+            yield ending_event(ctx, failed.error)
         except GatewayError as error:  # a hook's refusal
-            yield error.to_sse()
+            yield ending_event(ctx, error)
         except orjson.JSONDecodeError:
-            yield not_json().to_sse()
+            yield ending_event(ctx, not_json())
         finally:
             answer.close()
             self._on_end(ok)
@@ -112,7 +120,7 @@ class InspectedRelay:
                 break
             chunk = orjson.loads(payload)
             if is_error_event(chunk):
-                out.append(error_event(payload, chunk).to_sse())
+                out.append(ending_event(ctx, error_event(payload, chunk)))
                 self._end = _ERROR
                 break
             tokens = delta_tokens(chunk)

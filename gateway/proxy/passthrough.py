@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from gateway.infra.chunked_writer import ChunkedWriter
 from gateway.ops.metrics import Metrics
 from gateway.pipeline.context import Delivered, ModelResponse, RequestContext
-from gateway.proxy.answer import AnswerFailed, AnswerStream
+from gateway.proxy.answer import AnswerFailed, AnswerStream, ending_event
 from gateway.proxy.stream_tap import StreamTap
 from gateway.wire.errors import GatewayError
 
@@ -89,7 +89,7 @@ class PassThrough:
                 self._observe_end()
                 ending = await self._ending()
             except AnswerFailed as failed:
-                ending = self._flushed() + failed.error.to_sse()
+                ending = self._flushed() + ending_event(self._ctx, failed.error)
             if ending:
                 writer.write(ending)
         finally:
@@ -110,7 +110,7 @@ class PassThrough:
                 self._observe_end()
                 ending = await self._ending()
             except AnswerFailed as failed:
-                ending = self._flushed() + failed.error.to_sse()
+                ending = self._flushed() + ending_event(self._ctx, failed.error)
             if ending:
                 yield ending
         finally:
@@ -166,7 +166,7 @@ class PassThrough:
         try:
             await settle(tap.settlement(completed=bool(self._done)))
         except GatewayError as refused:
-            return held + refused.to_sse()
+            return held + ending_event(self._ctx, refused)
         return held + self._done
 
     def _flushed(self) -> bytes:

@@ -99,13 +99,21 @@ class TranslatedEvents:
             await self._release(499)
 
 
-def chat_chunk(payload: bytes) -> dict[str, Any]:
-    """One event of the chat stream as the translators read it, a JSON object; a worker's error event is
-    raised as its error, read as the chat route reads it (any shape; its status from its ``code``)."""
+class _EndedByGateway(Exception):
+    """The chat stream's error event is the one the gateway ended it with (``ctx.stream_error``)."""
+
+
+def chat_chunk(payload: bytes, ended_by_gateway: bool = False) -> dict[str, Any]:
+    """One event of the chat stream as the translators read it, a JSON object. An error event is the
+    gateway's own when it ended the stream with one (``ended_by_gateway``: a plugin's refusal, say, whose
+    status and code the translation keeps), else the worker's error, raised as the chat route reads it (any
+    shape; its status from its ``code``)."""
     chunk = orjson.loads(payload)
     if not isinstance(chunk, dict):  # JSON, but no chunk: the translators read objects
         raise BadGateway("The model worker sent an event that is not a JSON object.", code="upstream_error")
     if is_error_event(chunk):
+        if ended_by_gateway:
+            raise _EndedByGateway
         raise error_event(payload, chunk)
     return chunk
 
@@ -212,7 +220,7 @@ class TranslatedTurn(abc.ABC):
                     if payload == b"[DONE]":
                         done = True
                         break
-                    pieces += out.feed(chat_chunk(payload))
+                    pieces += out.feed(chat_chunk(payload, self.ctx.stream_error is not None))
                 if pieces:
                     yield b"".join(pieces)
                     pieces = []
@@ -233,6 +241,11 @@ class TranslatedTurn(abc.ABC):
         except GatewayError as error:
             status = error.status_code
             yield b"".join(pieces) + out.error(error.body()["error"])
+        except _EndedByGateway:
+            ended = self.ctx.stream_error
+            assert ended is not None
+            status = ended.status
+            yield b"".join(pieces) + out.error(ended.error)
         except orjson.JSONDecodeError:
             status = 502
             yield b"".join(pieces) + out.error(_NOT_JSON)

@@ -137,6 +137,33 @@ def test_a_workers_error_event_of_any_shape_ends_the_stream_as_the_workers_failu
     assert isinstance(events[-1]["error"]["message"], str) and "model worker" in events[-1]["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "plugins",
+    [
+        [{"name": "routing"}],
+        [{"name": "safety", "config": {"rules": [{"id": "s", "kind": "secrets", "apply_to": ["output"]}]}},
+         {"name": "routing"}],
+    ],
+    ids=["passed-through", "parsed-by-a-plugin"],
+)  # fmt: skip
+def test_a_workers_refusal_midway_reads_the_same_whether_a_plugin_parsed_the_stream(
+    gateway_factory: GatewayFactory, plugins: list[dict[str, object]]
+) -> None:
+    """A worker's error event with a client error's ``code`` (vLLM's 400) is the client's error, with the
+    worker's message, also when a plugin reads the stream (the gateway then ends it with that error in its
+    own words, which is not read back as a worker's failure of its own)."""
+    worker = ScriptedWorker()
+    refusal = {"message": "This model's maximum context length is 2048 tokens.", "type": "BadRequestError",
+               "param": None, "code": 400}  # fmt: skip
+    worker.events = [HELLO, orjson.dumps({"error": refusal}), STOP, b"[DONE]"]
+    with ServerThread(worker) as server, gateway_factory(base_config([server.url], plugins=plugins)) as (_, gateway):
+        reply = httpx.post(gateway.url + "/v1/messages", json={**ASK, "stream": True})
+    events = [orjson.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+    kinds = [event["type"] for event in events]
+    assert kinds[-1] == "error" and "message_stop" not in kinds, kinds
+    assert events[-1]["error"] == {"type": "invalid_request_error", "message": refusal["message"]}
+
+
 def test_a_workers_cached_count_over_its_prompt_count_is_not_a_negative_input(
     scripted: tuple[ScriptedWorker, str],
 ) -> None:
