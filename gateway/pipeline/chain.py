@@ -146,8 +146,8 @@ class Pipeline:
         self, bound: BoundPlugin, hook: str, call: Awaitable[Any], ok: Recorder, fallback: Any = None
     ) -> Any:
         """Await one hook call (``call``, not started yet) within ``bound``'s time budget; ``ok`` records
-        the time of a call that returned. A failure is observed and handled by ``_failed``; a cancelled
-        call (the request went away) is not observed."""
+        the time of a call that returned. A refusal is observed and goes on to the client; any other failure
+        is observed and handled by ``_failed``; a cancelled call (the request went away) is not observed."""
         started = time.perf_counter()
         deadlines = bound.deadlines
         try:
@@ -156,18 +156,20 @@ class Pipeline:
             else:
                 with deadlines.bound():
                     result = await call
+        except GatewayError:
+            # A refusal goes on to the client, re-raised bare here: raised again from a frame that names it (a
+            # helper's parameter), it would hold that frame, and with it the request, in a reference cycle.
+            self._observed(bound, hook, "refused", time.perf_counter() - started)
+            raise
         except Exception as exc:  # a plugin bug must never crash the request loop
             return self._failed(bound, hook, exc, time.perf_counter() - started, fallback)
         ok(time.perf_counter() - started)
         return result
 
     def _failed(self, bound: BoundPlugin, hook: str, exc: Exception, seconds: float, fallback: Any) -> Any:
-        """A hook call raised ``exc``: a refusal (``GatewayError``) goes on to the client; running over the
-        budget or any other error is the plugin's failure, answered by its ``on_error`` policy (the
+        """A hook call raised ``exc``, not a refusal (``GatewayError``, which goes on to the client): running
+        over the budget or any other error is the plugin's failure, answered by its ``on_error`` policy (the
         ``fallback`` when it fails open, a 503 when it fails closed). Called in the ``except`` block."""
-        if isinstance(exc, GatewayError):
-            self._observed(bound, hook, "refused", seconds)
-            raise exc
         if isinstance(exc, TimeoutError):
             outcome, what = "timeout", f"ran over its {(bound.timeout_s or 0) * 1000:.0f} ms budget"
         else:

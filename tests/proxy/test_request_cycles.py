@@ -78,3 +78,32 @@ def test_requests_of_every_kind_leave_no_reference_cycles(
             assert upstream.disconnects == 1
         time.sleep(0.2)  # the cancelled request has finished unwinding
         assert gateway_garbage() == {}
+
+
+def test_refusals_by_a_plugin_leave_no_reference_cycles_in_any_api(
+    gateway_factory: GatewayFactory, upstream: FakeUpstream, upstream_url: str, collector_paused: None
+) -> None:
+    """A plugin's refusal (guided_json: a forced call's arguments fail their schema), as a whole answer or
+    ending a stream, through chat completions and the Responses and Messages translations."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    upstream.behavior.tool_calls = [{"id": "call_1", "name": "f", "arguments": '{"city": 5}'}]
+    plugins = [{"name": "guided_json", "config": {"probe": False}}, {"name": "routing"}]
+    function = {"name": "f", "parameters": schema}
+    asks = {
+        "/v1/chat/completions": {**CHAT, "tool_choice": "required",
+                                 "tools": [{"type": "function", "function": function}]},
+        "/v1/responses": {"model": "m1", "input": "hi", "store": False, "tool_choice": "required",
+                          "tools": [{"type": "function", **function}]},
+        "/v1/messages": {"model": "m1", "max_tokens": 16, "messages": CHAT["messages"], "tool_choice": {"type": "any"},
+                         "tools": [{"name": "f", "input_schema": schema}]},
+    }  # fmt: skip
+    with (
+        gateway_factory(base_config([upstream_url], plugins=plugins)) as (_, server),
+        httpx.Client(timeout=10) as client,
+    ):
+        for path, body in asks.items():
+            for stream in (False, True):
+                reply = client.post(server.url + path, json={**body, "stream": stream})
+                assert reply.status_code == (200 if stream else 422) and "answer does not match" in reply.text
+        time.sleep(0.2)
+        assert gateway_garbage() == {}
